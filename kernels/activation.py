@@ -1,0 +1,69 @@
+"""Triton SiLU-and-multiply (SwiGLU gate): x [..., 2I] = [gate | up] -> silu(gate) * up.
+
+Like the reference (torch ops in x.dtype), silu(gate) is rounded to x.dtype
+before the multiply. One launch, no host synchronisation (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
+    if INTERP and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    INTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INTER
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _round_to(g / (1.0 + tl.exp(-g)), DTYPE, INTERP).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, DTYPE, INTERP), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] holding gate then up -> silu(gate) * up, [..., I]."""
+    two_i = x.shape[-1]
+    assert two_i % 2 == 0
+    inter = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if rows > 0:
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            INTER=inter,
+            BLOCK=block,
+            DTYPE=_TL_DTYPES[x.dtype],
+            INTERP=not x.is_cuda,
+            num_warps=4,
+        )
+    return out.view(*x.shape[:-1], inter)

@@ -1,0 +1,550 @@
+"""Triton paged attention: split-KV decode and causal varlen extend/prefill.
+
+Layouts (see `kernels.reference`): q [T|B, H, D]; k_cache, v_cache
+[P, S, KVH, D]; page_table [B, max_pages] (int32/int64 page ids, entries past a
+sequence's length are never read); seq_lens [B] (context length including the
+new tokens); cu_q_lens [B+1].
+
+* `paged_decode`: one query per sequence. Grid (B, KVH, num_splits): a program
+  takes all H // KVH query heads of one KV head (padded to >= 16 rows so the
+  scores are one tl.dot) over one chunk of the sequence's keys, so every K/V
+  page is read once per KV head. With several splits, each writes its
+  normalised partial output and log-sum-exp to fp32 scratch and a second small
+  kernel merges the splits. The split count is chosen on the host from shapes
+  only (batch, KV heads, page_table width or the `max_seq_len` hint, SM count)
+  - never from device values - so the launch is CUDA-graph safe; inside the
+  kernel each sequence's keys are divided evenly between the splits.
+* `paged_extend`: packed variable-length queries, grid
+  (cdiv(max_q_len, BLOCK_M), H, B). Query i of sequence b sits at position
+  seq_lens[b] - q_len_b + i and sees keys up to its own position (its K/V must
+  already be in the pages). Blocks of keys entirely before the query block run
+  without masks; the rest apply the causal mask.
+
+Softmax runs online in fp32 (exp2 with the scale folded in), outputs are in
+q.dtype. On CPU tensors (TRITON_INTERPRET=1) operands are upcast to fp32
+because the interpreter cannot do bf16 dots, and bf16 roundings are done by
+hand because it truncates fp32 -> bf16 casts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
+    if INTERP and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _cast_in(x, IN_DTYPE: tl.constexpr, COMPUTE: tl.constexpr, INTERP: tl.constexpr):
+    """Cast loaded K/V/Q to the compute dtype, rounding through IN_DTYPE (q.dtype) first
+    when the cache holds another dtype, like the reference's `.to(q.dtype)`."""
+    if x.dtype != IN_DTYPE:
+        x = _round_to(x.to(tl.float32), IN_DTYPE, INTERP)
+    return x.to(COMPUTE)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptb,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # keys of this sequence are divided evenly (in BLOCK_N units) over the splits
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q = q.to(COMPUTE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_row = pt_ptr + b64 * stride_ptb
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + offs_n
+        t_mask = toks < end
+        page = tl.load(pt_row + toks // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_page = (toks % PAGE_SIZE).to(tl.int64)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _cast_in(v, IN_DTYPE, COMPUTE, INTERP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    mask_o = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, _round_to(o, OUT_DTYPE, INTERP), mask=mask_o)
+    else:
+        row = (b64 * H + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, NUM_SPLITS]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_o)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (b * H + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, _round_to(res, OUT_DTYPE, INTERP), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
+    """Host-side heuristic from shapes only (CUDA-graph safe)."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 4
+    # enough programs for ~2 waves over the SMs, but each split keeps >= 4 key blocks
+    want = triton.cdiv(2 * sms, max(1, batch * kv_heads))
+    most = max(1, triton.cdiv(max_seq_len, 4 * block_n))
+    return int(max(1, min(want, most, 64)))
+
+
+def _compute_dtype(q: torch.Tensor):
+    if not q.is_cuda or q.dtype == torch.float32:
+        return tl.float32
+    return _TL_DTYPES[q.dtype]
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D].
+
+    max_seq_len: optional host hint (an upper bound of seq_lens) used only to pick the
+    split count; by default the page-table width times the page size. num_splits,
+    block_n, num_warps, num_stages override the heuristics (tuning/tests).
+    """
+    batch, h, d = q.shape
+    _, page_size, kvh, dk = k_cache.shape
+    assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    out = torch.empty((batch, h, d), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = h // kvh
+    block_d = triton.next_power_of_2(d)
+    if block_n is None:
+        block_n = 64 if q.dtype != torch.float32 or not q.is_cuda else 32
+        if block_d > 128:
+            block_n = 32
+    if max_seq_len is None:
+        max_seq_len = page_table.shape[1] * page_size
+    if num_splits is None:
+        num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device)
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2
+    block_g = max(16, triton.next_power_of_2(group))
+    if num_splits > 1:
+        part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    compute = _compute_dtype(q)
+    interp = not q.is_cuda
+    _decode_kernel[(batch, kvh, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        H=h,
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        IN_DTYPE=_TL_DTYPES[q.dtype],
+        COMPUTE=compute,
+        OUT_DTYPE=_TL_DTYPES[q.dtype],
+        PRECISION="ieee" if compute == tl.float32 else "tf32",
+        INTERP=interp,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, h)](
+            part_o,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            H=h,
+            HEAD_DIM=d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            OUT_DTYPE=_TL_DTYPES[q.dtype],
+            INTERP=interp,
+            num_warps=4 if block_d * num_splits >= 2048 else 1,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- extend
+
+
+@triton.jit
+def _extend_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    qpos,
+    k_ptr,
+    v_ptr,
+    pt_row,
+    kvh,
+    lo,
+    hi,
+    seq_len,
+    qk_scale,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    offs_n,
+    offs_d,
+    d_mask,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    for n0 in range(lo, hi, BLOCK_N):
+        toks = n0 + offs_n
+        if MASKED:
+            t_mask = toks < seq_len
+            page = tl.load(pt_row + toks // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+        else:
+            page = tl.load(pt_row + toks // PAGE_SIZE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        in_page = (toks % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            visible = (toks[None, :] <= qpos[:, None]) & t_mask[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _cast_in(v, IN_DTYPE, COMPUTE, INTERP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    seq_lens_ptr,
+    cu_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_ptr + b + 1).to(tl.int32) - q_start
+    if mb * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        prefix = seq_len - q_len
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < HEAD_DIM
+        qpos = prefix + offs_m
+        tok = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        q = q.to(COMPUTE)
+        kvh = h // GROUP
+        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # keys before the block's first query position are seen by every row: no mask
+        first = prefix + mb * BLOCK_M
+        full_end = (first // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _extend_inner(
+            acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, 0, full_end, seq_len, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, offs_n, offs_d, d_mask,
+            PAGE_SIZE, BLOCK_N, False, IN_DTYPE, COMPUTE, PRECISION, INTERP,
+        )
+        end = tl.minimum(first + BLOCK_M, seq_len)
+        acc, l_i, m_i = _extend_inner(
+            acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, full_end, end, seq_len, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, offs_n, offs_d, d_mask,
+            PAGE_SIZE, BLOCK_N, True, IN_DTYPE, COMPUTE, PRECISION, INTERP,
+        )
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            _round_to(o, OUT_DTYPE, INTERP),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries q [T, H, D] over paged K/V -> [T, H, D].
+
+    max_q_len: host-known upper bound of the per-sequence query counts (sizes the grid).
+    """
+    t, h, d = q.shape
+    _, page_size, kvh, dk = k_cache.shape
+    assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    batch = seq_lens.shape[0]
+    if t == 0 or batch == 0 or max_q_len <= 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    compute = _compute_dtype(q)
+    big = compute != tl.float32 and block_d <= 128
+    if block_m is None:
+        block_m = 64 if big else 32
+        block_m = min(block_m, max(16, triton.next_power_of_2(max_q_len)))
+    if block_n is None:
+        block_n = 64 if big else 32
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2
+    grid = (triton.cdiv(max_q_len, block_m), h, batch)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        cu_q_lens,
+        out,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=h // kvh,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        IN_DTYPE=_TL_DTYPES[q.dtype],
+        COMPUTE=compute,
+        OUT_DTYPE=_TL_DTYPES[q.dtype],
+        PRECISION="ieee" if compute == tl.float32 else "tf32",
+        INTERP=not q.is_cuda,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+__all__ = ["paged_decode", "paged_extend"]

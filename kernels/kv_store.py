@@ -1,0 +1,121 @@
+"""Triton scatter of new tokens' K/V into the paged cache.
+
+k, v: [T, KVH, D] (any strides with a contiguous last dim); k_cache, v_cache:
+[P, S, KVH, D]; slot_mapping: [T], slot = page * S + offset, -1 = skip (padding
+of captured CUDA graphs). One launch, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
+    if INTERP and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE_DTYPE: tl.constexpr,
+    CAST: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_h * 0 + slot) >= 0  # [BLOCK_H]; -1 = padding, nothing is written
+    mask = (offs_h[:, None] < KVH) & (offs_d[None, :] < D) & valid[:, None]
+    slot = tl.maximum(slot, 0)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if CAST:
+        k = _round_to(k.to(tl.float32), CACHE_DTYPE, INTERP)
+        v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
+    kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(kc, k, mask=mask)
+    tl.store(vc, v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, KVH, D] into k_cache, v_cache [P, S, KVH, D] at slots [T] (-1 skipped)."""
+    t, kvh, d = k.shape
+    assert v.shape == k.shape and k_cache.shape[-2:] == (kvh, d) and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if t == 0:
+        return
+    cast = k.dtype != k_cache.dtype or v.dtype != v_cache.dtype
+    assert k_cache.dtype in _TL_DTYPES
+    _store_kv_kernel[(t,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        KVH=kvh,
+        D=d,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(kvh),
+        BLOCK_D=triton.next_power_of_2(d),
+        CACHE_DTYPE=_TL_DTYPES[k_cache.dtype],
+        CAST=cast,
+        INTERP=not k.is_cuda,
+        num_warps=4,
+    )

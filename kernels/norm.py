@@ -1,0 +1,119 @@
+"""Triton RMSNorm and fused residual-add + RMSNorm.
+
+Arithmetic follows `kernels.reference`: the row statistic is computed in
+float32, the normalized value is rounded to x.dtype and only then multiplied by
+the weight (rounded to the promoted dtype of weight and x). Each wrapper is a
+single launch with no host synchronisation, so it can be captured in a CUDA
+graph. Under TRITON_INTERPRET (CPU tensors) roundings to bfloat16 are done by
+hand because the interpreter truncates fp32 -> bf16 casts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
+    if INTERP and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        xs = _round_to(x + r, X_DTYPE, INTERP)
+        tl.store(new_res_ptr + row * stride_nr + offs, xs, mask=mask)
+        x = xs.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    normed = _round_to(x * rstd, X_DTYPE, INTERP).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, _round_to(w * normed, OUT_DTYPE, INTERP), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    assert weight.shape[-1] == hidden
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        new_res = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    else:
+        r2, new_res = x2, out
+    weight = weight.contiguous()
+    block = triton.next_power_of_2(hidden)
+    num_warps = max(1, min(16, block // 256))
+    if rows > 0:
+        _rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            new_res,
+            float(eps),
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            N=hidden,
+            BLOCK=block,
+            HAS_RES=residual is not None,
+            X_DTYPE=_TL_DTYPES[x.dtype],
+            OUT_DTYPE=_TL_DTYPES[out_dtype],
+            INTERP=not x.is_cuda,
+            num_warps=num_warps,
+        )
+    out = out.view(*x.shape[:-1], hidden)
+    if residual is None:
+        return out, None
+    return out, new_res.view(*x.shape[:-1], hidden)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype); x [..., hidden]."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual) as new tensors."""
+    return _launch(x, residual, weight, eps)

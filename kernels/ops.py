@@ -1,0 +1,81 @@
+"""Dispatch: the Triton kernel for CUDA tensors, the torch reference otherwise.
+
+Signatures and shapes are those of `kernels.reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _triton(x):
+        from kernels import norm
+
+        return norm.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(x):
+        from kernels import norm
+
+        return norm.fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        from kernels import activation
+
+        return activation.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(q):
+        from kernels import rope
+
+        return rope.rotary(q, k, positions, cos_sin)
+    return reference.rotary(q, k, positions, cos_sin)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if _triton(k):
+        from kernels import kv_store
+
+        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
+    """max_q_len is known on the host; 1 selects the split-KV decode kernel."""
+    if _triton(q):
+        from kernels import attention
+
+        if max_q_len == 1:
+            return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale)
+        return attention.paged_extend(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len)
+    return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale)

@@ -1,0 +1,129 @@
+"""Plain torch versions of every kernel.
+
+These are the CPU path of the engine (what CI runs) and the oracle the Triton
+kernels are tested against. They follow transformers' arithmetic order so that
+float32 greedy decoding matches `generate()` token for token.
+
+Shapes used throughout:
+  T  packed tokens of a batch (no padding), B sequences, H query heads,
+  KVH key/value heads, D head dim, P pages, S page size.
+  A page table row lists the pages of one sequence in order; a slot is
+  `page * S + offset` and addresses one token's K/V inside a layer's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up -> silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen in transformers.
+
+    q: [T, H, D], k: [T, KVH, D], positions: [T] int, cos_sin: [max_pos, D]
+    float32 holding cos(freqs) in the first D/2 columns and sin(freqs) in the
+    last D/2 (already multiplied by the rope attention scaling).
+    """
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1).unsqueeze(1)
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1).unsqueeze(1)
+    dtype = q.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, KVH, D] into k_cache, v_cache [P, S, KVH, D] at slots [T].
+
+    A slot of -1 is skipped (padding of captured CUDA graphs).
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of a sequence whose page table row is `pages`."""
+    s = cache.shape[1]
+    n = (length + s - 1) // s
+    return cache[pages[:n].long()].flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over K/V held in pages.
+
+    q: [T, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages];
+    seq_lens: [B] context length of each sequence including its new tokens;
+    cu_q_lens: [B+1] offsets of each sequence's queries in q. The i-th query of
+    sequence b sits at position seq_lens[b] - q_len_b + i and sees keys at
+    positions up to and including its own. Returns [T, H, D].
+    """
+    out = torch.empty_like(q)
+    h = q.shape[1]
+    kvh = k_cache.shape[2]
+    lens = seq_lens.tolist()
+    starts = cu_q_lens.tolist()
+    for b, length in enumerate(lens):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        k = gather_kv(k_cache, page_table[b], length).to(q.dtype)
+        v = gather_kv(v_cache, page_table[b], length).to(q.dtype)
+        if kvh != h:
+            k = k.repeat_interleave(h // kvh, dim=1)
+            v = v.repeat_interleave(h // kvh, dim=1)
+        ql = q1 - q0
+        mask = None
+        if ql > 1:
+            qpos = torch.arange(length - ql, length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,146 @@
+"""Triton neox-style (rotate-half) rotary embedding for q and k in one launch.
+
+Matches `kernels.reference.rotary`: cos/sin are rounded to q.dtype, and
+`x * cos` and `rotate_half(x) * sin` are each rounded to q.dtype before the add,
+as the torch ops do. Returns new contiguous tensors (the inputs are not
+modified). One launch, no host synchronisation (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
+    if INTERP and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _rotate(
+    x_ptr,
+    o_ptr,
+    t,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    cos,
+    sin,
+    NH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NH) & (offs_d[None, :] < HALF)
+    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    a1 = _round_to(x1 * cos, DTYPE, INTERP).to(tl.float32)
+    b1 = _round_to(-x2 * sin, DTYPE, INTERP).to(tl.float32)
+    a2 = _round_to(x2 * cos, DTYPE, INTERP).to(tl.float32)
+    b2 = _round_to(x1 * sin, DTYPE, INTERP).to(tl.float32)
+    obase = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(obase, _round_to(a1 + b1, DTYPE, INTERP), mask=mask)
+    tl.store(obase + HALF, _round_to(a2 + b2, DTYPE, INTERP), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    pos_ptr,
+    cs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cs,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dmask = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0)
+    cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP)
+    _rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
+            KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KVH, D], positions: [T], cos_sin: [max_pos, D] fp32 -> (q', k')."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    assert k.shape[0] == t and k.shape[2] == d and d % 2 == 0
+    assert k.dtype == q.dtype
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if cos_sin.stride(-1) != 1:
+        cos_sin = cos_sin.contiguous()
+    positions = positions.reshape(-1)
+    q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
+    half = d // 2
+    if t > 0:
+        _rotary_kernel[(t,)](
+            q,
+            k,
+            q_out,
+            k_out,
+            positions,
+            cos_sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos_sin.stride(0),
+            H=h,
+            KVH=kvh,
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_KVH=triton.next_power_of_2(kvh),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            DTYPE=_TL_DTYPES[q.dtype],
+            INTERP=not q.is_cuda,
+            num_warps=4,
+        )
+    return q_out, k_out

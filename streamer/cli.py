@@ -1,0 +1,132 @@
+"""`streamer serve | generate | bench | models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from streamer.config import EngineConfig
+from streamer.errors import StreamerError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="default", help="local HF model folder, or 'default' (SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the config's shapes (benchmarks)")
+    g.add_argument("--cache-dir", default=None, help="where the default model is kept (env STREAMER_CACHE_DIR)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None, help="fixed KV pool size in pages")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
+    g.add_argument("--cpu-kv-bytes", type=int, default=512 << 20, help="KV pool bytes on CPU")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw["enable_prefix_caching"] = not args.no_prefix_caching
+    kw["cuda_graphs"] = not args.no_cuda_graphs
+    return EngineConfig(**kw)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from streamer.engine.llm import LLM
+    from streamer.messages import SamplingParams
+
+    cfg = engine_config(args)
+    with LLM(**{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}) as llm:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed)
+        for prompt in args.prompt:
+            if args.chat:
+                out = llm.chat([{"role": "user", "content": prompt}], params)
+            else:
+                out = llm.generate(prompt, params)[0]
+            if out.error:
+                raise StreamerError(out.error)
+            print(f"### {prompt}\n{out.text}\n[{out.completion_tokens} tokens, {out.finish_reason}]")
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from streamer.model.default_model import default_model_dir, ensure_default_model, is_ready
+
+    if args.action == "pull":
+        print(ensure_default_model(args.cache_dir))
+    else:
+        d = default_model_dir(args.cache_dir)
+        print(f"default  {d}  {'ready' if is_ready(d) else 'not fetched (streamer models pull)'}")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from streamer.server.app import serve
+
+    serve(args, engine_config(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from streamer.bench import main as bench_main
+
+    bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="streamer", description="An async streaming LLM inference server.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate offline from prompts")
+    add_engine_args(g)
+    g.add_argument("prompt", nargs="+", help="prompt text(s)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="fetch or list models")
+    m.add_argument("action", choices=["pull", "list"])
+    m.add_argument("--cache-dir", default=None)
+    m.set_defaults(func=cmd_models)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server")
+    add_engine_args(s)
+    try:
+        from streamer.server.app import add_server_args
+
+        add_server_args(s)
+    except ImportError:
+        pass
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks (offline / serve)")
+    try:
+        from streamer.bench import add_bench_args
+
+        add_bench_args(b)
+    except ImportError:
+        pass
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except StreamerError as e:
+        print(f"streamer: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Every knob of the engine and the server, in one place.
+
+Environment variables are read here and only here, with the STREAMER_ prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from streamer.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted models live: flag > STREAMER_CACHE_DIR > ~/.cache/streamer."""
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("STREAMER_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "streamer"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"
+    """A local HF folder, or "default" for SmolLM2-135M-Instruct (fetched once)."""
+    dtype: str = "auto"
+    """auto: bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    load_format: str = "auto"
+    """auto: safetensors from the folder; dummy: random weights of the real shapes."""
+    cache_dir: str | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    """Fixed pool size; None sizes it from gpu_memory_fraction / cpu_kv_bytes."""
+    gpu_memory_fraction: float = 0.85
+    cpu_kv_bytes: int = 512 << 20
+    max_num_seqs: int = 256
+    """Cap on requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_model_len: int | None = None
+    """Defaults to the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_max_bs: int = 256
+    seed: int = 0
+    fcfs_queue_threshold: int = 128
+    """Past this many waiting requests, admission is plain FCFS (no prefix sort)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, not {self.load_format!r}")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, not {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"num_pages must be >= 2, not {self.num_pages}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue: int = 1024
+    """Waiting requests beyond this are answered 503 with Retry-After."""
+    session_idle_timeout: float = 600.0
+    engine: EngineConfig = field(default_factory=EngineConfig)

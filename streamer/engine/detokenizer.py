@@ -1,0 +1,123 @@
+"""Detokenizer actor: token ids -> text deltas, stop strings, per-request queues.
+
+Inbox:  Register (a new request's output queue), list[TokenDelta] (from the
+        scheduler or the tokenizer), None to stop.
+Outbox: RequestOutput -> each request's own queue; Finish -> scheduler when a
+        stop string matched (so its pages are freed at once).
+Invariants: a text delta never ends inside a UTF-8 character (it waits for the
+bytes that complete it); text of a matched stop string never reaches the
+caller, also when the string spans several tokens (text that could still
+become a stop string is held back); each request gets exactly one final
+output (finished=True), after which it is forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from streamer.messages import Finish, Register, RequestOutput, SamplingParams, TokenDelta
+
+
+class IncrementalText:
+    """Decode a growing list of token ids, emitting only complete characters."""
+
+    def __init__(self, hf_tokenizer: Any, skip_special_tokens: bool) -> None:
+        self.hf = hf_tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.hf.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, new: list[int], final: bool = False) -> str:
+        self.ids.extend(new)
+        if self.hf is None:
+            return ""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Stream:
+    """One request's output state."""
+
+    def __init__(self, hf_tokenizer: Any, params: SamplingParams, queue: asyncio.Queue) -> None:
+        self.text = IncrementalText(hf_tokenizer, params.skip_special_tokens)
+        self.stops = [s for s in params.stop if s]
+        self.queue = queue
+        self.full = ""
+        self.sent = 0
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def update(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
+        """(output to send, whether a stop string ended the request here)."""
+        if d.prompt_tokens:
+            self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
+        self.completion_tokens += len(d.token_ids)
+        final = d.finish_reason is not None
+        piece = self.text.push(d.token_ids, final=final)
+        start = max(0, len(self.full) - max((len(s) for s in self.stops), default=0))
+        self.full += piece
+        reason, stopped = d.finish_reason, False
+        end = len(self.full)
+        hits = [i for i in (self.full.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            end, reason, stopped, final = min(hits), "stop", True, True
+        elif not final:
+            end -= _held_back(self.full, self.stops)
+        out = RequestOutput(
+            d.request_id,
+            d.token_ids,
+            self.full[self.sent : end],
+            finished=final,
+            finish_reason=reason if final else None,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            logprobs=d.logprobs,
+            error=d.error,
+        )
+        self.sent = max(self.sent, end)
+        return out, stopped
+
+
+async def run(hf_tokenizer: Any, inbox: asyncio.Queue, to_scheduler: asyncio.Queue) -> None:
+    streams: dict[str, Stream] = {}
+    while True:
+        msg = await inbox.get()
+        if msg is None:
+            return
+        if isinstance(msg, Register):
+            streams[msg.request_id] = Stream(hf_tokenizer, msg.params, msg.queue)
+            continue
+        for d in msg:
+            s = streams.get(d.request_id)
+            if s is None:
+                continue  # finished already (e.g. a stop string), later tokens are dropped
+            out, stopped = s.update(d)
+            s.queue.put_nowait(out)
+            if out.finished:
+                del streams[d.request_id]
+            if stopped and d.finish_reason is None:
+                to_scheduler.put_nowait(Finish(d.request_id, "stop"))

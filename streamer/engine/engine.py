@@ -1,0 +1,176 @@
+"""AsyncEngine: builds the actors and the queues between them.
+
+  submit(GenerateRequest) -> async iterator of RequestOutput (ends with finished=True)
+  abort(request_id)        -> the request stops wherever it is; its pages are freed
+  stats()                  -> EngineStats
+
+Closing the iterator early (a client went away) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from streamer.config import EngineConfig
+from streamer.engine import detokenizer, executor, scheduler, tokenizer
+from streamer.engine.scheduler import EngineStats, Scheduler
+from streamer.errors import ModelLoadError
+from streamer.messages import Abort, GenerateRequest, Register, RequestOutput
+from streamer.model.runner import ModelRunner
+
+log = logging.getLogger("streamer.engine")
+
+
+def resolve_model_path(config: EngineConfig) -> Path:
+    if config.model == "default":
+        from streamer.model.default_model import ensure_default_model
+
+        return ensure_default_model(config.cache_dir)
+    return Path(config.model).expanduser()
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: the tokenizer cannot be loaded ({e})") from None
+
+
+def eos_ids(hf_config: Any, hf_tokenizer: Any, path: Path) -> list[int]:
+    ids: set[int] = set()
+    for src in (hf_config,):
+        e = getattr(src, "eos_token_id", None)
+        ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    if hf_tokenizer is not None and hf_tokenizer.eos_token_id is not None:
+        ids.add(hf_tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self.config = config or EngineConfig.from_kwargs(**kwargs)
+        self.model_path = resolve_model_path(self.config)
+        self.runner = ModelRunner(self.config, str(self.model_path))
+        self.hf_tokenizer = load_tokenizer(self.model_path)
+        hf = self.runner.hf_config
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = eos_ids(hf, self.hf_tokenizer, self.model_path)
+        self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size)
+        self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len)
+        self.scheduler.pool_vocab = hf.vocab_size
+        self._attach_grammar()
+        self._tasks: list[asyncio.Task] = []
+        self._counter = 0
+        self.dead: str | None = None
+
+    def _attach_grammar(self) -> None:
+        if self.hf_tokenizer is None:
+            return
+        try:
+            from streamer.sampling.grammar import GrammarCompiler
+        except ImportError:
+            return
+        self.tokenizer.grammars = GrammarCompiler(self.hf_tokenizer, self.runner.hf_config.vocab_size)
+
+    @property
+    def model_name(self) -> str:
+        return "default" if self.config.model == "default" else self.model_path.name
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        self.q_tok: asyncio.Queue = asyncio.Queue()
+        self.q_sched: asyncio.Queue = asyncio.Queue()
+        self.q_exec: asyncio.Queue = asyncio.Queue()
+        self.q_detok: asyncio.Queue = asyncio.Queue()
+        actors = {
+            "tokenizer": tokenizer.run(self.tokenizer, self.q_tok, self.q_sched, self.q_detok),
+            "scheduler": scheduler.run(self.scheduler, self.q_sched, self.q_exec, self.q_detok),
+            "executor": executor.run(self.runner, self.q_exec, self.q_sched),
+            "detokenizer": detokenizer.run(self.hf_tokenizer, self.q_detok, self.q_sched),
+        }
+        for name, coro in actors.items():
+            task = asyncio.create_task(coro, name=f"streamer-{name}")
+            task.add_done_callback(self._actor_done)
+            self._tasks.append(task)
+
+    def _actor_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.dead = f"{task.get_name()} crashed: {task.exception()!r}"
+        log.error("engine actor %s", self.dead, exc_info=task.exception())
+
+    async def stop(self) -> None:
+        for q in (self.q_tok, self.q_sched, self.q_exec, self.q_detok):
+            q.put_nowait(None)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def new_request_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not self._tasks:
+            await self.start()
+        if self.dead:
+            raise RuntimeError(f"the engine is down: {self.dead}")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.q_detok.put_nowait(Register(request.request_id, request.params, queue))
+        self.q_tok.put_nowait((request, time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.q_sched.put_nowait(Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    async def generate(self, request: GenerateRequest) -> RequestOutput:
+        """Run one request to the end; the result holds all its token ids and text."""
+        ids: list[int] = []
+        text: list[str] = []
+        logprobs: list = []
+        last = None
+        async for out in self.submit(request):
+            ids.extend(out.token_ids)
+            text.append(out.text)
+            if out.logprobs:
+                logprobs.extend(out.logprobs)
+            last = out
+        assert last is not None
+        return RequestOutput(
+            request.request_id,
+            ids,
+            "".join(text),
+            finished=True,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            cached_tokens=last.cached_tokens,
+            logprobs=logprobs or None,
+            error=last.error,
+        )

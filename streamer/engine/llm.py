@@ -1,0 +1,81 @@
+"""LLM: the synchronous offline API over AsyncEngine (scripts, tests, benchmarks).
+
+The engine's event loop runs in a background thread; generate() submits every
+prompt at once and waits, so the scheduler batches them continuously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from streamer.config import EngineConfig
+from streamer.engine.engine import AsyncEngine
+from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.engine = AsyncEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-llm", daemon=True)
+        self._thread.start()
+        self.call(self.engine.start())
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @property
+    def tokenizer(self):
+        return self.engine.hf_tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order. Prompts are strings or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        reqs = []
+        for p, sp in zip(prompts, plist):
+            rid = self.engine.new_request_id()
+            if isinstance(p, str):
+                reqs.append(GenerateRequest(request_id=rid, prompt=p, params=sp))
+            else:
+                reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=list(p), params=sp))
+        return self.call(self._run(reqs))
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        rid = self.engine.new_request_id()
+        req = GenerateRequest(request_id=rid, messages=messages, params=params or SamplingParams())
+        return self.call(self._run([req]))[0]
+
+    async def _run(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:
+        return list(await asyncio.gather(*(self.engine.generate(r) for r in reqs)))
+
+    def stats(self):
+        return self.engine.stats()
+
+    def check(self) -> None:
+        """Assert the page invariants (tests): call when no request is running."""
+
+        async def _check():
+            self.engine.scheduler.check()
+
+        self.call(_check())
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.call(self.engine.stop())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

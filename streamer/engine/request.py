@@ -1,0 +1,56 @@
+"""Per-request state, owned by the scheduler actor alone."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamer.kv.radix import Node
+from streamer.messages import SamplingParams
+
+
+class Status(enum.IntEnum):
+    """Ordered so that `status >= Status.FINISHED` means done."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_len: int
+    tokens: list[int]
+    """Prompt then output tokens. KV exists for tokens[:num_computed]."""
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    grammar: Any = None
+    """A sampling.grammar.GrammarState, or None."""
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    """This request's page table: one reference held on each page."""
+    node: Node | None = None
+    """Radix node locked on behalf of this request (its cached prefix)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the radix cache at first admission."""
+    admitted_once: bool = False
+    preemptions: int = 0
+    sent_prompt_info: bool = False
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is still to be computed before the next sample."""
+        return len(self.tokens) - self.num_computed

@@ -1,0 +1,431 @@
+"""Scheduler actor: admits and retires requests against one paged + radix KV pool.
+
+Inbox:  TokenizedRequest (new work), StepOutput (from the executor),
+        Abort (from callers), Finish (from the detokenizer: a stop string matched).
+Outbox: Batch -> executor; list[TokenDelta] -> detokenizer.
+
+NOTE: there are no prefill and decode phases. Every running request just
+catches its KV up: `num_computed` chases `len(tokens)`. A prefill is a chunk
+of many tokens, a decode is a chunk of one; both share the per-step token
+budget, and a chunk that reaches the last token samples the next one.
+
+Invariants:
+  - at most one Batch is in flight; requests in it are retired only when its
+    StepOutput is back (the GPU may still be writing their pages);
+  - every page is free, held by a running request, or held by the radix tree
+    (PagePool refcounts count the holders);
+  - a request holds a lock on the radix node of its cached prefix while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from streamer.config import EngineConfig
+from streamer.engine.request import Request, Status
+from streamer.kv.pages import PagePool
+from streamer.kv.radix import RadixCache
+from streamer.messages import (
+    Abort,
+    Batch,
+    Finish,
+    SeqChunk,
+    StepOutput,
+    TokenDelta,
+    TokenizedRequest,
+)
+
+log = logging.getLogger("streamer.scheduler")
+
+
+class EngineStats(msgspec.Struct):
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_used: int
+    cache_hit_rate: float
+    cached_tokens_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    preemptions: int
+    steps: int
+    max_batch_size: int
+    mean_batch_size: float
+    kv_efficiency: float
+    """Time-averaged fraction of the KV slots of running requests' pages that hold live tokens."""
+    requests_finished: int
+
+
+class Scheduler:
+    """The policy, synchronous and deterministic (the actor loop is `run`)."""
+
+    def __init__(self, config: EngineConfig, pool: PagePool, max_model_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.tree = RadixCache(pool)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.in_flight: set[str] = set()
+        self.pending_finish: dict[str, str] = {}
+        self.early_aborts: dict[str, float] = {}
+        """Aborted before they reached the scheduler (still in the tokenizer)."""
+        self.step_id = 0
+        self.preemptions = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.finished_total = 0
+        self.batch_sizes_sum = 0
+        self.max_batch_size = 0
+        self._kv_live = 0
+        self._kv_slots = 0
+
+    # ---- arrivals -------------------------------------------------------
+    def add(self, msg: TokenizedRequest) -> TokenDelta | None:
+        """Queue a request, or refuse it at once (returned delta carries the error)."""
+        if self.early_aborts.pop(msg.request_id, None) is not None:
+            return TokenDelta(msg.request_id, [], finish_reason="abort")
+        p = msg.params
+        need = len(msg.prompt_token_ids) + p.max_tokens
+        if self.pool.pages_for(need) > self.pool.capacity:
+            return TokenDelta(
+                msg.request_id,
+                [],
+                finish_reason="error",
+                error=(
+                    f"prompt ({len(msg.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) needs "
+                    f"{self.pool.pages_for(need)} KV pages; the pool has {self.pool.capacity}"
+                ),
+            )
+        req = Request(
+            msg.request_id,
+            len(msg.prompt_token_ids),
+            list(msg.prompt_token_ids),
+            p,
+            frozenset(msg.eos_token_ids),
+            grammar=msg.grammar,
+        )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    # ---- one iteration --------------------------------------------------
+    def schedule(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        for req in list(self.running):
+            if req.status != Status.RUNNING or budget == 0:
+                continue
+            n = min(req.remaining, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            chunks.append((req, n))
+            budget -= n
+        if not preempted:
+            budget = self._admit(chunks, budget)
+        if not chunks:
+            return None
+        return self._build(chunks)
+
+    def _admit(self, chunks: list[tuple[Request, int]], budget: int) -> int:
+        if not self.waiting or budget == 0:
+            return budget
+        order = list(self.waiting)
+        matches: dict[str, tuple[list[int], Any]] = {}
+        if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
+            # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
+            for r in order:
+                matches[r.request_id] = self.tree._walk(r.tokens[:-1])
+            order.sort(key=lambda r: -len(matches[r.request_id][0]))
+        for req in order:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            pages, node = [], None
+            if self.config.enable_prefix_caching:
+                pages, node = self.tree.match_prefix(req.tokens[:-1])
+                self.tree.lock(node)
+            computed = len(pages) * self.pool.page_size
+            n = min(len(req.tokens) - computed, budget)
+            self.pool.incref(pages)
+            req.pages, req.num_computed, req.node = list(pages), computed, node
+            if not self._grow(req, computed + n):
+                self._release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.cached_tokens = computed
+                self.cached_tokens_total += computed
+                self.prompt_tokens_total += req.prompt_len
+            chunks.append((req, n))
+            budget -= n
+        return budget
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make req's page table cover num_tokens, evicting cached pages if needed."""
+        need = self.pool.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need:
+            self.tree.evict(need - self.pool.num_free)
+        pages = self.pool.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _build(self, chunks: list[tuple[Request, int]]) -> Batch:
+        self.step_id += 1
+        seqs, params, hist, banned = [], [], [], []
+        ps = self.pool.page_size
+        for req, n in chunks:
+            sample = req.num_computed + n == len(req.tokens)
+            seqs.append(
+                SeqChunk(
+                    req.request_id,
+                    req.tokens[req.num_computed : req.num_computed + n],
+                    req.num_computed,
+                    req.pages[: self.pool.pages_for(req.num_computed + n)],
+                    sample,
+                )
+            )
+            self.in_flight.add(req.request_id)
+            if sample:
+                params.append(req.params)
+                hist.append(req.output)
+                ban: list[int] = []
+                if req.num_output < req.params.min_tokens:
+                    ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
+                banned.append(ban)
+        # KV efficiency: of the slots in pages held by running requests, how many hold tokens
+        live = sum(r.num_computed for r in self.running)
+        slots = sum(len(r.pages) for r in self.running) * ps
+        self._kv_live += live
+        self._kv_slots += slots
+        self.batch_sizes_sum += len(seqs)
+        self.max_batch_size = max(self.max_batch_size, len(seqs))
+        masks = self._grammar_masks([r for r, n in chunks if r.num_computed + n == len(r.tokens)])
+        return Batch(self.step_id, seqs, params, hist, banned, masks)
+
+    def _grammar_masks(self, sampling: list[Request]) -> Any:
+        if not any(r.grammar is not None for r in sampling):
+            return None
+        from streamer.sampling.grammar import fill_bitmask
+
+        return fill_bitmask([r.grammar for r in sampling], self.pool_vocab)
+
+    pool_vocab = 0
+    """Set by the engine: the model's vocabulary size (bitmask width)."""
+
+    # ---- results --------------------------------------------------------
+    def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
+        deltas: list[TokenDelta] = []
+        sampled = iter(out.sampled)
+        for seq in batch.seqs:
+            self.in_flight.discard(seq.request_id)
+            req = self.requests.get(seq.request_id)
+            tok = next(sampled) if seq.sample and out.error is None else None
+            if req is None or req.status != Status.RUNNING:
+                continue
+            if out.error is not None:
+                deltas.append(self._finish(req, "error", error=out.error))
+                continue
+            req.num_computed = seq.start + len(seq.token_ids)
+            if tok is None:
+                continue
+            req.tokens.append(tok.token_id)
+            self.generated_tokens_total += 1
+            if req.num_output == 1 and self.config.enable_prefix_caching:
+                self._cache_prompt(req)
+            reason = self._stop_reason(req, tok.token_id)
+            logprobs = [tok] if req.params.logprobs is not None else None
+            if reason is None:
+                deltas.append(self._delta(req, [tok.token_id], logprobs))
+            else:
+                d = self._finish(req, reason)
+                d.token_ids, d.logprobs = [tok.token_id], logprobs
+                deltas.append(d)
+        for rid, reason in list(self.pending_finish.items()):
+            if rid not in self.in_flight:
+                del self.pending_finish[rid]
+                req = self.requests.get(rid)
+                if req is not None and req.status < Status.FINISHED:
+                    deltas.append(self._finish(req, reason))
+        return deltas
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if req.grammar is not None:
+            req.grammar.accept(token)
+            if req.grammar.is_terminated():
+                return "stop"
+        if req.num_output >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _delta(self, req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
+        d = TokenDelta(req.request_id, tokens, logprobs)
+        if not req.sent_prompt_info:
+            req.sent_prompt_info = True
+            d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
+        return d
+
+    def _cache_prompt(self, req: Request) -> None:
+        """Share a freshly prefilled prompt with later arrivals (lock moves to the longer path)."""
+        _, node = self.tree.insert(req.tokens[: req.num_computed], req.pages)
+        self.tree.lock(node)
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        req.node = node
+
+    # ---- leaving --------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        """Give back req's pages: full computed pages to the tree, the rest to the pool."""
+        if self.config.enable_prefix_caching and req.num_computed:
+            self.tree.insert(req.tokens[: req.num_computed], req.pages)
+        self.pool.decref(req.pages)
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        req.pages, req.node, req.num_computed = [], None, 0
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: pages go to the tree, so the resume is mostly a cache hit."""
+        log.debug("preempt %s at %d tokens", req.request_id, req.num_computed)
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        if req.grammar is not None:
+            pass  # the grammar state follows tokens, which a preemption keeps
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> TokenDelta:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)
+        self.finished_total += 1
+        d = self._delta(req, [])
+        d.finish_reason, d.error = reason, error
+        return d
+
+    def finish(self, request_id: str, reason: str) -> TokenDelta | None:
+        """Abort or stop-string finish. Deferred while the request is in the step in flight."""
+        req = self.requests.get(request_id)
+        if req is None:
+            if reason == "abort":
+                now = time.monotonic()
+                self.early_aborts = {k: t for k, t in self.early_aborts.items() if now - t < 300}
+                self.early_aborts[request_id] = now
+            return None
+        if request_id in self.in_flight:
+            self.pending_finish[request_id] = reason
+            return None
+        return self._finish(req, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> EngineStats:
+        cached = self.tree.cached_pages
+        used = self.pool.capacity - self.pool.num_free
+        steps = max(self.step_id, 1)
+        return EngineStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            pages_total=self.pool.capacity,
+            pages_free=self.pool.num_free,
+            pages_cached=cached,
+            pages_used=used,
+            cache_hit_rate=(self.cached_tokens_total / self.prompt_tokens_total) if self.prompt_tokens_total else 0.0,
+            cached_tokens_total=self.cached_tokens_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generated_tokens_total=self.generated_tokens_total,
+            preemptions=self.preemptions,
+            steps=self.step_id,
+            max_batch_size=self.max_batch_size,
+            mean_batch_size=self.batch_sizes_sum / steps,
+            kv_efficiency=(self._kv_live / self._kv_slots) if self._kv_slots else 1.0,
+            requests_finished=self.finished_total,
+        )
+
+    def check(self) -> None:
+        """Every page is free, held by the tree, or held by a running request; counts agree."""
+        self.pool.check()
+        expect = [0] * self.pool.num_pages
+        expect[0] = 1
+        for p in self.tree.held_pages():
+            expect[p] += 1
+        for r in self.running:
+            for p in r.pages:
+                expect[p] += 1
+        assert expect == self.pool.refcount, "page refcounts do not match their holders"
+
+
+async def run(
+    sched: Scheduler,
+    inbox: asyncio.Queue,
+    to_executor: asyncio.Queue,
+    to_detokenizer: asyncio.Queue,
+) -> None:
+    """The actor loop: handle every message; keep exactly one step in flight while there is work."""
+    in_flight: Batch | None = None
+    while True:
+        msg = await inbox.get()
+        deltas: list[TokenDelta] = []
+        while True:  # drain what is already queued, so one step sees every arrival
+            if isinstance(msg, TokenizedRequest):
+                refused = sched.add(msg)
+                if refused is not None:
+                    deltas.append(refused)
+            elif isinstance(msg, StepOutput):
+                assert in_flight is not None and msg.step == in_flight.step
+                deltas.extend(sched.process(in_flight, msg))
+                in_flight = None
+            elif isinstance(msg, Abort | Finish):
+                d = sched.finish(msg.request_id, msg.reason)
+                if d is not None:
+                    deltas.append(d)
+            elif msg is None:
+                return
+            if inbox.empty():
+                break
+            msg = inbox.get_nowait()
+        if in_flight is None and sched.has_work:
+            t0 = time.perf_counter()
+            in_flight = sched.schedule()
+            if in_flight is not None:
+                to_executor.put_nowait(in_flight)
+            elif sched.running or sched.waiting:
+                log.debug("nothing schedulable (%.3f ms)", 1e3 * (time.perf_counter() - t0))
+        if deltas:
+            to_detokenizer.put_nowait(deltas)

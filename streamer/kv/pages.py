@@ -1,0 +1,88 @@
+"""PagePool: the KV memory of one model, cut into fixed-size pages.
+
+K and V are tensors [layers, pages, page_size, kv_heads, head_dim]. A request
+holds a page table (its pages, in order); the radix tree holds pages of cached
+prefixes. Ownership is counted per page:
+
+  refcount[p] == (1 if the tree holds p) + (number of requests holding p)
+  p is in the free list  <=>  refcount[p] == 0
+
+Page 0 is reserved as a scratch page (padding of CUDA-graph batches writes
+there), so it is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from streamer.errors import ConfigError
+
+
+class PagePool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_pages < 2:
+            raise ConfigError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.refcount = [0] * num_pages
+        self.refcount[0] = 1  # scratch page, never free
+        self._free: deque[int] = deque(range(1, num_pages))
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * kv_heads * head_dim * itemsize
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.page_size - 1) // self.page_size
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n fresh pages with refcount 1, or None (nothing taken) if too few are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"incref of free page {p}"
+            self.refcount[p] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"decref of free page {p}"
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def check(self) -> None:
+        """The free list is exactly the set of pages with refcount 0."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is in the free list twice"
+        zero = {p for p, c in enumerate(self.refcount) if c == 0}
+        assert free == zero, f"free list {sorted(free)[:8]} != refcount-0 pages {sorted(zero)[:8]}"

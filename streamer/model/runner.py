@@ -1,0 +1,135 @@
+"""ModelRunner: owns the model and its PagePool; runs one packed step.
+
+A Batch mixes prefill chunks and single-token decodes with no padding: the
+tokens of all sequences are concatenated, each with its absolute position and
+the slot (page * page_size + offset) where its K/V goes. Attention reads each
+sequence's earlier tokens through its page table. Only the last position of a
+sequence that samples reaches the LM head.
+
+The runner is driven from one worker thread (executor actor); it never touches
+the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from streamer.config import EngineConfig
+from streamer.errors import ConfigError
+from streamer.kv.pages import PagePool
+from streamer.messages import Batch, StepOutput
+from streamer.model.context import ForwardContext, set_context
+from streamer.model.loader import load_model
+from streamer.sampling.sampler import SampleInputs, Sampler
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config = load_model(
+            model_path,
+            dtype=config.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            max_positions=config.max_model_len,
+            seed=config.seed,
+        )
+        cfg = self.hf_config
+        self.max_model_len = config.max_model_len or getattr(cfg, "max_position_embeddings", 4096)
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.pool = self._make_pool()
+        self.sampler = Sampler(cfg.vocab_size, self.device)
+
+    def _make_pool(self) -> PagePool:
+        cfg, c = self.hf_config, self.config
+        layers, kvh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim
+        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.dtype)
+        if c.num_pages is not None:
+            n = c.num_pages
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.gpu_memory_fraction) - (total - free) - (1 << 30)
+            n = budget // per_page
+        else:
+            n = c.cpu_kv_bytes // per_page
+        if n < 2:
+            raise ConfigError(f"not enough memory for the KV pool ({n} pages of {per_page} bytes)")
+        return PagePool(layers, n, c.page_size, kvh, hd, self.dtype, self.device)
+
+    def prepare(self, batch: Batch) -> dict[str, Any]:
+        """Host lists -> the tensors of one forward."""
+        ps = self.pool.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        last: list[int] = []
+        width = max(len(s.page_table) for s in batch.seqs)
+        table = []
+        for s in batch.seqs:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            pos = range(s.start, s.start + n)
+            positions.extend(pos)
+            slots.extend(s.page_table[p // ps] * ps + p % ps for p in pos)
+            seq_lens.append(s.start + n)
+            cu.append(cu[-1] + n)
+            if s.sample:
+                last.append(cu[-1] - 1)
+            table.append(s.page_table + [0] * (width - len(s.page_table)))
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        return dict(
+            input_ids=t(ids, torch.long),
+            positions=t(positions, torch.long),
+            slot_mapping=t(slots, torch.long),
+            page_table=t(table, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            cu_q_lens=t(cu, torch.int32),
+            max_q_len=max(len(s.token_ids) for s in batch.seqs),
+            last=t(last, torch.long),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [sampling sequences, vocab] in float32."""
+        x = self.prepare(batch)
+        ctx = ForwardContext(
+            slot_mapping=x["slot_mapping"],
+            page_table=x["page_table"],
+            seq_lens=x["seq_lens"],
+            cu_q_lens=x["cu_q_lens"],
+            max_q_len=x["max_q_len"],
+            k_cache=self.pool.k,
+            v_cache=self.pool.v,
+        )
+        set_context(ctx)
+        try:
+            hidden = self.model(x["input_ids"], x["positions"])
+        finally:
+            set_context(None)
+        return self.model.compute_logits(hidden[x["last"]])
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepOutput:
+        logits = self.forward(batch)
+        if logits.shape[0] == 0:
+            return StepOutput(batch.step, [])
+        rids = [s.request_id for s in batch.seqs if s.sample]
+        inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
+        return StepOutput(batch.step, self.sampler(logits, inp))

@@ -1,0 +1,376 @@
+"""Triton kernels == torch references (kernels.reference).
+
+Without a GPU these run on CPU tensors through the Triton interpreter (see
+conftest.py), with small shapes; with a GPU the same tests run compiled on CUDA
+tensors, and the `cuda`-marked tests add model-sized shapes and CUDA-graph
+capture. The kernel modules are called directly: kernels.ops would route CPU
+tensors to the reference.
+
+Tolerances: fp32 tight; bf16 about one bf16 ulp for the elementwise kernels
+(they reproduce the reference's rounding steps) and 2e-2 for attention (a bf16
+reference accumulates differently).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels import activation, attention, kv_store, norm, reference, rope
+
+CUDA = torch.cuda.is_available()
+if not CUDA and not isinstance(tl.sum, InterpretedFunction):
+    pytest.skip(
+        "no GPU and triton was imported before TRITON_INTERPRET=1 was set (see conftest.py): "
+        "run tests/kernels on its own or export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+ATTN_TOL = {torch.float32: 1e-4 if CUDA else 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# one-ish ulp of the output dtype for kernels that replicate the reference's roundings
+ELEM_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def _close(out, ref, tol):
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- paged cache helpers
+
+
+def _paged_cache(ctx_lens, page_size, kvh, d, dtype, gen, spare_pages=3):
+    """Random K/V for sequences of `ctx_lens` tokens, scattered over shuffled pages.
+
+    Returns k_cache, v_cache [P, S, KVH, D] and page_table [B, max_pages] whose
+    unused entries are -1 (a kernel that reads them would fault / mismatch).
+    """
+    n_pages = [(n + page_size - 1) // page_size for n in ctx_lens]
+    total = sum(n_pages) + spare_pages
+    k_cache = torch.randn(total, page_size, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(total, page_size, kvh, d, generator=gen).to(dtype)
+    perm = torch.randperm(total, generator=gen)
+    width = max(n_pages) + 1
+    page_table = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(n_pages):
+        page_table[b, :n] = perm[used : used + n].int()
+        used += n
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), page_table.to(DEVICE)
+
+
+def _decode_case(seq_lens, page_size, gqa, d, dtype, kvh=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * gqa
+    k_cache, v_cache, page_table = _paged_cache(seq_lens, page_size, kvh, d, dtype, gen)
+    q = torch.randn(len(seq_lens), h, d, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, page_table, lens
+
+
+def _decode_ref(q, k_cache, v_cache, page_table, seq_lens, scale):
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu, scale)
+
+
+# --------------------------------------------------------------------------- paged_decode
+
+SEQ_LENS = [1, 7, 33, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_paged_decode_matches_reference(dtype, page_size, gqa):
+    d = 64 if gqa != 4 else 128
+    q, kc, vc, pt, lens = _decode_case(SEQ_LENS, page_size, gqa, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out = attention.paged_decode(q, kc, vc, pt, lens, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_decode_splits_merge_exactly(num_splits, d):
+    """Any split count (including splits left empty for short sequences) gives the same result."""
+    q, kc, vc, pt, lens = _decode_case([3, 100, 40], 16, 4, d, torch.float32, seed=1)
+    scale = 1 / math.sqrt(d)
+    out = attention.paged_decode(q, kc, vc, pt, lens, scale, num_splits=num_splits, block_n=16)
+    _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[torch.float32])
+
+
+def test_paged_decode_strided_query_and_max_seq_len_hint():
+    """q may be a strided view (e.g. of a fused qkv buffer); the split hint changes nothing."""
+    q, kc, vc, pt, lens = _decode_case([9, 70], 4, 2, 64, torch.float32, seed=2)
+    big = torch.zeros(q.shape[0], q.shape[1] + 3, 64, device=DEVICE)
+    big[:, 1 : 1 + q.shape[1]] = q
+    qv = big[:, 1 : 1 + q.shape[1]]
+    assert not qv.is_contiguous()
+    ref = _decode_ref(q, kc, vc, pt, lens, 0.3)
+    for hint in (None, 70, 10_000):
+        _close(attention.paged_decode(qv, kc, vc, pt, lens, 0.3, max_seq_len=hint), ref, 2e-5 if not CUDA else 1e-4)
+
+
+# --------------------------------------------------------------------------- paged_extend
+
+
+def _extend_case(prefixes, q_lens, page_size, gqa, d, dtype, kvh=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * gqa
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    k_cache, v_cache, page_table = _paged_cache(seq_lens, page_size, kvh, d, dtype, gen)
+    q = torch.randn(sum(q_lens), h, d, generator=gen).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, page_table, lens, cu
+
+
+# (cached prefix, new tokens) per sequence: fresh prefill, decode-like single token,
+# chunked prefill continuing a cached prefix, odd lengths straddling pages/blocks
+EXTEND_MIX = ([0, 0, 26, 5, 0], [7, 1, 33, 2, 40])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_paged_extend_matches_reference(dtype, page_size, gqa):
+    d = 64 if gqa != 4 else 128
+    prefixes, q_lens = EXTEND_MIX
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, gqa, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference.paged_attention(q, kc, vc, pt, lens, cu, scale)
+    _close(out, ref, ATTN_TOL[dtype])
+
+
+def test_paged_extend_long_prefix_small_blocks():
+    """Several unmasked key blocks before the causal diagonal, query blocks split mid-sequence."""
+    q, kc, vc, pt, lens, cu = _extend_case([100, 0], [33, 20], 16, 4, 64, torch.float32, seed=3)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 33, block_m=16, block_n=16)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[torch.float32])
+
+
+def test_paged_extend_single_tokens_equal_decode():
+    q, kc, vc, pt, lens = _decode_case([5, 64], 16, 4, 64, torch.float32, seed=4)
+    cu = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ext = attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 1)
+    dec = attention.paged_decode(q, kc, vc, pt, lens, 0.125)
+    _close(ext, dec, 1e-5)
+
+
+def test_paged_extend_zero_length_sequence():
+    """A sequence with no new queries (cu_q_lens repeats) is skipped."""
+    q, kc, vc, pt, lens, cu = _extend_case([3, 4, 0], [5, 0, 3], 4, 1, 64, torch.float32, seed=5)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 5)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[torch.float32])
+
+
+ODD_SHAPES = [
+    # page_size, head_dim, gqa, dtype: other powers of two, a non-power-of-two head dim
+    # and GQA group, fp16
+    (4, 32, 2, torch.float16),
+    (8, 80, 3, torch.float32),
+    (2, 256, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("page_size,d,gqa,dtype", ODD_SHAPES)
+def test_paged_attention_odd_shapes(page_size, d, gqa, dtype):
+    scale = 1 / math.sqrt(d)
+    q, kc, vc, pt, lens = _decode_case([1, 7, 33], page_size, gqa, d, dtype, kvh=1, seed=6)
+    _close(attention.paged_decode(q, kc, vc, pt, lens, scale), _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[dtype])
+    q, kc, vc, pt, lens, cu = _extend_case([0, 9], [7, 12], page_size, gqa, d, dtype, kvh=1, seed=7)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, 12)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])
+
+
+# --------------------------------------------------------------------------- store_kv
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    ids=["fp32", "bf16", "fp32->bf16"],
+)
+def test_store_kv_matches_reference(page_size, dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(0)
+    t, kvh, d = 9, 2, 64
+    pages = (2 * t) // page_size + 1
+    qkv = torch.randn(t, 4 + 2 * kvh, d, generator=gen).to(dtype).to(DEVICE)
+    k, v = qkv[:, 4 : 4 + kvh], qkv[:, 4 + kvh :]  # strided views, as from a fused qkv projection
+    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
+    slots[[2, 5]] = -1  # padding entries are skipped
+    slots = slots.to(DEVICE)
+    caches = [torch.randn(pages, page_size, kvh, d, generator=gen).to(cache_dtype).to(DEVICE) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    reference.store_kv(k, v, ref_k, ref_v, slots)
+    kv_store.store_kv(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+
+
+# --------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("hidden", [64, 100])
+@pytest.mark.parametrize(
+    "dtype,w_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16", "bf16-fp32w"],
+)
+def test_rms_norm_matches_reference(hidden, dtype, w_dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(w_dtype).to(DEVICE)
+    out = norm.rms_norm(x, w, 1e-6)
+    ref = reference.rms_norm(x, w, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    _close(out, ref, ELEM_TOL[ref.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_add_rms_norm_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 96, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(6, 96, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(96, generator=gen).to(dtype).to(DEVICE)
+    x0, res0 = x.clone(), res.clone()
+    out, new_res = norm.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_res = reference.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(new_res, ref_res)  # the residual add is exact in x.dtype
+    _close(out, ref_out, ELEM_TOL[dtype])
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def _cos_sin(max_pos, d, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_matches_reference(d, dtype):
+    gen = torch.Generator().manual_seed(0)
+    t, h, kvh = 7, 4, 2
+    qkv = torch.randn(t, h + 2 * kvh, d, generator=gen).to(dtype).to(DEVICE)
+    q, k = qkv[:, :h], qkv[:, h : h + kvh]  # strided views of a fused projection
+    positions = torch.tensor([0, 1, 2, 17, 300, 511, 5], device=DEVICE)
+    cs = _cos_sin(512, d).to(DEVICE)
+    q_out, k_out = rope.rotary(q, k, positions, cs)
+    q_ref, k_ref = reference.rotary(q, k, positions, cs)
+    assert q_out.shape == q_ref.shape and k_out.dtype == k_ref.dtype
+    _close(q_out, q_ref, ELEM_TOL[dtype])
+    _close(k_out, k_ref, ELEM_TOL[dtype])
+
+
+# --------------------------------------------------------------------------- silu_and_mul
+
+
+@pytest.mark.parametrize("inter", [64, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_and_mul_matches_reference(inter, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 2 * inter, generator=gen) * 4).to(dtype).to(DEVICE)
+    out = activation.silu_and_mul(x)
+    ref = reference.silu_and_mul(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _close(out, ref, ELEM_TOL[dtype])
+
+
+# --------------------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("page_size,gqa,d", [(16, 4, 128), (1, 8, 128), (16, 1, 64), (16, 8, 256)])
+def test_cuda_paged_decode_large(dtype, page_size, gqa, d):
+    seq_lens = [1, 17, 255, 1000, 2047, 4100, 333, 64]
+    q, kc, vc, pt, lens = _decode_case(seq_lens, page_size, gqa, d, dtype, kvh=4)
+    scale = 1 / math.sqrt(d)
+    ref = _decode_ref(q.float(), kc.float(), vc.float(), pt, lens, scale)
+    _close(attention.paged_decode(q, kc, vc, pt, lens, scale), ref, ATTN_TOL[dtype])
+    for splits in (1, 7, 32):
+        _close(attention.paged_decode(q, kc, vc, pt, lens, scale, num_splits=splits), ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("page_size,gqa,d", [(16, 4, 128), (1, 8, 128), (16, 1, 64)])
+def test_cuda_paged_extend_large(dtype, page_size, gqa, d):
+    prefixes = [0, 0, 700, 129, 0, 2000]
+    q_lens = [1, 300, 77, 513, 64, 5]
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, gqa, d, dtype, kvh=4)
+    scale = 1 / math.sqrt(d)
+    ref = reference.paged_attention(q.float(), kc.float(), vc.float(), pt, lens, cu, scale)
+    _close(attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens)), ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_decode_graph_capture_replay():
+    """paged_decode and the small kernels capture in a CUDA graph and replay with new lengths."""
+    dtype = torch.bfloat16
+    q, kc, vc, pt, lens = _decode_case([100, 2000, 37, 900], 16, 4, 128, dtype, kvh=8)
+    static_lens = lens.clone()
+    scale = 1 / math.sqrt(128)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up compiles outside the capture
+            attention.paged_decode(q, kc, vc, pt, static_lens, scale)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = attention.paged_decode(q, kc, vc, pt, static_lens, scale)
+    for new in ([100, 2000, 37, 900], [1, 5, 1999, 64]):
+        static_lens.copy_(torch.tensor(new, dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = _decode_ref(q.float(), kc.float(), vc.float(), pt, static_lens, scale)
+        _close(out, ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_elementwise_large(dtype):
+    gen = torch.Generator().manual_seed(0)
+    t, hidden, inter, h, kvh, d = 257, 4096, 11008, 32, 8, 128
+    x = torch.randn(t, hidden, generator=gen).to(dtype).cuda()
+    res = torch.randn(t, hidden, generator=gen).to(dtype).cuda()
+    w = torch.randn(hidden, generator=gen).to(dtype).cuda()
+    _close(norm.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), ELEM_TOL[dtype])
+    out, new_res = norm.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = reference.fused_add_rms_norm(x, res, w, 1e-6)
+    _close(out, ref_out, ELEM_TOL[dtype])
+    _close(new_res, ref_res, 0)
+    g = torch.randn(t, 2 * inter, generator=gen).to(dtype).cuda()
+    _close(activation.silu_and_mul(g), reference.silu_and_mul(g), ELEM_TOL[dtype])
+    qkv = torch.randn(t, h + 2 * kvh, d, generator=gen).to(dtype).cuda()
+    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    pos = torch.randint(0, 4096, (t,), generator=gen).cuda()
+    cs = _cos_sin(4096, d).cuda()
+    for a, b in zip(rope.rotary(q, k, pos, cs), reference.rotary(q, k, pos, cs)):
+        _close(a, b, ELEM_TOL[dtype])
+    kc = torch.zeros(64, 16, kvh, d, dtype=dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(64 * 16, generator=gen)[:t].int().cuda()
+    slots[::7] = -1
+    rk, rv = kc.clone(), vc.clone()
+    reference.store_kv(k, v, rk, rv, slots)
+    kv_store.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
