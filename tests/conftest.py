@@ -1,0 +1,71 @@
+"""Shared fixtures: the default model, tiny random models of other families,
+and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from streamer.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path, **overrides) -> Path:
+    """A random-weight model of a given family, saved as a plain HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch]
+    kw = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    kw.update(overrides)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM", default_model),
+        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", default_model),
+        "llama3": make_tiny_model(
+            root / "llama3",
+            "LlamaForCausalLM",
+            default_model,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+    }

@@ -1,0 +1,87 @@
+"""transformers as the oracle: greedy generate() in float32, one prompt at a time.
+
+Exact token equality is the rule. The one exception is a genuine near-tie
+(the reference's top-2 logits within NEAR_TIE): after it the sequences may
+part, and the comparison then follows vLLM's check_logprobs_close: each side's
+token must be among the other side's top logprobs at the point they part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+
+NEAR_TIE = 1e-5
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    top2_gap: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)
+
+
+@cache
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # our runs ignore EOS too: same length on both sides
+    return model
+
+
+@cache
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int) -> Reference:
+    from transformers import GenerationConfig
+
+    model = _hf_model(path)
+    # No EOS: our runs ignore it too, so both produce exactly max_new tokens.
+    config = GenerationConfig(
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    gaps, tops = [], []
+    for logits in out.logits:
+        v, i = logits[0].float().topk(5)
+        gaps.append(float(v[0] - v[1]))
+        tops.append(i.tolist())
+    return Reference(tokens, gaps, tops)
+
+
+@dataclass
+class Comparison:
+    exact: int = 0
+    near_ties: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison) -> None:
+    """Record whether `ours` equals transformers' greedy continuation of `prompt`."""
+    ref = hf_greedy(str(path), tuple(prompt), len(ours))
+    assert len(ours) == len(ref.tokens), f"{len(ours)} tokens, reference has {len(ref.tokens)}"
+    for i, (a, b) in enumerate(zip(ours, ref.tokens)):
+        if a == b:
+            continue
+        if ref.top2_gap[i] <= NEAR_TIE and a in ref.top_ids[i][:2]:
+            cmp.near_ties += 1  # a genuine tie: both continuations are right from here on
+            return
+        cmp.failures.append(
+            f"prompt of {len(prompt)} tokens parts at output {i}: ours {a}, transformers {b} "
+            f"(reference top-2 gap {ref.top2_gap[i]:.2e})"
+        )
+        return
+    cmp.exact += 1
