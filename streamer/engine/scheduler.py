@@ -62,10 +62,15 @@ class EngineStats(msgspec.Struct):
     kv_efficiency: float
     """Time-averaged fraction of the KV slots of running requests' pages that hold live tokens."""
     requests_finished: int
+    jump_forward_tokens: int = 0
+    """Output tokens a grammar forced and that were appended without a decode step each."""
 
 
 class Scheduler:
     """The policy, synchronous and deterministic (the actor loop is `run`)."""
+
+    jump_forward = True
+    """Append the text a grammar forces without decoding it token by token (tests flip it)."""
 
     def __init__(self, config: EngineConfig, pool: PagePool, max_model_len: int) -> None:
         self.config = config
@@ -89,6 +94,7 @@ class Scheduler:
         self.max_batch_size = 0
         self._kv_live = 0
         self._kv_slots = 0
+        self.jump_forward_tokens = 0
 
     # ---- arrivals -------------------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -196,7 +202,6 @@ class Scheduler:
     def _build(self, chunks: list[tuple[Request, int]]) -> Batch:
         self.step_id += 1
         seqs, params, hist, banned = [], [], [], []
-        ps = self.pool.page_size
         for req, n in chunks:
             sample = req.num_computed + n == len(req.tokens)
             seqs.append(
@@ -216,11 +221,6 @@ class Scheduler:
                 if req.num_output < req.params.min_tokens:
                     ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
                 banned.append(ban)
-        # KV efficiency: of the slots in pages held by running requests, how many hold tokens
-        live = sum(r.num_computed for r in self.running)
-        slots = sum(len(r.pages) for r in self.running) * ps
-        self._kv_live += live
-        self._kv_slots += slots
         self.batch_sizes_sum += len(seqs)
         self.max_batch_size = max(self.max_batch_size, len(seqs))
         masks = self._grammar_masks([r for r, n in chunks if r.num_computed + n == len(r.tokens)])
@@ -258,12 +258,19 @@ class Scheduler:
                 self._cache_prompt(req)
             reason = self._stop_reason(req, tok.token_id)
             logprobs = [tok] if req.params.logprobs is not None else None
+            new = [tok.token_id]
+            if reason is None and req.grammar is not None:
+                reason = self._jump_forward(req, new)
             if reason is None:
-                deltas.append(self._delta(req, [tok.token_id], logprobs))
+                deltas.append(self._delta(req, new, logprobs))
             else:
-                d = self._finish(req, reason)
-                d.token_ids, d.logprobs = [tok.token_id], logprobs
+                error = "the sampled token is not allowed by the grammar" if reason == "error" else None
+                d = self._finish(req, reason, error=error)
+                d.token_ids, d.logprobs = new, logprobs
                 deltas.append(d)
+        # KV efficiency: of the slots in pages held by running requests, how many hold tokens
+        self._kv_live += sum(r.num_computed for r in self.running)
+        self._kv_slots += sum(len(r.pages) for r in self.running) * self.pool.page_size
         for rid, reason in list(self.pending_finish.items()):
             if rid not in self.in_flight:
                 del self.pending_finish[rid]
@@ -275,13 +282,37 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         if req.grammar is not None:
-            req.grammar.accept(token)
+            if not req.grammar.accept(token):
+                return "error"
             if req.grammar.is_terminated():
                 return "stop"
         if req.num_output >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
+                return "stop"
+        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _jump_forward(self, req: Request, new: list[int]) -> str | None:
+        """Append the tokens the grammar forces next (already accepted by its matcher).
+
+        They are computed next step as one multi-token chunk. Not for requests that want
+        logprobs (a forced token has no sampled distribution to report).
+        """
+        p = req.params
+        if not self.jump_forward or p.logprobs is not None:
+            return None
+        limit = min(p.max_tokens - req.num_output, self.max_model_len - len(req.tokens))
+        for t in req.grammar.jump_forward(limit):
+            req.tokens.append(t)
+            new.append(t)
+            self.generated_tokens_total += 1
+            self.jump_forward_tokens += 1
+            if req.num_output >= p.min_tokens and (
+                t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
+            ):
                 return "stop"
         if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length"
@@ -321,7 +352,8 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
         if req.grammar is not None:
-            pass  # the grammar state follows tokens, which a preemption keeps
+            # the matcher has accepted exactly the output tokens, which a preemption keeps
+            assert req.grammar.num_accepted == req.num_output, "grammar state out of step with tokens"
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> TokenDelta:
@@ -376,6 +408,7 @@ class Scheduler:
             mean_batch_size=self.batch_sizes_sum / steps,
             kv_efficiency=(self._kv_live / self._kv_slots) if self._kv_slots else 1.0,
             requests_finished=self.finished_total,
+            jump_forward_tokens=self.jump_forward_tokens,
         )
 
     def check(self) -> None:

@@ -33,6 +33,11 @@ def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> torch.Ten
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    with torch.device("cpu"):  # also when the model is built on another device (or meta)
+        return _rope_cos_sin(hf_config, head_dim, max_positions, ROPE_INIT_FUNCTIONS)
+
+
+def _rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int, init_fns: Any) -> torch.Tensor:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -41,7 +46,7 @@ def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> torch.Ten
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        inv_freq, scaling = init_fns[rope_type](hf_config, torch.device("cpu"))
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :].float()
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 

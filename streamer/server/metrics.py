@@ -1,0 +1,132 @@
+"""Prometheus metrics of one app, in a registry of its own.
+
+A registry per app (not prometheus_client's global one) lets tests and
+embedders run several apps in one process. Two kinds of metrics:
+
+  - event metrics the server observes as requests flow (counters, latency
+    histograms), updated by ServerState and the middleware below;
+  - engine gauges read from engine.stats() at scrape time by a collector, so
+    they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class EngineCollector(Collector):
+    """Gauges read from engine.stats() on every scrape."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        gauges = {
+            "streamer_requests_running": ("requests being computed", s.running),
+            "streamer_requests_waiting": ("requests waiting for admission", s.waiting),
+            "streamer_kv_pages_total": ("KV pages in the pool", s.pages_total),
+            "streamer_kv_pages_free": ("KV pages on the free list", s.pages_free),
+            "streamer_kv_pages_used": ("KV pages not free (running requests or the prefix cache)", s.pages_used),
+            "streamer_kv_pages_cached": ("KV pages held by the radix prefix cache", s.pages_cached),
+            "streamer_prefix_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
+            "streamer_mean_batch_size": ("sequences per step, mean", s.mean_batch_size),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "streamer_preemptions": ("requests preempted for lack of KV pages", s.preemptions),
+            "streamer_engine_steps": ("model steps run", s.steps),
+            "streamer_cached_prompt_tokens": ("prompt tokens served from the prefix cache", s.cached_tokens_total),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("streamer_http_requests", "HTTP requests and WebSocket turns by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("streamer_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("streamer_generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("streamer_time_to_first_token_seconds", "submit to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("streamer_inter_token_latency_seconds", "time between generated tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("streamer_request_latency_seconds", "submit to last output",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("streamer_requests_finished", "engine requests by finish reason",
+                                ["finish_reason"], registry=r)
+        r.register(EngineCollector(stats))
+
+    def render(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class RequestTimer:
+    """Per engine request: TTFT, inter-token latency, end-to-end latency, token counts."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+
+    def observe(self, out: Any) -> None:
+        now = time.perf_counter()
+        if out.token_ids:
+            if self.first:
+                self.m.ttft.observe(now - self.start)
+                self.first = False
+            else:
+                per_token = (now - self.last) / len(out.token_ids)
+                for _ in out.token_ids:
+                    self.m.itl.observe(per_token)
+            self.last = now
+        if out.finished:
+            self.m.e2e.observe(now - self.start)
+            self.m.prompt_tokens.inc(out.prompt_tokens)
+            self.m.generated_tokens.inc(out.completion_tokens)
+            self.m.finished.labels(out.finish_reason or "unknown").inc()
+
+
+class RequestCounter:
+    """Pure ASGI middleware counting HTTP responses by route and status.
+
+    Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client
+    disconnects pass through untouched. Unknown paths share one label so a
+    scanner cannot grow the label set without bound.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: set[str]) -> None:
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in self.endpoints else "other"
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()

@@ -1,0 +1,343 @@
+"""/v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models.
+
+One request with n choices (and, for completions, several prompts) becomes
+one engine request per choice, ids f"{id}-{index}", run concurrently by
+ServerState.stream and merged back by choice index.
+
+The first output of every choice is awaited before any response starts:
+a request the engine refuses (prompt too long, bad grammar) arrives as a
+first output with finish_reason "error" and must become a 400, which is no
+longer possible once a 200 stream has begun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from streamer.messages import GenerateRequest, RequestOutput, SampledToken
+from streamer.server import protocol as p
+from streamer.server.protocol import ApiError
+
+if TYPE_CHECKING:
+    from streamer.server.app import ServerState
+
+Merged = AsyncIterator[tuple[int, RequestOutput]]
+
+
+def server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+async def models(request: Request) -> Response:
+    st = server(request)
+    card = p.ModelCard(st.model_name, "model", int(time.time()), "streamer", st.engine.max_model_len)
+    return json_response(p.ModelList("list", [card]))
+
+
+# ---- request -> engine requests --------------------------------------------------
+
+
+def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError("prompt must not be empty", param="prompt")
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]
+    if all(isinstance(x, list) for x in prompt):
+        return list(prompt)
+    raise ApiError("prompt must be a string, a list of strings, token ids, or a list of token-id lists",
+                   param="prompt")
+
+
+def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise ApiError("only text content parts are supported", param="messages")
+            content = "".join(part.text or "" for part in content)
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[GenerateRequest]:
+    """n copies of a request, ids f"{rid}-{index}", seed + index when seeded."""
+    reqs = []
+    for index in range(first_index, first_index + n):
+        params = base.params
+        if params.seed is not None:
+            params = msgspec.structs.replace(params, seed=params.seed + index)
+        reqs.append(msgspec.structs.replace(base, request_id=f"{rid}-{index}", params=params))
+    return reqs
+
+
+async def start(st: ServerState, reqs: list[GenerateRequest]) -> tuple[Merged, list[tuple[int, RequestOutput]]]:
+    """Submit, then wait for every choice's first output; an engine refusal is raised as a 400."""
+    gen = st.stream(reqs)
+    buffered: list[tuple[int, RequestOutput]] = []
+    seen: set[int] = set()
+    try:
+        while len(seen) < len(reqs):
+            i, out = await anext(gen)
+            buffered.append((i, out))
+            if i not in seen and out.finish_reason == "error":
+                internal = (out.error or "").startswith("internal error")
+                raise ApiError(out.error or "the request failed", 500 if internal else 400,
+                               type="server_error" if internal else "invalid_request_error")
+            seen.add(i)
+    except BaseException:
+        await gen.aclose()
+        raise
+    return gen, buffered
+
+
+# ---- outputs -> OpenAI shapes ------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    offset: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs or [])
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(choices: dict[int, Choice], n: int) -> p.Usage:
+    """Prompt tokens count once per prompt (choice index // n), completions for every choice."""
+    firsts = [c for i, c in choices.items() if i % n == 0]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in choices.values())
+    return p.Usage(prompt, completion, prompt + completion,
+                   p.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+
+
+class Formatter:
+    """Token strings for logprobs (decoded one token at a time, as OpenAI reports them)."""
+
+    def __init__(self, st: ServerState) -> None:
+        self.tok = st.engine.hf_tokenizer
+
+    def token(self, tid: int) -> str:
+        return self.tok.decode([tid]) if self.tok is not None else str(tid)
+
+    def completion_logprobs(self, lps: list[SampledToken], c: Choice) -> p.CompletionLogprobs | None:
+        if not lps:
+            return None
+        tokens = [self.token(t.token_id) for t in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(c.offset)
+            c.offset += len(s)
+        tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
+                for t in lps]
+        return p.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, offsets)
+
+    def chat_logprobs(self, lps: list[SampledToken]) -> p.ChoiceLogprobs | None:
+        if not lps:
+            return None
+        content = []
+        for t in lps:
+            s = self.token(t.token_id)
+            tops = [p.TopLogprob(self.token(i), lp, list(self.token(i).encode())) for i, lp in t.top_logprobs or []]
+            content.append(p.TokenLogprob(s, t.logprob if t.logprob is not None else 0.0, list(s.encode()), tops))
+        return p.ChoiceLogprobs(content)
+
+
+# ---- endpoints ---------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    st = server(request)
+    body: p.CompletionRequest = p.decode_body(await request.body(), p.CompletionRequest)
+    st.check_model(body.model)
+    if body.echo:
+        raise ApiError("echo is not supported", param="echo")
+    prompts = prompts_of(body.prompt)
+    if len(prompts) * body.n > 256:
+        raise ApiError("at most 256 choices (prompts x n) per request", param="n")
+    params = p.to_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                  vocab_size=st.engine.tokenizer.vocab_size)
+    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    reqs = []
+    for k, prompt in enumerate(prompts):
+        base = (GenerateRequest(request_id=rid, prompt=prompt, params=params) if isinstance(prompt, str)
+                else GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params))
+        reqs += fan_out(base, rid, k * body.n, body.n)
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    st = server(request)
+    body: p.ChatCompletionRequest = p.decode_body(await request.body(), p.ChatCompletionRequest)
+    st.check_model(body.model)
+    if not body.messages:
+        raise ApiError("messages must not be empty", param="messages")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = p.to_sampling_params(body, max_tokens=max_tokens, logprobs=top,
+                                  vocab_size=st.engine.tokenizer.vocab_size)
+    rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    base = GenerateRequest(request_id=rid, messages=chat_messages(body.messages), params=params,
+                           add_generation_prompt=body.add_generation_prompt)
+    st.admit(body.n)
+    if max_tokens is None:
+        base = await st.fit_to_context(base)
+    return await respond(request, st, fan_out(base, rid, 0, body.n), rid, body.n, body.stream,
+                         body.stream_options, chat=True)
+
+
+async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
+                  stream: bool, options: p.StreamOptions | None, *, chat: bool) -> Response:
+    st.admit(len(reqs))
+    gen, buffered = await start(st, reqs)
+    fmt = Formatter(st)
+    head = dict(id=rid, object="chat.completion" if chat else "text_completion", created=int(time.time()),
+                model=st.model_name)
+    if stream:
+        events = chat_events(gen, buffered, fmt, head, n, len(reqs), options) if chat else \
+            completion_events(gen, buffered, fmt, head, n, options)
+        return EventSourceResponse(events, sep="\n", shutdown_grace_period=20)
+    choices = await until_disconnect(request, collect(gen, buffered, len(reqs)))
+    if choices is None:
+        return Response(status_code=499)
+    if chat:
+        return json_response(p.ChatCompletionResponse(
+            **head, usage=usage(choices, n),
+            choices=[p.ChatChoice(i, p.AssistantMessage("assistant", "".join(c.text)),
+                                  fmt.chat_logprobs(c.logprobs), c.finish_reason) for i, c in sorted(choices.items())]))
+    return json_response(p.CompletionResponse(
+        **head, usage=usage(choices, n),
+        choices=[p.CompletionChoice(i, "".join(c.text), fmt.completion_logprobs(c.logprobs, c), c.finish_reason)
+                 for i, c in sorted(choices.items())]))
+
+
+async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
+    choices = {i: Choice() for i in range(count)}
+    try:
+        for i, out in buffered:
+            choices[i].add(out)
+        async for i, out in gen:
+            choices[i].add(out)
+    finally:
+        await gen.aclose()
+    failed = [c for c in choices.values() if c.finish_reason == "error"]
+    if failed:
+        raise ApiError("generation failed", 500, type="server_error")
+    return choices
+
+
+async def until_disconnect(request: Request, work: Any) -> Any:
+    """Run work; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else None
+
+
+def error_event(message: str) -> str:
+    return msgspec.json.encode(p.ErrorResponse(p.ErrorInfo(message, "server_error"))).decode()
+
+
+async def completion_events(gen: Merged, buffered: list, fmt: Formatter, head: dict, n: int,
+                            options: p.StreamOptions | None) -> AsyncIterator[str]:
+    choices: dict[int, Choice] = {}
+
+    def chunk(*cs: p.CompletionChoice, use: p.Usage | None = None) -> str:
+        return msgspec.json.encode(p.CompletionResponse(**head, choices=list(cs), usage=use)).decode()
+
+    try:
+        async for i, out in chain(buffered, gen):
+            c = choices.setdefault(i, Choice())
+            c.add(out)
+            if out.error:
+                yield error_event(out.error)
+                break
+            if out.text or out.logprobs:
+                yield chunk(p.CompletionChoice(i, out.text, fmt.completion_logprobs(out.logprobs or [], c)))
+            if out.finished:
+                yield chunk(p.CompletionChoice(i, "", None, out.finish_reason))
+        else:
+            if options and options.include_usage:
+                yield chunk(use=usage(choices, n))
+        yield "[DONE]"
+    finally:
+        await gen.aclose()
+
+
+async def chat_events(gen: Merged, buffered: list, fmt: Formatter, head: dict, n: int, count: int,
+                      options: p.StreamOptions | None) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    choices: dict[int, Choice] = {}
+
+    def chunk(*cs: p.ChatChunkChoice, use: p.Usage | None = None) -> str:
+        return msgspec.json.encode(p.ChatCompletionChunk(**head, choices=list(cs), usage=use)).decode()
+
+    try:
+        for i in range(count):
+            yield chunk(p.ChatChunkChoice(i, p.Delta(role="assistant", content="")))
+        async for i, out in chain(buffered, gen):
+            c = choices.setdefault(i, Choice())
+            c.add(out)
+            if out.error:
+                yield error_event(out.error)
+                break
+            if out.text or out.logprobs:
+                yield chunk(p.ChatChunkChoice(i, p.Delta(content=out.text), fmt.chat_logprobs(out.logprobs or [])))
+            if out.finished:
+                yield chunk(p.ChatChunkChoice(i, p.Delta(), None, out.finish_reason))
+        else:
+            if options and options.include_usage:
+                yield chunk(use=usage(choices, n))
+        yield "[DONE]"
+    finally:
+        await gen.aclose()
+
+
+async def chain(buffered: list[tuple[int, RequestOutput]], gen: Merged) -> Merged:
+    for item in buffered:
+        yield item
+    async for item in gen:
+        yield item

@@ -1,0 +1,191 @@
+"""WebSocket chat sessions at /v1/chat/ws: the server keeps the conversation.
+
+Protocol (JSON text frames):
+
+  server -> {"type": "session", "id", "model", "max_model_len", "idle_timeout"}   once, on connect
+  client -> {"type": "user", "content": "...", [max_tokens, temperature, top_p, top_k, min_p,
+             seed, stop, presence_penalty, frequency_penalty, repetition_penalty, ...]}
+  server -> {"type": "delta", "text": "..."}                                      zero or more
+  server -> {"type": "done", "finish_reason": "stop" | "length" | "abort",
+             "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}   ends the turn
+  client -> {"type": "cancel"}   stop the running turn (it ends with done, finish_reason "abort")
+  client -> {"type": "reset"}    forget the conversation; server answers {"type": "reset"}
+  server -> {"type": "error", "message": "..."}   bad input; the session stays open
+
+Each turn's prompt is the chat template over the whole history (user and
+assistant messages so far), so it starts with the previous turn's prompt and
+reply: the radix cache serves that prefix, and usage.cached_tokens grows turn
+after turn. A session whose client goes away aborts its running turn. A
+session idle (no message, no running turn) for session_idle_timeout seconds
+is closed with code 1000 and a reason. With an API key set, the key comes as
+`Authorization: Bearer KEY` or `?api_key=KEY` (browsers cannot set headers
+here); a wrong key closes the socket with code 1008.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from streamer.messages import GenerateRequest, SamplingParams
+from streamer.server import protocol as p
+from streamer.server.protocol import ApiError
+
+if TYPE_CHECKING:
+    from streamer.server.app import ServerState
+
+ENDPOINT = "/v1/chat/ws"
+
+
+class ClientMessage(p.SamplingFields, kw_only=True):
+    type: str
+    content: str | None = None
+
+
+async def chat_session(ws: WebSocket) -> None:
+    st: ServerState = ws.app.state.server
+    await ws.accept()
+    key = st.config.api_key
+    if key:
+        from streamer.server.app import key_matches  # noqa: PLC0415 - app imports this module
+
+        given = ws.query_params.get("api_key")
+        ok = key_matches(key, ws.headers.get("authorization", "")) or (
+            given is not None and hmac.compare_digest(given.encode(), key.encode()))
+        if not ok:
+            await ws.close(1008, "missing or wrong API key")
+            return
+    await Session(st, ws).run()
+
+
+class Session:
+    def __init__(self, st: ServerState, ws: WebSocket) -> None:
+        self.st, self.ws = st, ws
+        self.id = uuid.uuid4().hex[:12]
+        self.messages: list[dict[str, Any]] = []
+        self.turn: asyncio.Task | None = None
+        self.turn_rid: str | None = None
+        self.turns = 0
+        self.last_active = time.monotonic()
+        self.send_lock = asyncio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self.turn is not None and not self.turn.done()
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(msgspec.json.encode(obj).decode())
+
+    async def run(self) -> None:
+        idle = self.st.config.session_idle_timeout
+        await self.send({"type": "session", "id": self.id, "model": self.st.model_name,
+                         "max_model_len": self.st.engine.max_model_len, "idle_timeout": idle})
+        try:
+            while True:
+                msg = await self.receive(idle)
+                if msg is None:
+                    await self.ws.close(1000, f"session idle for {idle:g} s; closed")
+                    return
+                if msg["type"] == "websocket.disconnect":
+                    return
+                self.last_active = time.monotonic()
+                await self.handle(msg.get("text") or msg.get("bytes") or b"")
+        except WebSocketDisconnect:
+            return
+        finally:
+            if self.turn is not None:
+                self.turn.cancel()  # closes its engine stream, which aborts the request
+
+    async def receive(self, idle: float) -> dict[str, Any] | None:
+        """The next client message, or None once the session has been idle for `idle` seconds."""
+        while True:
+            left = idle if self.busy else self.last_active + idle - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(self.ws.receive(), left)
+            except TimeoutError:
+                continue
+
+    async def handle(self, data: str | bytes) -> None:
+        try:
+            msg: ClientMessage = p.decode_body(data.encode() if isinstance(data, str) else data, ClientMessage)
+            if msg.type == "user":
+                self.start_turn(msg)
+            elif msg.type == "cancel":
+                if self.busy and self.turn_rid:
+                    self.st.engine.abort(self.turn_rid)
+            elif msg.type == "reset":
+                await self.stop_turn()
+                self.messages.clear()
+                await self.send({"type": "reset"})
+            else:
+                raise ApiError(f"unknown message type {msg.type!r} (user, cancel or reset)")
+        except ApiError as e:
+            await self.send({"type": "error", "message": e.message})
+
+    def start_turn(self, msg: ClientMessage) -> None:
+        if self.busy:
+            raise ApiError("a reply is still streaming: wait for done, or send cancel")
+        if not msg.content:
+            raise ApiError("a user message needs a non-empty content string")
+        if msg.n != 1:
+            raise ApiError("n must be 1 in a chat session")
+        self.st.check_model(msg.model)
+        params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
+                                      vocab_size=self.st.engine.tokenizer.vocab_size)
+        self.turns += 1
+        self.turn_rid = f"ws-{self.id}-{self.turns}"
+        self.turn = asyncio.create_task(self.run_turn(msg.content, params, fit=msg.max_tokens is None))
+        # a send to a closed socket ends the turn with an exception: retrieve it, nobody awaits it
+        self.turn.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def stop_turn(self) -> None:
+        if self.busy and self.turn is not None and self.turn_rid:
+            self.st.engine.abort(self.turn_rid)
+            with contextlib.suppress(Exception):
+                await self.turn
+
+    async def run_turn(self, content: str, params: SamplingParams, fit: bool) -> None:
+        assert self.turn_rid is not None
+        self.messages.append({"role": "user", "content": content})
+        req = GenerateRequest(request_id=self.turn_rid, messages=list(self.messages), params=params)
+        reply: list[str] = []
+        last = None
+        try:
+            self.st.admit(1)
+            if fit:
+                req = await self.st.fit_to_context(req)
+            async with contextlib.aclosing(self.st.stream([req])) as outputs:
+                async for _, out in outputs:
+                    if out.finish_reason == "error":
+                        raise ApiError(out.error or "the request failed")
+                    if out.text:
+                        reply.append(out.text)
+                        await self.send({"type": "delta", "text": out.text})
+                    last = out
+        except ApiError as e:
+            self.messages.pop()
+            self.st.metrics.requests.labels(ENDPOINT, str(e.status)).inc()
+            await self.send({"type": "error", "message": e.message})
+            return
+        finally:
+            self.last_active = time.monotonic()
+        text = "".join(reply)
+        if text:
+            self.messages.append({"role": "assistant", "content": text})
+        else:
+            self.messages.pop()  # nothing to answer to: keep user/assistant turns alternating
+        self.st.metrics.requests.labels(ENDPOINT, "200").inc()
+        assert last is not None
+        usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                 "cached_tokens": last.cached_tokens}
+        await self.send({"type": "done", "finish_reason": last.finish_reason, "usage": usage})

@@ -1,0 +1,53 @@
+"""Incremental text: never a broken character, stop strings never leak."""
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from streamer.engine.detokenizer import IncrementalText, Stream
+from streamer.messages import SamplingParams, TokenDelta
+
+
+@pytest.fixture(scope="module")
+def tok(default_model):
+    return AutoTokenizer.from_pretrained(str(default_model))
+
+
+@pytest.mark.parametrize("text", ["Hello 👋🏽 world 🎉!", "日本語のテキストと中文字符", "naïve café — ½ ∑ 🚀🚀"])
+def test_multibyte_text_streams_without_replacement_characters(tok, text):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    inc = IncrementalText(tok, skip_special_tokens=True)
+    pieces = [inc.push([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+    assert any(p == "" for p in pieces) or len(ids) == len(text), "some characters span tokens"
+
+
+def stream_text(tok, text, stops, chunk=1):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    s = Stream(tok, SamplingParams(stop=stops), asyncio.Queue())
+    out, reason = [], None
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        o, stopped = s.update(TokenDelta("r", ids[i : i + chunk], finish_reason="length" if last else None))
+        out.append(o.text)
+        if o.finished:
+            reason = o.finish_reason
+            break
+    return "".join(out), reason
+
+
+def test_stop_string_split_across_tokens_is_cut_before_it(tok):
+    text, reason = stream_text(tok, "one two three END four five", ["END four"])
+    assert text == "one two three " and reason == "stop"
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released(tok):
+    text, reason = stream_text(tok, "one EN two E three", ["END"])
+    assert text == "one EN two E three" and reason == "length"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    text, reason = stream_text(tok, "alpha beta gamma delta", ["delta", "beta"], chunk=3)
+    assert text == "alpha " and reason == "stop"

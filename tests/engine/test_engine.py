@@ -1,0 +1,260 @@
+"""AsyncEngine: continuous batching against one paged + radix KV pool.
+
+Every scenario ends with the page invariant: each page is free, held by the
+radix tree, or held by a running request, and the refcounts say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from streamer import LLM, SamplingParams
+from streamer.messages import GenerateRequest
+from tests.oracle import Comparison, compare
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def text_ids(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    text = (
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based inks and a wooden press. Books became cheaper, literacy "
+        "spread, and ideas travelled faster than ever before across Europe and the rest of the world. "
+    ) * 20
+    return tok(text)["input_ids"]
+
+
+def distinct_prompts(ids, n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - length)
+        out.append(ids[start : start + length])
+    return out
+
+
+def settle(llm: LLM) -> None:
+    """A stop string's Finish reaches the scheduler a moment after the caller's last output."""
+    for _ in range(100):
+        if llm.stats().running == 0:
+            break
+        time.sleep(0.02)
+    llm.check()
+    s = llm.stats()
+    assert s.running == 0 and s.waiting == 0
+    assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
+
+
+def run(llm: LLM, coro):
+    return llm.call(coro)
+
+
+def test_staggered_arrivals_match_transformers(default_model, text_ids):
+    prompts = distinct_prompts(text_ids, 6, 10, 120, seed=1)
+    with LLM(str(default_model), max_num_batched_tokens=64) as llm:
+
+        async def scenario():
+            async def one(i, p):
+                await asyncio.sleep(0.15 * i)  # arrive while the earlier ones decode
+                req = GenerateRequest(request_id=f"s{i}", prompt_token_ids=p, params=GREEDY)
+                return await llm.engine.generate(req)
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        outs = run(llm, scenario())
+        cmp = Comparison()
+        for p, o in zip(prompts, outs):
+            compare(default_model, p, o.token_ids, cmp)
+        assert not cmp.failures, cmp.failures
+        assert llm.stats().max_batch_size > 1, "arrivals joined a running batch"
+        settle(llm)
+
+
+def test_shared_prefix_is_served_from_the_cache(default_model, text_ids):
+    prefix = text_ids[:200]
+    a, b = prefix + text_ids[300:310], prefix + text_ids[400:415]
+    with LLM(str(default_model)) as llm:
+        first = llm.generate([a], GREEDY)[0]
+        second = llm.generate([b], GREEDY)[0]
+        assert first.cached_tokens == 0
+        assert second.cached_tokens >= 192
+        settle(llm)
+    with LLM(str(default_model), enable_prefix_caching=False) as cold:
+        assert cold.generate([b], GREEDY)[0].token_ids == second.token_ids
+
+
+def test_heavy_eviction_stays_correct(default_model, text_ids):
+    prompts = distinct_prompts(text_ids, 10, 60, 150, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(default_model), num_pages=40, max_num_seqs=4) as llm:  # 39 pages of 16 tokens
+        outs = []
+        for i in range(0, 10, 2):  # re-send half of the earlier prompts: hits mixed with evictions
+            outs += llm.generate(prompts[i : i + 2] + prompts[max(0, i - 2) : i], params)
+        settle(llm)
+    cmp = Comparison()
+    sent = [p for i in range(0, 10, 2) for p in prompts[i : i + 2] + prompts[max(0, i - 2) : i]]
+    for p, o in zip(sent, outs):
+        compare(default_model, p, o.token_ids, cmp)
+    assert not cmp.failures, cmp.failures
+
+
+def test_preemption_when_pages_run_out_keeps_outputs_identical(default_model, text_ids):
+    prompts = distinct_prompts(text_ids, 6, 80, 120, seed=4)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(str(default_model)) as roomy:
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    with LLM(str(default_model), num_pages=30) as tight:  # 6 x ~10 pages do not fit in 29
+        got = [o.token_ids for o in tight.generate(prompts, params)]
+        assert tight.stats().preemptions > 0
+        settle(tight)
+    assert got == expected
+
+
+def test_request_that_can_never_fit_is_refused_at_once(default_model):
+    with LLM(str(default_model), num_pages=10) as llm:
+        t = time.monotonic()
+        out = llm.generate(["hello"], SamplingParams(max_tokens=500))[0]
+        assert out.finish_reason == "error" and "KV pages" in out.error
+        assert time.monotonic() - t < 5
+        ok = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert ok.error is None and ok.completion_tokens == 4
+
+
+def test_prompt_over_the_context_length_is_a_clear_error(default_model):
+    with LLM(str(default_model), max_model_len=64) as llm:
+        out = llm.generate([list(range(100, 160))], SamplingParams(max_tokens=10))[0]
+        assert out.finish_reason == "error" and "maximum context length is 64" in out.error
+
+
+@pytest.fixture(scope="module")
+def shared_llm(default_model):
+    with LLM(str(default_model), max_num_seqs=2, max_num_batched_tokens=32) as llm:
+        yield llm
+
+
+async def _abort_when(llm: LLM, rid: str, prompt, predicate):
+    """Submit, abort as soon as predicate(scheduler request) holds, return the last output."""
+    engine = llm.engine
+    req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=200, ignore_eos=True))
+    task = asyncio.ensure_future(engine.generate(req))
+    for _ in range(2000):
+        r = engine.scheduler.requests.get(rid)
+        if r is not None and predicate(r):
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError(f"{rid} never reached the stage")
+    engine.abort(rid)
+    return await task
+
+
+@pytest.mark.parametrize(
+    "stage,predicate",
+    [
+        ("waiting", lambda r: r.status == 0),
+        ("prefilling", lambda r: r.status == 1 and 0 < r.num_computed < r.prompt_len),
+        ("decoding", lambda r: r.num_output >= 3),
+    ],
+)
+def test_abort_at_every_stage_frees_pages(shared_llm, text_ids, stage, predicate):
+    llm = shared_llm
+    blockers = []
+
+    async def scenario():
+        if stage == "waiting":  # two running requests fill max_num_seqs, the third waits
+            for i in range(2):
+                req = GenerateRequest(request_id=f"b{stage}{i}", prompt_token_ids=text_ids[i * 10 : i * 10 + 20],
+                                      params=SamplingParams(max_tokens=30, ignore_eos=True))
+                blockers.append(asyncio.ensure_future(llm.engine.generate(req)))
+            await asyncio.sleep(0.05)
+        out = await _abort_when(llm, f"a-{stage}", text_ids[:150], predicate)
+        await asyncio.gather(*blockers)
+        return out
+
+    out = run(llm, scenario())
+    assert out.finish_reason == "abort"
+    settle(llm)
+
+
+def test_random_submits_and_aborts_leave_no_page_behind(shared_llm, text_ids):
+    llm = shared_llm
+    rng = random.Random(7)
+
+    async def scenario():
+        tasks = []
+        for i in range(100):
+            p = distinct_prompts(text_ids, 1, 2, 40, seed=i)[0]
+            req = GenerateRequest(request_id=f"r{i}", prompt_token_ids=p,
+                                  params=SamplingParams(max_tokens=rng.randint(1, 6), temperature=1.0))
+            tasks.append(asyncio.ensure_future(llm.engine.generate(req)))
+            if rng.random() < 0.5:
+                await asyncio.sleep(rng.random() * 0.02)
+                llm.engine.abort(f"r{rng.randrange(i + 1)}")
+        return await asyncio.gather(*tasks)
+
+    outs = run(llm, scenario())
+    assert {o.finish_reason for o in outs} <= {"abort", "length", "stop"}
+    assert any(o.finish_reason == "abort" for o in outs)
+    settle(llm)
+
+
+def test_event_loop_is_never_blocked_for_50ms(default_model, text_ids):
+    prompts = distinct_prompts(text_ids, 8, 50, 300, seed=8)
+    with LLM(str(default_model)) as llm:
+
+        async def scenario():
+            gaps = []
+            done = False
+
+            async def ticker():
+                last = time.perf_counter()
+                while not done:
+                    await asyncio.sleep(0.005)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            t = asyncio.ensure_future(ticker())
+            reqs = [GenerateRequest(request_id=f"t{i}", prompt_token_ids=p, params=GREEDY) for i, p in enumerate(prompts)]
+            await asyncio.gather(*(llm.engine.generate(r) for r in reqs))
+            done = True
+            await t
+            return gaps
+
+        gaps = run(llm, scenario())
+    worst = max(gaps) - 0.005
+    assert worst < 0.05, f"event loop blocked for {worst * 1e3:.1f} ms"
+
+
+def test_kv_memory_holds_live_tokens(default_model, text_ids):
+    prompts = distinct_prompts(text_ids, 12, 100, 300, seed=9)
+    rng = random.Random(0)
+    params = [SamplingParams(max_tokens=rng.randint(16, 48), temperature=0, ignore_eos=True) for _ in prompts]
+    with LLM(str(default_model)) as llm:
+        llm.generate(prompts, params)
+        eff = llm.stats().kv_efficiency
+    print(f"KV efficiency {eff:.3f}")
+    assert eff >= 0.95
+
+
+def test_stop_string_spanning_tokens_ends_the_request_without_leaking(default_model):
+    with LLM(str(default_model)) as llm:
+        free = llm.generate(["The capital of France is a city that"], GREEDY)[0]
+        text = free.text  # " has been a beacon of innovation and creativity ..."
+        stop = "beacon of inno"
+        assert stop in text
+        out = llm.generate(["The capital of France is a city that"],
+                           SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+        assert out.finish_reason == "stop"
+        assert out.text == text[: text.index(stop)]
+        assert out.completion_tokens < free.completion_tokens
+        settle(llm)

@@ -1,0 +1,110 @@
+"""RadixCache: page-granular prefix sharing with locks and LRU eviction."""
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamer.kv.pages import PagePool
+from streamer.kv.radix import RadixCache
+
+PS = 4
+
+
+def setup(n=64):
+    pool = PagePool(1, n, PS, 1, 2, torch.float32, "cpu")
+    return pool, RadixCache(pool)
+
+
+def cache_sequence(pool, tree, tokens):
+    """What a finishing request does: allocate, insert, drop its own references."""
+    pages = pool.alloc(pool.pages_for(len(tokens)))
+    tree.insert(tokens, pages)
+    pool.decref(pages)
+    return pages
+
+
+def test_match_returns_only_full_pages_of_the_longest_prefix():
+    pool, tree = setup()
+    pages = cache_sequence(pool, tree, list(range(10)))  # 2 full pages + 2 tokens
+    got, _ = tree.match_prefix(list(range(9)) + [99])
+    assert got == pages[:2]
+    got, _ = tree.match_prefix([0, 1, 2, 3, 4, 5, 6, 99])
+    assert got == pages[:1], "a partial page never matches"
+
+
+def test_insert_shares_the_existing_prefix_and_splits_edges():
+    pool, tree = setup()
+    a = cache_sequence(pool, tree, list(range(12)))
+    b_tokens = list(range(8)) + [50, 51, 52, 53]
+    b = pool.alloc(3)
+    done, _ = tree.insert(b_tokens, b)
+    pool.decref(b)
+    assert done == 2
+    assert tree.match_prefix(b_tokens)[0] == a[:2] + b[2:]
+    assert pool.refcount[b[0]] == 0, "duplicate pages of the cached prefix are not adopted"
+
+
+def test_locked_paths_survive_eviction_and_lru_goes_first():
+    pool, tree = setup()
+    old = cache_sequence(pool, tree, [1] * 8)
+    new = cache_sequence(pool, tree, [2] * 8)
+    pages, node = tree.match_prefix([2] * 8 + [0])
+    tree.lock(node)
+    assert tree.evict(100) == 2
+    assert all(pool.refcount[p] == 0 for p in old)
+    assert all(pool.refcount[p] == 1 for p in new)
+    tree.unlock(node)
+    assert tree.evict(100) == 2
+    assert pool.num_free == pool.capacity
+
+
+def test_eviction_order_is_least_recently_used():
+    pool, tree = setup()
+    a = cache_sequence(pool, tree, [1] * 4)
+    b = cache_sequence(pool, tree, [2] * 4)
+    tree.match_prefix([1] * 4)  # touch a
+    tree.evict(1)
+    assert pool.refcount[b[0]] == 0 and pool.refcount[a[0]] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=25), st.integers(0, 99))
+def test_random_traffic_keeps_refcounts_equal_to_holders(seqs, seed):
+    pool, tree = setup(32)
+    rng = random.Random(seed)
+    live = []  # (pages, node) held by "running requests"
+    for tokens in seqs:
+        pages, node = tree.match_prefix(tokens)
+        tree.lock(node)
+        pool.incref(pages)
+        extra = pool.pages_for(len(tokens)) - len(pages)
+        if pool.num_free < extra:
+            tree.evict(extra - pool.num_free)
+        new = pool.alloc(extra)
+        if new is None:
+            pool.decref(pages)
+            tree.unlock(node)
+            continue
+        live.append((tokens, pages + new, node))
+        if rng.random() < 0.5:
+            t, p, n = live.pop(rng.randrange(len(live)))
+            tree.insert(t, p)
+            pool.decref(p)
+            tree.unlock(n)
+        expect = [0] * pool.num_pages
+        expect[0] = 1
+        for p in tree.held_pages():
+            expect[p] += 1
+        for _, ps, _ in live:
+            for p in ps:
+                expect[p] += 1
+        assert expect == pool.refcount
+        pool.check()
+    for t, p, n in live:
+        tree.insert(t, p)
+        pool.decref(p)
+        tree.unlock(n)
+    tree.evict(pool.num_pages)
+    assert pool.num_free == pool.capacity

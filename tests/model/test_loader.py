@@ -1,0 +1,119 @@
+"""Loading a local HF folder: sharded safetensors, dummy weights, and one clear
+message (file and tensor named) for each way a folder can be broken."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamer.errors import ModelLoadError
+from streamer.model.loader import load_model
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+
+@pytest.fixture
+def qwen2(tiny_models, tmp_path) -> Path:
+    dst = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen2"], dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_the_same_weights(qwen2):
+    whole, _ = load_model(qwen2)
+    tensors = load_file(str(qwen2 / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(qwen2 / fname))
+    (qwen2 / "model.safetensors").unlink()
+    weight_map = {k: f for f, keys in shards.items() for k in keys}
+    (qwen2 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded, _ = load_model(qwen2)
+    for (n, a), (_, b) in zip(whole.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "smollm2-135m"])
+def test_benchmark_configs_build_with_dummy_weights_on_meta(name):
+    from streamer.model.loader import load_hf_config
+    from streamer.model.registry import model_class
+
+    cfg = load_hf_config(BENCH / name)
+    cls = model_class(cfg.architectures, name)
+    with torch.device("meta"):
+        model = cls(cfg, 128)
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 1e8
+
+
+def test_dummy_weights_need_no_weight_file(tmp_path):
+    shutil.copy(BENCH / "smollm2-135m" / "config.json", tmp_path / "config.json")
+    model, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
+    assert model.layers[0].mlp.gate_up_proj.weight.std() > 0
+
+
+def expect_error(path, *fragments):
+    with pytest.raises(ModelLoadError) as e:
+        load_model(path)
+    for f in fragments:
+        assert f in str(e.value), str(e.value)
+
+
+def test_unknown_architecture_is_named(qwen2):
+    cfg = json.loads((qwen2 / "config.json").read_text())
+    cfg["architectures"] = ["FancyForCausalLM"]
+    (qwen2 / "config.json").write_text(json.dumps(cfg))
+    expect_error(qwen2, "config.json", "FancyForCausalLM", "supported")
+
+
+def test_missing_shard_is_named(qwen2):
+    (qwen2 / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
+    expect_error(qwen2, "model-00002-of-00002.safetensors", "missing shard")
+
+
+def test_truncated_file_is_named(qwen2):
+    f = qwen2 / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    expect_error(qwen2, "model.safetensors")
+
+
+def test_shape_mismatch_names_the_tensor(qwen2):
+    tensors = load_file(str(qwen2 / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(qwen2 / "model.safetensors"))
+    expect_error(qwen2, "model.layers.0.mlp.down_proj.weight", "(3, 3)", "expects")
+
+
+def test_missing_tensor_is_named(qwen2):
+    tensors = load_file(str(qwen2 / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(qwen2 / "model.safetensors"))
+    expect_error(qwen2, "norm.weight", "missing")
+
+
+def test_missing_folder_and_config(tmp_path):
+    expect_error(tmp_path / "nope", "no such model folder")
+    expect_error(tmp_path, "config.json")
+
+
+def test_cli_prints_one_line_not_a_traceback(qwen2):
+    (qwen2 / "model.safetensors").unlink()
+    r = subprocess.run(
+        [sys.executable, "-m", "streamer", "generate", "--model", str(qwen2), "hello"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("streamer: error:") and "model.safetensors" in r.stderr
