@@ -44,6 +44,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Number of top logprobs to return per token (0: only the sampled one)."""
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None
+    prompt_logprobs_from: int | None = None
+    """Report the logprob of every prompt token at this position and after (>= 1).
+    The radix cache serves at most the tokens before it (their logits are needed)."""
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -116,6 +119,10 @@ class SeqChunk(msgspec.Struct):
     page_table: list[int]
     sample: bool
     """True when this chunk ends at the sequence's last token, so a new token is drawn."""
+    logprob_from: int = -1
+    """Chunk index from which prompt logprobs are wanted (-1: none)."""
+    logprob_targets: list[int] = msgspec.field(default_factory=list)
+    """The next token of each such position, whose logprob is reported."""
 
 
 class Batch(msgspec.Struct):
@@ -142,6 +149,7 @@ class StepOutput(msgspec.Struct):
     sampled: list[SampledToken]
     """One per sampling sequence of the batch, in order."""
     error: str | None = None
+    prompt_logprobs: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 class TokenDelta(msgspec.Struct):
@@ -154,6 +162,7 @@ class TokenDelta(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[float] | None = None
 
 
 class RequestOutput(msgspec.Struct):
@@ -169,6 +178,8 @@ class RequestOutput(msgspec.Struct):
     cached_tokens: int = 0
     logprobs: list[SampledToken] | None = None
     error: str | None = None
+    prompt_logprobs: list[float] | None = None
+    """Logprob of each prompt token from SamplingParams.prompt_logprobs_from on (first output)."""
 
 
 class Register(msgspec.Struct):

@@ -97,6 +97,7 @@ class Stream:
             cached_tokens=self.cached_tokens,
             logprobs=d.logprobs,
             error=d.error,
+            prompt_logprobs=d.prompt_logprobs,
         )
         self.sent = max(self.sent, end)
         return out, stopped

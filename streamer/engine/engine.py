@@ -154,8 +154,11 @@ class AsyncEngine:
         ids: list[int] = []
         text: list[str] = []
         logprobs: list = []
+        prompt_logprobs = None
         last = None
         async for out in self.submit(request):
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             ids.extend(out.token_ids)
             text.append(out.text)
             if out.logprobs:
@@ -173,4 +176,5 @@ class AsyncEngine:
             cached_tokens=last.cached_tokens,
             logprobs=logprobs or None,
             error=last.error,
+            prompt_logprobs=prompt_logprobs,
         )

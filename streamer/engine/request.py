@@ -41,6 +41,7 @@ class Request:
     admitted_once: bool = False
     preemptions: int = 0
     sent_prompt_info: bool = False
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:

@@ -158,14 +158,14 @@ class Scheduler:
         if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
             # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
             for r in order:
-                matches[r.request_id] = self.tree._walk(r.tokens[:-1])
+                matches[r.request_id] = self.tree._walk(r.tokens[: self._cacheable(r)])
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
         for req in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             pages, node = [], None
             if self.config.enable_prefix_caching:
-                pages, node = self.tree.match_prefix(req.tokens[:-1])
+                pages, node = self.tree.match_prefix(req.tokens[: self._cacheable(req)])
                 self.tree.lock(node)
             computed = len(pages) * self.pool.page_size
             n = min(len(req.tokens) - computed, budget)
@@ -186,6 +186,16 @@ class Scheduler:
             budget -= n
         return budget
 
+    @staticmethod
+    def _cacheable(req: Request) -> int:
+        """How many leading tokens may come from the cache: never the last one (its
+        logits are needed), nor those whose prompt logprobs were asked for."""
+        n = len(req.tokens) - 1
+        start = req.params.prompt_logprobs_from
+        if start is not None and not req.admitted_once:
+            n = min(n, max(start - 1, 0))
+        return n
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's page table cover num_tokens, evicting cached pages if needed."""
         need = self.pool.pages_for(num_tokens) - len(req.pages)
@@ -203,16 +213,23 @@ class Scheduler:
         self.step_id += 1
         seqs, params, hist, banned = [], [], [], []
         for req, n in chunks:
-            sample = req.num_computed + n == len(req.tokens)
-            seqs.append(
-                SeqChunk(
-                    req.request_id,
-                    req.tokens[req.num_computed : req.num_computed + n],
-                    req.num_computed,
-                    req.pages[: self.pool.pages_for(req.num_computed + n)],
-                    sample,
-                )
+            start = req.num_computed
+            sample = start + n == len(req.tokens)
+            chunk = SeqChunk(
+                req.request_id,
+                req.tokens[start : start + n],
+                start,
+                req.pages[: self.pool.pages_for(start + n)],
+                sample,
             )
+            want = req.params.prompt_logprobs_from
+            if want is not None and req.num_output == 0:
+                # position p predicts token p+1: positions [want-1, prompt_len-2] are needed
+                lo, hi = max(want - 1, start), min(req.prompt_len - 1, start + n)
+                if lo < hi:
+                    chunk.logprob_from = lo - start
+                    chunk.logprob_targets = req.tokens[lo + 1 : hi + 1]
+            seqs.append(chunk)
             self.in_flight.add(req.request_id)
             if sample:
                 params.append(req.params)
@@ -250,6 +267,8 @@ class Scheduler:
                 deltas.append(self._finish(req, "error", error=out.error))
                 continue
             req.num_computed = seq.start + len(seq.token_ids)
+            if seq.request_id in out.prompt_logprobs:
+                req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
             if tok is None:
                 continue
             req.tokens.append(tok.token_id)
@@ -323,6 +342,8 @@ class Scheduler:
         if not req.sent_prompt_info:
             req.sent_prompt_info = True
             d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
+            if req.params.prompt_logprobs_from is not None:
+                d.prompt_logprobs = req.prompt_logprobs
         return d
 
     def _cache_prompt(self, req: Request) -> None:

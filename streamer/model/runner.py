@@ -76,6 +76,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         cu = [0]
         last: list[int] = []
+        lp_rows: list[int] = []
+        lp_targets: list[int] = []
+        lp_owner: list[tuple[str, int]] = []
         width = max(len(s.page_table) for s in batch.seqs)
         table = []
         for s in batch.seqs:
@@ -88,6 +91,11 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             if s.sample:
                 last.append(cu[-1] - 1)
+            if s.logprob_targets:
+                first = cu[-2] + s.logprob_from
+                lp_rows.extend(range(first, first + len(s.logprob_targets)))
+                lp_targets.extend(s.logprob_targets)
+                lp_owner.append((s.request_id, len(s.logprob_targets)))
             table.append(s.page_table + [0] * (width - len(s.page_table)))
         dev = self.device
 
@@ -103,11 +111,14 @@ class ModelRunner:
             cu_q_lens=t(cu, torch.int32),
             max_q_len=max(len(s.token_ids) for s in batch.seqs),
             last=t(last, torch.long),
+            lp_rows=lp_rows,
+            lp_targets=lp_targets,
+            lp_owner=lp_owner,
         )
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [sampling sequences, vocab] in float32."""
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
         x = self.prepare(batch)
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
@@ -123,13 +134,23 @@ class ModelRunner:
             hidden = self.model(x["input_ids"], x["positions"])
         finally:
             set_context(None)
-        return self.model.compute_logits(hidden[x["last"]])
+        prompt_logprobs: dict[str, list[float]] = {}
+        if x["lp_rows"]:
+            rows = torch.tensor(x["lp_rows"], device=self.device)
+            targets = torch.tensor(x["lp_targets"], device=self.device)
+            logp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            i = 0
+            for rid, n in x["lp_owner"]:
+                prompt_logprobs[rid] = values[i : i + n]
+                i += n
+        return self.model.compute_logits(hidden[x["last"]]), prompt_logprobs
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
-        logits = self.forward(batch)
+        logits, prompt_logprobs = self.forward(batch)
         if logits.shape[0] == 0:
-            return StepOutput(batch.step, [])
+            return StepOutput(batch.step, [], prompt_logprobs=prompt_logprobs)
         rids = [s.request_id for s in batch.seqs if s.sample]
         inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
-        return StepOutput(batch.step, self.sampler(logits, inp))
+        return StepOutput(batch.step, self.sampler(logits, inp), prompt_logprobs=prompt_logprobs)

@@ -1,0 +1,30 @@
+"""Prompt logprobs (what `select` of the frontend language scores choices with)
+equal log_softmax of transformers' logits, also when the prefix is cached."""
+
+import torch
+
+from streamer import LLM, SamplingParams
+from tests.oracle import _hf_model
+
+
+def test_prompt_logprobs_match_transformers_with_a_cached_prefix(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    prefix = tok("Question: what colour is the sky on a clear day? " * 4)["input_ids"]
+    choices = [tok(" Answer: blue", add_special_tokens=False)["input_ids"],
+               tok(" Answer: green", add_special_tokens=False)["input_ids"]]
+    with LLM(str(default_model)) as llm:
+        llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=len(prefix))
+        outs = llm.generate([prefix + c for c in choices], params)
+    hf = _hf_model(str(default_model))
+    for c, o in zip(choices, outs):
+        assert o.cached_tokens >= 16, "the shared prefix came from the cache"
+        ids = torch.tensor([prefix + c])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        want = [logp[len(prefix) + i - 1, t].item() for i, t in enumerate(c)]
+        assert o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(c)
+        assert torch.allclose(torch.tensor(o.prompt_logprobs), torch.tensor(want), atol=1e-4)
+    assert sum(outs[0].prompt_logprobs) > sum(outs[1].prompt_logprobs), "blue is likelier than green"
