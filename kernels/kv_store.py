@@ -7,6 +7,8 @@ of captured CUDA graphs). One launch, no host synchronisation.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +18,11 @@ _TL_DTYPES = {
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,
 }
+
+
+def _interpreting() -> bool:
+    """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit
@@ -116,6 +123,6 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(d),
         CACHE_DTYPE=_TL_DTYPES[k_cache.dtype],
         CAST=cast,
-        INTERP=not k.is_cuda,
+        INTERP=_interpreting(),
         num_warps=4,
     )

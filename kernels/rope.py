@@ -8,11 +8,18 @@ modified). One launch, no host synchronisation (CUDA-graph safe).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _interpreting() -> bool:
+    """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit
@@ -92,10 +99,40 @@ def _rotary_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0)
     cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
     sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
-    _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
-            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP)
-    _rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
-            KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP)
+    _rotate(
+        q_ptr,
+        qo_ptr,
+        t,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        cos,
+        sin,
+        H,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        DTYPE,
+        INTERP,
+    )
+    _rotate(
+        k_ptr,
+        ko_ptr,
+        t,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        cos,
+        sin,
+        KVH,
+        HALF,
+        BLOCK_KVH,
+        BLOCK_HALF,
+        DTYPE,
+        INTERP,
+    )
 
 
 def rotary(
@@ -140,7 +177,7 @@ def rotary(
             BLOCK_KVH=triton.next_power_of_2(kvh),
             BLOCK_HALF=triton.next_power_of_2(half),
             DTYPE=_TL_DTYPES[q.dtype],
-            INTERP=not q.is_cuda,
+            INTERP=_interpreting(),
             num_warps=4,
         )
     return q_out, k_out

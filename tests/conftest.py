@@ -19,7 +19,7 @@ def default_model() -> Path:
     return ensure_default_model()
 
 
-def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path, **overrides) -> Path:
+def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overrides) -> Path:
     """A random-weight model of a given family, saved as a plain HF folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -44,20 +44,20 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path, **overrides) -
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(str(folder))
-    AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(folder))
+    if tokenizer_src is not None:
+        AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(folder))
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
+def tiny_family(root: Path, tokenizer_src: Path | None) -> dict[str, Path]:
+    """Qwen2, Qwen3 and Llama-3-style (llama3 rope scaling, tied embeddings) random models."""
     return {
-        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM", default_model),
-        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", default_model),
+        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM", tokenizer_src),
+        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", tokenizer_src),
         "llama3": make_tiny_model(
             root / "llama3",
             "LlamaForCausalLM",
-            default_model,
+            tokenizer_src,
             tie_word_embeddings=True,
             rope_parameters={
                 "rope_type": "llama3",
@@ -69,3 +69,8 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
             },
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
+    return tiny_family(tmp_path_factory.mktemp("tiny"), default_model)

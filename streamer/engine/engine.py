@@ -116,9 +116,10 @@ class AsyncEngine:
         log.error("engine actor %s", self.dead, exc_info=task.exception())
 
     async def stop(self) -> None:
-        for q in (self.q_tok, self.q_sched, self.q_exec, self.q_detok):
+        """Stop the actors in pipeline order, so requests still open get a final "abort"."""
+        for q, task in zip((self.q_tok, self.q_sched, self.q_exec, self.q_detok), self._tasks):
             q.put_nowait(None)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(task, return_exceptions=True)
         self._tasks = []
 
     def new_request_id(self) -> str:

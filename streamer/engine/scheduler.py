@@ -469,7 +469,11 @@ async def run(
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:
                     deltas.append(d)
-            elif msg is None:
+            elif msg is None:  # stopping: every request still here ends with "abort"
+                for req in list(sched.requests.values()):
+                    deltas.append(sched._finish(req, "abort"))
+                if deltas:
+                    to_detokenizer.put_nowait(deltas)
                 return
             if inbox.empty():
                 break

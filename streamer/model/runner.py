@@ -21,6 +21,7 @@ from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, StepOutput
 from streamer.model.context import ForwardContext, set_context
+from streamer.model.graphs import DecodeGraphs
 from streamer.model.loader import load_model
 from streamer.sampling.sampler import SampleInputs, Sampler
 
@@ -49,6 +50,13 @@ class ModelRunner:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.pool = self._make_pool()
         self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            max_pages = self.pool.pages_for(self.max_model_len)
+            bs = min(config.max_num_seqs, config.cuda_graph_max_bs)
+            self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
+            with torch.inference_mode():
+                self.graphs.capture()
 
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
@@ -120,6 +128,9 @@ class ModelRunner:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
         x = self.prepare(batch)
+        decode = x["max_q_len"] == 1 and all(s.sample for s in batch.seqs)
+        if decode and self.graphs is not None and self.graphs.fits(len(batch.seqs), x["page_table"].shape[1]):
+            return self.graphs.replay(x), {}
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
             page_table=x["page_table"],

@@ -12,14 +12,20 @@ end, min_tokens says not yet) the grammar wins and the ban is dropped.
 Greedy rows (temperature 0) take the argmax of the processed logits; a batch
 of greedy rows without penalties, masks or logprobs takes a pure argmax fast
 path. Every step is vectorized over the batch: per-row knobs become [rows]
-tensors, biases / bans / history counts become one scatter each; the sort for
-top-k / top-p runs only when some row uses them.
+tensors; biases, bans and penalties are one sparse scatter each over the
+(row, token) pairs they touch, never a dense [rows, vocab] pass per knob.
 
-Draws use the exponential race (argmax p / E, E ~ Exp(1), is a draw from p).
-A seeded row takes its noise from a generator seeded by (seed, number of output
-tokens so far): the noise of a request depends on nothing else, so a seed
-reproduces its output whatever shares the batch, across preemptions, and with
-no per-request state to forget.
+A draw is an inverse-CDF lookup: one uniform u per row, the first token whose
+cumulative probability exceeds u (float64 cumsum). Rows with top-k / top-p
+work on the K most probable tokens (K = max(TOP_CANDIDATES, largest top_k))
+from one topk, not a full-vocabulary sort; a top-p row whose nucleus does not
+fit in those K (a very flat distribution) falls back to a full sort.
+
+A seeded row takes its uniform from a hash of (seed, number of output tokens
+so far): the draw of a request depends on nothing else, so a seed reproduces
+its output whatever shares the batch, across preemptions, on any device, and
+with no per-request state to forget. Unseeded rows draw from torch's global
+CPU generator (seeded from EngineConfig.seed by the runner).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from streamer.messages import SampledToken, SamplingParams
+
+TOP_CANDIDATES = 256
+"""Candidate set of top-k / top-p rows (more only when a row's top_k is larger)."""
 
 
 @dataclass
@@ -43,55 +52,55 @@ class SampleInputs:
     """int32 [rows, ceil(V/32)] xgrammar bitmask (a row of all ones = unconstrained), or None."""
 
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
+_M64 = (1 << 64) - 1
 
 
 def draw_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw number `position` (splitmix64-style)."""
-    z = (seed * _MIX + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z ^= z >> 31
-    z = (z * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    z ^= z >> 29
-    return z & _MASK63
+    """A 63-bit hash of (seed, position) (splitmix64 finalizer)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) of a seeded request's draw number `position`."""
+    return (draw_seed(seed, position) >> 10) * 2.0**-53
 
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._gens: list[torch.Generator] = []
 
     def forget(self, request_id: str) -> None:
         """Kept for callers; seeded draws hold no per-request state."""
 
-    def _seeded(self, j: int, seed: int) -> torch.Generator:
-        while len(self._gens) <= j:
-            self._gens.append(torch.Generator(device=self.device))
-        return self._gens[j].manual_seed(seed)
-
     def __call__(self, logits: torch.Tensor, inp: SampleInputs) -> list[SampledToken]:
         params = inp.params
         logits = logits[:, : self.vocab_size]
-        plain = (
-            inp.bitmask is None
-            and all(p.greedy and not _has_penalty(p) and not p.logit_bias and p.logprobs is None for p in params)
-            and not any(inp.banned)
+        edits = (
+            inp.bitmask is not None or any(_has_penalty(p) or p.logit_bias for p in params) or any(inp.banned)
         )
-        if plain:
+        if not edits and all(p.greedy and p.logprobs is None for p in params):
             return [SampledToken(t) for t in logits.argmax(-1).tolist()]
-        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        logits = self._process(logits, inp)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        elif edits:
+            logits = logits.clone()
+        if edits:
+            self._process(logits, inp)
         chosen = self._draw(logits, inp)
         return self._package(logits, chosen, params)
 
     # ---- processed distribution -------------------------------------------
-    def _process(self, logits: torch.Tensor, inp: SampleInputs) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, inp: SampleInputs) -> None:
+        """Apply bias, penalties, bitmask and bans to logits in place."""
         params = inp.params
         n, v = logits.shape
         dev = logits.device
         hist = inp.histories
-        # logit_bias: one scatter-add for all rows
+        # logit_bias: one scatter-add over all (row, token) pairs
         br: list[int] = []
         bt: list[int] = []
         bv: list[float] = []
@@ -107,26 +116,23 @@ class Sampler:
             logits.index_put_(
                 (_t(br, dev), _t(bt, dev)), torch.tensor(bv, device=dev, dtype=logits.dtype), accumulate=True
             )
-        # penalties: token counts of the rows that have them, one scatter
-        prow = [i for i, p in enumerate(params) if _has_penalty(p) and i < len(hist) and hist[i]]
-        if prow:
-            r: list[int] = []
-            toks: list[int] = []
-            for j, i in enumerate(prow):
-                r.extend([j] * len(hist[i]))
-                toks.extend(hist[i])
-            counts = torch.zeros(len(prow), v, device=dev)
-            tt = _t(toks, dev).clamp_(0, v - 1)
-            counts.index_put_((_t(r, dev), tt), torch.ones(len(toks), device=dev), accumulate=True)
-            seen = counts > 0
-            idx = _t(prow, dev)
-            sub = logits[idx]
-            rep = torch.tensor([params[i].repetition_penalty for i in prow], device=dev)[:, None]
-            freq = torch.tensor([params[i].frequency_penalty for i in prow], device=dev)[:, None]
-            pres = torch.tensor([params[i].presence_penalty for i in prow], device=dev)[:, None]
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-            sub = sub - freq * counts - pres * seen.float()
-            logits[idx] = sub
+        # penalties: counts of the distinct (row, token) pairs of the histories, sparse
+        pr: list[int] = []
+        pt: list[int] = []
+        for i, p in enumerate(params):
+            if _has_penalty(p) and i < len(hist) and hist[i]:
+                pr.extend([i] * len(hist[i]))
+                pt.extend(hist[i])
+        if pr:
+            key = _t(pr, dev) * v + _t(pt, dev).clamp_(0, v - 1)
+            key, count = torch.unique(key, return_counts=True)
+            rr, tt = key // v, key % v
+            rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[rr]
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[rr]
+            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[rr]
+            x = logits[rr, tt]
+            x = torch.where(x > 0, x / rep, x * rep) - freq * count - pres
+            logits[rr, tt] = x
         # grammar bitmask, on the constrained rows only
         grows: list[int] = []
         if inp.bitmask is not None:
@@ -153,7 +159,6 @@ class Sampler:
                 now = logits[bidx]
                 dead = torch.isneginf(now).all(-1, keepdim=True)
                 logits[bidx] = torch.where(dead, keep, now)
-        return logits
 
     # ---- draw -------------------------------------------------------------
     def _draw(self, logits: torch.Tensor, inp: SampleInputs) -> torch.Tensor:
@@ -167,39 +172,42 @@ class Sampler:
             chosen = torch.empty(n, dtype=torch.long, device=dev)
         if not rows:
             return chosen
-        full = len(rows) == n
-        idx = None if full else _t(rows, dev)
-        sub = logits if idx is None else logits[idx]
-        temp = torch.tensor([params[i].temperature for i in rows], device=dev)
-        sub = sub / temp[:, None]
-        top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
-        top_p = [params[i].top_p for i in rows]
-        min_p = [params[i].min_p for i in rows]
-        if any(k < v for k in top_k) or any(p < 1.0 for p in top_p):
-            probs = filtered_probs(
-                sub,
-                _t(top_k, dev),
-                torch.tensor(top_p, device=dev),
-                torch.tensor(min_p, device=dev),
-            )
-        else:
-            probs = sub.softmax(-1)
-            if any(m > 0 for m in min_p):
-                mp = torch.tensor(min_p, device=dev)[:, None]
-                probs = probs.masked_fill(probs < mp * probs.amax(-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_()
         hist = inp.histories
-        k = 0
+        u = torch.rand(len(rows), dtype=torch.float64).tolist()
         for j, i in enumerate(rows):
             seed = params[i].seed
             if seed is not None:
-                pos = len(hist[i]) if i < len(hist) else 0
-                noise[j].exponential_(generator=self._seeded(k, draw_seed(seed, pos)))
-                k += 1
-        pick = (probs / noise.clamp_min_(1e-30)).argmax(-1)
-        if idx is None:
+                u[j] = draw_uniform(seed, len(hist[i]) if i < len(hist) else 0)
+        u_t = torch.tensor(u, dtype=torch.float64, device=dev)
+        top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
+        top_p = [params[i].top_p for i in rows]
+        min_p = [params[i].min_p for i in rows]
+        temp = torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+        sub = logits if len(rows) == n else logits[_t(rows, dev)]
+        probs = (sub / temp).softmax(-1)
+        filt = [j for j in range(len(rows)) if top_k[j] < v or top_p[j] < 1.0]
+        plain = [j for j in range(len(rows)) if top_k[j] == v and top_p[j] >= 1.0]
+        pick = torch.empty(len(rows), dtype=torch.long, device=dev)
+        if plain:
+            jj = _t(plain, dev)
+            pp = probs if len(plain) == len(rows) else probs[jj]
+            mp = [min_p[j] for j in plain]
+            if any(m > 0 for m in mp):
+                m = torch.tensor(mp, device=dev)[:, None]
+                pp = pp.masked_fill(pp < m * pp.amax(-1, keepdim=True), 0.0)
+            pick[jj] = inverse_cdf(pp, u_t[jj])
+        if filt:
+            jj = _t(filt, dev)
+            pick[jj] = top_filtered_draw(
+                probs if len(filt) == len(rows) else probs[jj],
+                [top_k[j] for j in filt],
+                [top_p[j] for j in filt],
+                [min_p[j] for j in filt],
+                u_t[jj],
+            )
+        if len(rows) == n:
             return pick
-        chosen[idx] = pick
+        chosen[_t(rows, dev)] = pick
         return chosen
 
     # ---- logprobs ---------------------------------------------------------
@@ -221,9 +229,64 @@ class Sampler:
         out = [SampledToken(t) for t in ids]
         for j, i in enumerate(rows):
             w = want[i] or 0
-            tops = list(zip(top_i[j][:w], top_v[j][:w])) if w and top_i is not None and top_v is not None else None
+            tops = (
+                list(zip(top_i[j][:w], top_v[j][:w]))
+                if w and top_i is not None and top_v is not None
+                else None
+            )
             out[i] = SampledToken(ids[i], picked[j], tops)
         return out
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative (unnormalized) probability exceeds u * total.
+
+    Zero-probability entries are never picked: their cumulative value equals the previous one.
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    j = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the last entry with mass
+    return torch.minimum(j, last).squeeze(1)
+
+
+def top_filtered_draw(
+    probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], u: torch.Tensor
+) -> torch.Tensor:
+    """Draw from softmax probs restricted to top-k, then the top-p nucleus, then min-p of the max.
+
+    Works on the K most probable tokens; rows whose nucleus may extend past them are redone
+    with a full sort (filtered_probs).
+    """
+    n, v = probs.shape
+    dev = probs.device
+    ks = [k for k in top_k if k < v]
+    kk = min(v, max([TOP_CANDIDATES, *ks]))
+    vals, idx = probs.topk(kk, dim=-1)
+    cand_mass = vals.sum(-1)
+    k_t = torch.tensor(top_k, device=dev)[:, None]
+    p_t = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+    m_t = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+    has_k = k_t < v
+    vals = vals.masked_fill(torch.arange(kk, device=dev)[None, :] >= k_t, 0.0)
+    vals = torch.where(has_k, vals / vals.sum(-1, keepdim=True), vals)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    before = vals.cumsum(-1) - vals
+    vals = vals.masked_fill(before >= p_t, 0.0)
+    vals = vals.masked_fill(vals < m_t * vals[:, :1], 0.0)
+    pick = idx.gather(1, inverse_cdf(vals, u)[:, None]).squeeze(1)
+    if kk < v:
+        # the nucleus of a row without top-k fits when the candidates' mass reaches top_p
+        short = [j for j in range(n) if top_k[j] >= v and top_p[j] < 1.0]
+        if short:
+            js = _t(short, dev)
+            redo = js[cand_mass[js] < p_t[js, 0]]
+            if redo.numel():
+                full = filtered_probs(
+                    probs[redo].log(), torch.full((redo.numel(),), v, device=dev), p_t[redo, 0], m_t[redo, 0]
+                )
+                pick[redo] = inverse_cdf(full, u[redo])
+    return pick
 
 
 def _t(x: list[int], dev: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ class ServerState:
         params = msgspec.structs.replace(req.params, max_tokens=room)
         return GenerateRequest(request_id=req.request_id, prompt_token_ids=ids, params=params)
 
-    async def stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream(self, reqs: list[GenerateRequest]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Run the engine requests concurrently; yield (index, output) as they come.
 
         Closing this iterator (or cancelling its consumer) cancels the pumps,

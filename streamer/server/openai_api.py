@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from streamer.server.protocol import ApiError
 if TYPE_CHECKING:
     from streamer.server.app import ServerState
 
-Merged = AsyncIterator[tuple[int, RequestOutput]]
+Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 def server(request: Request) -> ServerState:
@@ -208,7 +208,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = p.to_sampling_params(body, max_tokens=max_tokens, logprobs=top,
-                                  vocab_size=st.engine.tokenizer.vocab_size)
+                                  vocab_size=st.engine.tokenizer.vocab_size,
+                                  default_max_tokens=st.engine.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     base = GenerateRequest(request_id=rid, messages=chat_messages(body.messages), params=params,
                            add_generation_prompt=body.add_generation_prompt)
@@ -224,24 +225,26 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     st.admit(len(reqs))
     gen, buffered = await start(st, reqs)
     fmt = Formatter(st)
-    head = dict(id=rid, object="chat.completion" if chat else "text_completion", created=int(time.time()),
-                model=st.model_name)
+    created = int(time.time())
     if stream:
-        events = chat_events(gen, buffered, fmt, head, n, len(reqs), options) if chat else \
-            completion_events(gen, buffered, fmt, head, n, options)
-        return EventSourceResponse(events, sep="\n", shutdown_grace_period=20)
+        chunks = ChatChunks(fmt, rid, created, st.model_name) if chat else \
+            CompletionChunks(fmt, rid, created, st.model_name)
+        usage_wanted = bool(options and options.include_usage)
+        return EventSourceResponse(events(gen, buffered, chunks, n, len(reqs), usage_wanted), sep="\n",
+                                   shutdown_grace_period=20)
     choices = await until_disconnect(request, collect(gen, buffered, len(reqs)))
     if choices is None:
-        return Response(status_code=499)
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    ordered = sorted(choices.items())
     if chat:
         return json_response(p.ChatCompletionResponse(
-            **head, usage=usage(choices, n),
+            rid, "chat.completion", created, st.model_name, usage=usage(choices, n),
             choices=[p.ChatChoice(i, p.AssistantMessage("assistant", "".join(c.text)),
-                                  fmt.chat_logprobs(c.logprobs), c.finish_reason) for i, c in sorted(choices.items())]))
+                                  fmt.chat_logprobs(c.logprobs), c.finish_reason) for i, c in ordered]))
     return json_response(p.CompletionResponse(
-        **head, usage=usage(choices, n),
+        rid, "text_completion", created, st.model_name, usage=usage(choices, n),
         choices=[p.CompletionChoice(i, "".join(c.text), fmt.completion_logprobs(c.logprobs, c), c.finish_reason)
-                 for i, c in sorted(choices.items())]))
+                 for i, c in ordered]))
 
 
 async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
@@ -253,13 +256,12 @@ async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count:
             choices[i].add(out)
     finally:
         await gen.aclose()
-    failed = [c for c in choices.values() if c.finish_reason == "error"]
-    if failed:
+    if any(c.finish_reason == "error" for c in choices.values()):
         raise ApiError("generation failed", 500, type="server_error")
     return choices
 
 
-async def until_disconnect(request: Request, work: Any) -> Any:
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
     """Run work; if the client goes away first, cancel it (which aborts its engine requests)."""
     task = asyncio.ensure_future(work)
 
@@ -277,60 +279,66 @@ async def until_disconnect(request: Request, work: Any) -> Any:
     return task.result() if not task.cancelled() else None
 
 
-def error_event(message: str) -> str:
-    return msgspec.json.encode(p.ErrorResponse(p.ErrorInfo(message, "server_error"))).decode()
+# ---- SSE -----------------------------------------------------------------------------
 
 
-async def completion_events(gen: Merged, buffered: list, fmt: Formatter, head: dict, n: int,
-                            options: p.StreamOptions | None) -> AsyncIterator[str]:
-    choices: dict[int, Choice] = {}
+class CompletionChunks:
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
+        self.fmt, self.head = fmt, (rid, "text_completion", created, model)
 
-    def chunk(*cs: p.CompletionChoice, use: p.Usage | None = None) -> str:
-        return msgspec.json.encode(p.CompletionResponse(**head, choices=list(cs), usage=use)).decode()
+    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> str:
+        return msgspec.json.encode(p.CompletionResponse(*self.head, choices=list(choices), usage=use)).decode()
 
+    def opening(self, count: int) -> list[str]:
+        return []
+
+    def content(self, i: int, out: RequestOutput, c: Choice) -> str:
+        return self.encode(p.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
+
+    def finish(self, i: int, reason: str | None) -> str:
+        return self.encode(p.CompletionChoice(i, "", None, reason))
+
+
+class ChatChunks:
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
+        self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
+
+    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> str:
+        return msgspec.json.encode(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use)).decode()
+
+    def opening(self, count: int) -> list[str]:
+        return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in range(count)]
+
+    def content(self, i: int, out: RequestOutput, c: Choice) -> str:
+        return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), self.fmt.chat_logprobs(out.logprobs or [])))
+
+    def finish(self, i: int, reason: str | None) -> str:
+        return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
+
+
+async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
+                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[str]:
+    """OpenAI's chunk order: [role], content deltas, a finish chunk per choice, [usage], [DONE].
+
+    A failure after the stream began cannot change the status any more: it is
+    sent as an {"error": ...} event before [DONE].
+    """
+    choices = {i: Choice() for i in range(count)}
     try:
+        for opening in chunks.opening(count):
+            yield opening
         async for i, out in chain(buffered, gen):
-            c = choices.setdefault(i, Choice())
-            c.add(out)
+            choices[i].add(out)
             if out.error:
-                yield error_event(out.error)
+                yield msgspec.json.encode(p.ErrorResponse(p.ErrorInfo(out.error, "server_error"))).decode()
                 break
             if out.text or out.logprobs:
-                yield chunk(p.CompletionChoice(i, out.text, fmt.completion_logprobs(out.logprobs or [], c)))
+                yield chunks.content(i, out, choices[i])
             if out.finished:
-                yield chunk(p.CompletionChoice(i, "", None, out.finish_reason))
+                yield chunks.finish(i, out.finish_reason)
         else:
-            if options and options.include_usage:
-                yield chunk(use=usage(choices, n))
-        yield "[DONE]"
-    finally:
-        await gen.aclose()
-
-
-async def chat_events(gen: Merged, buffered: list, fmt: Formatter, head: dict, n: int, count: int,
-                      options: p.StreamOptions | None) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk"}
-    choices: dict[int, Choice] = {}
-
-    def chunk(*cs: p.ChatChunkChoice, use: p.Usage | None = None) -> str:
-        return msgspec.json.encode(p.ChatCompletionChunk(**head, choices=list(cs), usage=use)).decode()
-
-    try:
-        for i in range(count):
-            yield chunk(p.ChatChunkChoice(i, p.Delta(role="assistant", content="")))
-        async for i, out in chain(buffered, gen):
-            c = choices.setdefault(i, Choice())
-            c.add(out)
-            if out.error:
-                yield error_event(out.error)
-                break
-            if out.text or out.logprobs:
-                yield chunk(p.ChatChunkChoice(i, p.Delta(content=out.text), fmt.chat_logprobs(out.logprobs or [])))
-            if out.finished:
-                yield chunk(p.ChatChunkChoice(i, p.Delta(), None, out.finish_reason))
-        else:
-            if options and options.include_usage:
-                yield chunk(use=usage(choices, n))
+            if usage_wanted:
+                yield chunks.encode(use=usage(choices, n))
         yield "[DONE]"
     finally:
         await gen.aclose()

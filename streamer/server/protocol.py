@@ -12,11 +12,13 @@ send vendor extensions freely and a strict server would break them.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct, field
 
+from streamer.errors import RequestError
 from streamer.messages import GrammarSpec, SamplingParams
 
 # ---- errors ------------------------------------------------------------------
@@ -33,7 +35,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
@@ -279,19 +281,21 @@ def grammar_of(body: SamplingFields) -> GrammarSpec | None:
 
 
 def to_sampling_params(
-    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int, default_max_tokens: int = 16
 ) -> SamplingParams:
-    """The one mapping from any request body to SamplingParams (n stays 1: the server fans out)."""
+    """The one mapping from any request body to SamplingParams (n stays 1: the server fans out).
+
+    Chat passes the context length as default_max_tokens, to be narrowed to
+    the room the prompt leaves (ServerState.fit_to_context).
+    """
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if body.min_tokens > (max_tokens or body.min_tokens):
-        raise ApiError("min_tokens must not exceed max_tokens", param="min_tokens")
     bias = body.logit_bias or None
     if bias and any(not 0 <= t < vocab_size for t in bias):
         raise ApiError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(
-        max_tokens=max_tokens or 16,
+    params = SamplingParams(
+        max_tokens=max_tokens or default_max_tokens,
         min_tokens=body.min_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -309,6 +313,11 @@ def to_sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         grammar=grammar_of(body),
     )
+    try:
+        params.validate()
+    except RequestError as e:
+        raise ApiError(str(e)) from None
+    return params
 
 
 def decode_body(data: bytes, kind: type[Any]) -> Any:

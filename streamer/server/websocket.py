@@ -32,6 +32,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamer.messages import GenerateRequest, SamplingParams
@@ -104,7 +105,7 @@ class Session:
             if self.turn is not None:
                 self.turn.cancel()  # closes its engine stream, which aborts the request
 
-    async def receive(self, idle: float) -> dict[str, Any] | None:
+    async def receive(self, idle: float) -> Message | None:
         """The next client message, or None once the session has been idle for `idle` seconds."""
         while True:
             left = idle if self.busy else self.last_active + idle - time.monotonic()
@@ -141,7 +142,8 @@ class Session:
             raise ApiError("n must be 1 in a chat session")
         self.st.check_model(msg.model)
         params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
-                                      vocab_size=self.st.engine.tokenizer.vocab_size)
+                                      vocab_size=self.st.engine.tokenizer.vocab_size,
+                                      default_max_tokens=self.st.engine.max_model_len)
         self.turns += 1
         self.turn_rid = f"ws-{self.id}-{self.turns}"
         self.turn = asyncio.create_task(self.run_turn(msg.content, params, fit=msg.max_tokens is None))

@@ -95,13 +95,30 @@ def test_paged_decode_matches_reference(dtype, page_size, gqa):
     _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[dtype])
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
+# kernel variants of paged_decode: (prefetch, head_major)
+DECODE_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("prefetch,head_major", DECODE_VARIANTS)
+@pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("d", [64, 128])
-def test_paged_decode_splits_merge_exactly(num_splits, d):
-    """Any split count (including splits left empty for short sequences) gives the same result."""
+def test_paged_decode_splits_and_variants(num_splits, d, prefetch, head_major):
+    """Any split count (including splits left empty for short sequences) and kernel variant
+    gives the reference result."""
     q, kc, vc, pt, lens = _decode_case([3, 100, 40], 16, 4, d, torch.float32, seed=1)
     scale = 1 / math.sqrt(d)
-    out = attention.paged_decode(q, kc, vc, pt, lens, scale, num_splits=num_splits, block_n=16)
+    out = attention.paged_decode(
+        q,
+        kc,
+        vc,
+        pt,
+        lens,
+        scale,
+        num_splits=num_splits,
+        block_n=16,
+        prefetch=prefetch,
+        head_major=head_major,
+    )
     _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[torch.float32])
 
 
@@ -114,7 +131,11 @@ def test_paged_decode_strided_query_and_max_seq_len_hint():
     assert not qv.is_contiguous()
     ref = _decode_ref(q, kc, vc, pt, lens, 0.3)
     for hint in (None, 70, 10_000):
-        _close(attention.paged_decode(qv, kc, vc, pt, lens, 0.3, max_seq_len=hint), ref, 2e-5 if not CUDA else 1e-4)
+        _close(
+            attention.paged_decode(qv, kc, vc, pt, lens, 0.3, max_seq_len=hint),
+            ref,
+            2e-5 if not CUDA else 1e-4,
+        )
 
 
 # --------------------------------------------------------------------------- paged_extend
@@ -142,7 +163,8 @@ EXTEND_MIX = ([0, 0, 26, 5, 0], [7, 1, 33, 2, 40])
 def test_paged_extend_matches_reference(dtype, page_size, gqa):
     d = 64 if gqa != 4 else 128
     prefixes, q_lens = EXTEND_MIX
-    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, gqa, d, dtype)
+    kvh = 1 if gqa == 8 else 2  # keeps the interpreter's program count small
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, gqa, d, dtype, kvh=kvh)
     scale = 1 / math.sqrt(d)
     out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens))
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -185,7 +207,11 @@ ODD_SHAPES = [
 def test_paged_attention_odd_shapes(page_size, d, gqa, dtype):
     scale = 1 / math.sqrt(d)
     q, kc, vc, pt, lens = _decode_case([1, 7, 33], page_size, gqa, d, dtype, kvh=1, seed=6)
-    _close(attention.paged_decode(q, kc, vc, pt, lens, scale), _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[dtype])
+    _close(
+        attention.paged_decode(q, kc, vc, pt, lens, scale),
+        _decode_ref(q, kc, vc, pt, lens, scale),
+        ATTN_TOL[dtype],
+    )
     q, kc, vc, pt, lens, cu = _extend_case([0, 9], [7, 12], page_size, gqa, d, dtype, kvh=1, seed=7)
     out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, 12)
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])
@@ -209,7 +235,9 @@ def test_store_kv_matches_reference(page_size, dtype, cache_dtype):
     slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
     slots[[2, 5]] = -1  # padding entries are skipped
     slots = slots.to(DEVICE)
-    caches = [torch.randn(pages, page_size, kvh, d, generator=gen).to(cache_dtype).to(DEVICE) for _ in range(2)]
+    caches = [
+        torch.randn(pages, page_size, kvh, d, generator=gen).to(cache_dtype).to(DEVICE) for _ in range(2)
+    ]
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     reference.store_kv(k, v, ref_k, ref_v, slots)
     kv_store.store_kv(k, v, caches[0], caches[1], slots)
@@ -291,24 +319,38 @@ def test_silu_and_mul_matches_reference(inter, dtype):
 # --------------------------------------------------------------------------- GPU sizes
 
 
+# dtype, page_size, gqa, head_dim of the model-sized GPU cases
+CUDA_ATTN_CASES = [
+    (torch.bfloat16, 16, 4, 128),
+    (torch.bfloat16, 1, 8, 128),
+    (torch.bfloat16, 16, 1, 64),
+    (torch.bfloat16, 32, 8, 256),
+    (torch.float16, 16, 4, 128),
+    (torch.float32, 16, 4, 128),
+    (torch.float32, 1, 8, 64),
+]
+
+
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("page_size,gqa,d", [(16, 4, 128), (1, 8, 128), (16, 1, 64), (16, 8, 256)])
+@pytest.mark.parametrize("dtype,page_size,gqa,d", CUDA_ATTN_CASES)
 def test_cuda_paged_decode_large(dtype, page_size, gqa, d):
     seq_lens = [1, 17, 255, 1000, 2047, 4100, 333, 64]
     q, kc, vc, pt, lens = _decode_case(seq_lens, page_size, gqa, d, dtype, kvh=4)
     scale = 1 / math.sqrt(d)
     ref = _decode_ref(q.float(), kc.float(), vc.float(), pt, lens, scale)
     _close(attention.paged_decode(q, kc, vc, pt, lens, scale), ref, ATTN_TOL[dtype])
-    for splits in (1, 7, 32):
-        _close(attention.paged_decode(q, kc, vc, pt, lens, scale, num_splits=splits), ref, ATTN_TOL[dtype])
+    for prefetch, head_major in DECODE_VARIANTS:
+        for splits in (1, 7):
+            out = attention.paged_decode(
+                q, kc, vc, pt, lens, scale, num_splits=splits, prefetch=prefetch, head_major=head_major
+            )
+            _close(out, ref, ATTN_TOL[dtype])
 
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("page_size,gqa,d", [(16, 4, 128), (1, 8, 128), (16, 1, 64)])
+@pytest.mark.parametrize("dtype,page_size,gqa,d", CUDA_ATTN_CASES)
 def test_cuda_paged_extend_large(dtype, page_size, gqa, d):
     prefixes = [0, 0, 700, 129, 0, 2000]
     q_lens = [1, 300, 77, 513, 64, 5]
@@ -336,7 +378,7 @@ def test_cuda_decode_graph_capture_replay():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = attention.paged_decode(q, kc, vc, pt, static_lens, scale)
-    for new in ([100, 2000, 37, 900], [1, 5, 1999, 64]):
+    for new in ([100, 2000, 37, 900], [1, 1999, 5, 64]):  # within each sequence's pages
         static_lens.copy_(torch.tensor(new, dtype=torch.int32))
         g.replay()
         torch.cuda.synchronize()
@@ -346,7 +388,9 @@ def test_cuda_decode_graph_capture_replay():
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_cuda_elementwise_large(dtype):
     gen = torch.Generator().manual_seed(0)
     t, hidden, inter, h, kvh, d = 257, 4096, 11008, 32, 8, 128

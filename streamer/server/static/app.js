@@ -80,8 +80,8 @@ function handle(msg) {
         `${u.completion_tokens} tokens · ${u.cached_tokens} of ${u.prompt_tokens} prompt tokens cached · ${msg.finish_reason}`);
       break;
     }
-    case "reset":
-      messages.replaceChildren();
+    case "reset":  // the page cleared itself when the button was pressed
+      status("new chat");
       break;
     case "error":
       add("error", msg.message);

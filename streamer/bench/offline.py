@@ -1,0 +1,300 @@
+"""Offline benchmarks: the engine in-process, the transformers peer in the same run.
+
+  W1  Qwen3-0.6B shape, 256 requests, input and output lengths uniform in [100, 1024] (seed 0)
+  W2  Llama-3.1-8B shape, batch 1, 128 prompt tokens, 256 new tokens (ms per output token)
+  W3  Llama-3.1-8B shape, 1,000 requests of 1,000 input and 1,000 output tokens
+  W4  prefix sharing: 32 groups x (2,000-token shared prefix + 16 distinct 64-token questions), 128 out;
+      radix cache on vs off
+
+Weights are random of the real shapes (dummy), EOS is ignored, so every request
+produces exactly its output length. Each figure comes with the floor: the bytes
+that must move over the measured 4.25 TB/s, or the FLOPs over ~800 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on the H200
+FLOPS = 800e12
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str
+    prompts: list[list[int]]
+    outputs: list[int]
+    peer_requests: int
+    note: str = ""
+
+
+@dataclass
+class Result:
+    workload: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    output_tokens_per_s: float
+    ms_per_output_token: float | None = None
+    floor_seconds: float | None = None
+    floor_fraction: float | None = None
+    cache_hit_rate: float | None = None
+    peer: dict[str, Any] = field(default_factory=dict)
+    ratio_vs_peer: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+
+    def rand_prompt(length: int) -> list[int]:
+        return [rng.randrange(10, vocab - 10) for _ in range(length)]
+
+    if name == "W1":
+        n = n or 256
+        ins = [rng.randint(100, 1024) for _ in range(n)]
+        outs = [rng.randint(100, 1024) for _ in range(n)]
+        return Workload(name, "qwen3-0.6b", [rand_prompt(i) for i in ins], outs, peer_requests=min(n, 64))
+    if name == "W2":
+        return Workload(name, "llama-3.1-8b", [rand_prompt(128)], [256], peer_requests=1)
+    if name == "W3":
+        n = n or 1000
+        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 128))
+    if name == "W4":
+        groups = n or 32
+        prompts = []
+        for _ in range(groups):
+            prefix = rand_prompt(2000)
+            prompts += [prefix + rand_prompt(64) for _ in range(16)]
+        return Workload(name, "llama-3.1-8b", prompts, [128] * len(prompts), peer_requests=0)
+    raise SystemExit(f"unknown workload {name}")
+
+
+def model_bytes_and_params(llm: Any) -> tuple[int, int]:
+    m = llm.engine.runner.model
+    params = sum(p.numel() for p in m.parameters())
+    return sum(p.numel() * p.element_size() for p in m.parameters()), params
+
+
+def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
+    """Lower bound: max(bytes / bandwidth, flops / peak). Weights are read once per
+    decode step; KV of every earlier token is read once per new token."""
+    wbytes, params = model_bytes_and_params(llm)
+    cfg = llm.engine.runner.hf_config
+    head_dim = llm.engine.runner.model.head_dim
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    total_out = sum(w.outputs)
+    steps = max(max(w.outputs), total_out / max(concurrency, 1))
+    kv = sum(kv_per_token * (len(p) * o + o * (o - 1) / 2) for p, o in zip(w.prompts, w.outputs))
+    mem = (steps * wbytes + kv) / BANDWIDTH
+    flops = 2 * params * sum(len(p) + o for p, o in zip(w.prompts, w.outputs)) / FLOPS
+    return max(mem, flops)
+
+
+class Progress:
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.done, self.label, self.t0, self.last = total, 0, label, time.monotonic(), 0.0
+
+    def tick(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        # a terminal gets a live bar; a log gets a line every 10 s
+        every = 0.5 if sys.stderr.isatty() else 10.0
+        if now - self.last > every or self.done == self.total:
+            self.last = now
+            bar = "#" * int(30 * self.done / self.total)
+            end = "" if sys.stderr.isatty() and self.done < self.total else "\n"
+            line = f"{self.label} [{bar:<30}] {self.done}/{self.total} {now - self.t0:6.1f}s"
+            print(("\r" if sys.stderr.isatty() else "") + line, end=end, file=sys.stderr)
+
+
+async def _run_engine(llm: Any, w: Workload, label: str) -> tuple[float, list[float], list[float]]:
+    from streamer.messages import GenerateRequest, SamplingParams
+
+    engine = llm.engine
+    prog = Progress(sum(w.outputs), label)
+    first: list[float] = []
+    last: list[float] = []
+
+    async def one(i: int) -> None:
+        params = SamplingParams(max_tokens=w.outputs[i], temperature=0, ignore_eos=True)
+        req = GenerateRequest(request_id=f"{label}-{i}", prompt_token_ids=w.prompts[i], params=params)
+        t_first = None
+        async for out in engine.submit(req):
+            if t_first is None:
+                t_first = time.perf_counter()
+            prog.tick(len(out.token_ids))
+            if out.error:
+                raise RuntimeError(out.error)
+        first.append(t_first or 0.0)
+        last.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(len(w.prompts))))
+    return time.perf_counter() - t0, first, last
+
+
+def run_engine(llm: Any, w: Workload, label: str):
+    return llm.call(_run_engine(llm, w, label))
+
+
+def warm_up(llm: Any, vocab: int) -> None:
+    from streamer.messages import SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in (7, 100, 700)]
+    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+
+
+def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
+    """transformers on the same workload: generate_batch (continuous batching, paged|sdpa),
+    or plain generate at batch 1. Outputs all at the mean length (generate_batch has one
+    max_new_tokens)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    n = w.peer_requests
+    if n == 0:
+        return {}
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    kw: dict[str, Any] = {"dtype": getattr(torch, dtype)}
+    batch = n > 1
+    if batch:
+        kw["attn_implementation"] = "paged|sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, **kw).eval()
+    mean_out = round(sum(w.outputs[:n]) / n)
+    gen = GenerationConfig(
+        max_new_tokens=mean_out, do_sample=False, eos_token_id=-1, pad_token_id=0, use_cuda_graph=False
+    )
+    prompts = w.prompts[:n]
+    with torch.no_grad():  # generate_batch's worker thread breaks under inference_mode
+        if batch:
+            model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
+                max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = model.generate_batch(inputs=prompts, generation_config=gen)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            produced = sum(len(o.generated_tokens) for o in outs.values())
+        else:
+            ids = torch.tensor(prompts, device="cuda")
+            model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=mean_out, min_new_tokens=mean_out, do_sample=False)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            produced = out.shape[1] - ids.shape[1]
+    del model
+    torch.cuda.empty_cache()
+    res = {"requests": n, "output_tokens": produced, "seconds": dt, "output_tokens_per_s": produced / dt,
+           "method": "generate_batch paged|sdpa" if batch else "generate"}
+    if not batch:
+        res["ms_per_output_token"] = 1e3 * dt / produced
+    return res
+
+
+def bench(args: argparse.Namespace, name: str) -> Result:
+    from streamer import LLM
+
+    w0 = make_workload(name, 1000, None)
+    model_dir = Path(args.model_dir or CONFIGS / w0.model)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = make_workload(name, cfg["vocab_size"], args.num_requests, seed=0)
+    longest = max(len(p) + o for p, o in zip(w.prompts, w.outputs))
+    common = dict(
+        load_format="dummy" if args.dummy else "auto",
+        dtype=args.dtype,
+        max_model_len=max(longest + 16, 2048),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+    llm = LLM(str(model_dir), **common)
+    try:
+        warm_up(llm, cfg["vocab_size"])
+        dt, first, last = run_engine(llm, w, name)
+        stats = llm.stats()
+        total = sum(w.outputs)
+        res = Result(name, len(w.prompts), total, dt, total / dt, cache_hit_rate=stats.cache_hit_rate)
+        if name == "W2":
+            res.ms_per_output_token = 1e3 * (last[0] - first[0]) / (w.outputs[0] - 1)
+            res.extra["ttft_ms"] = 1e3 * (dt - (last[0] - first[0]))
+        res.floor_seconds = floor_seconds(llm, w, args.max_num_seqs)
+        res.floor_fraction = res.floor_seconds / dt
+        if name == "W2" and res.ms_per_output_token:
+            wbytes, _ = model_bytes_and_params(llm)
+            res.extra["floor_ms_per_token"] = 1e3 * wbytes / BANDWIDTH
+            res.floor_fraction = res.extra["floor_ms_per_token"] / res.ms_per_output_token
+        res.extra["engine_stats"] = {k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")}
+    finally:
+        llm.close()
+        del llm
+    if name == "W4":
+        cold = LLM(str(model_dir), enable_prefix_caching=False, **common)
+        try:
+            warm_up(cold, cfg["vocab_size"])
+            dt_off, _, _ = run_engine(cold, w, "W4-cache-off")
+        finally:
+            cold.close()
+        groups = len(w.prompts) // 16
+        optimal = groups * 15 * 2000 / sum(len(p) for p in w.prompts)
+        res.extra.update(cache_off_seconds=dt_off, speedup_vs_cache_off=dt_off / dt,
+                         optimal_hit_rate=optimal, hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal)
+    if args.peer and w.peer_requests:
+        try:
+            res.peer = run_peer(model_dir, w, "bfloat16" if args.dtype == "auto" else args.dtype)
+            if name == "W2" and res.ms_per_output_token:
+                res.ratio_vs_peer = res.peer["ms_per_output_token"] / res.ms_per_output_token
+            else:
+                res.ratio_vs_peer = res.output_tokens_per_s / res.peer["output_tokens_per_s"]
+        except Exception as e:  # noqa: BLE001 - the peer's failure is reported, not fatal
+            res.peer = {"error": repr(e)[:500]}
+    return res
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="W1,W2,W3", help="comma-separated: W1, W2, W3, W4")
+    p.add_argument("--model-dir", default=None, help="override the workload's config folder")
+    p.add_argument("--num-requests", type=int, default=None, help="override the request count (W4: groups)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="random weights")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run transformers too")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--json", default=None, help="write results here")
+
+
+def print_table(results: list[Result]) -> None:
+    print(f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}")
+    for r in results:
+        peer = r.peer.get("output_tokens_per_s")
+        print(
+            f"{r.workload:8} {r.requests:5d} {r.output_tokens_per_s:10.0f} "
+            f"{(r.ms_per_output_token or 0):7.2f} {100 * (r.floor_fraction or 0):6.1f}% "
+            f"{(peer or 0):10.0f} {(r.ratio_vs_peer or 0):6.1f}"
+        )
+
+
+def main(args: argparse.Namespace) -> None:
+    results = []
+    for name in args.workload.split(","):
+        r = bench(args, name.strip())
+        results.append(r)
+        print(json.dumps(asdict(r)), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(x) for x in results], indent=2))
+    print_table(results)

@@ -1,0 +1,54 @@
+"""/health, /metrics and /openapi.json."""
+
+from __future__ import annotations
+
+METRICS = [
+    "streamer_http_requests_total",
+    "streamer_prompt_tokens_total",
+    "streamer_generated_tokens_total",
+    "streamer_time_to_first_token_seconds_bucket",
+    "streamer_inter_token_latency_seconds_bucket",
+    "streamer_request_latency_seconds_bucket",
+    "streamer_requests_running",
+    "streamer_requests_waiting",
+    "streamer_kv_pages_free",
+    "streamer_kv_pages_used",
+    "streamer_kv_pages_cached",
+    "streamer_prefix_cache_hit_rate",
+    "streamer_preemptions_total",
+]
+
+
+def test_health(http):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": "smol"}
+
+
+def test_metrics_names_and_values(http):
+    http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+    text = http.get("/metrics").text
+    for name in METRICS:
+        assert f"\n{name}" in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['streamer_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["streamer_generated_tokens_total"] >= 3
+    assert values["streamer_time_to_first_token_seconds_count"] >= 1
+    assert values["streamer_kv_pages_free"] + values["streamer_kv_pages_used"] == values["streamer_kv_pages_total"]
+
+
+def test_openapi_document(http):
+    doc = http.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
+    schemas = doc["components"]["schemas"]
+    ref = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    chat = schemas[ref["$ref"].rsplit("/", 1)[1]]
+    assert "messages" in chat["required"] and "max_tokens" in chat["properties"]
+    assert "400" in doc["paths"]["/v1/completions"]["post"]["responses"]
+
+
+def test_chat_page_is_served(http):
+    r = http.get("/")
+    assert r.status_code == 200 and "/static/app.js" in r.text
+    assert http.get("/static/app.js").status_code == 200

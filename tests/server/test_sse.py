@@ -1,0 +1,80 @@
+"""Raw Server-Sent Events: the exact chunk sequence, and what a client going away leaves behind."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+
+
+def events(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_chat_chunk_sequence(http):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = events(r)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "smol" for c in chunks)
+    first, *middle, finish, usage = chunks
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]
+    assert middle and all(set(c["choices"][0]["delta"]) == {"content"} for c in middle)
+    assert all(c["choices"][0]["finish_reason"] is None for c in middle)
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage["choices"] == []
+    u = usage["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and "cached_tokens" in u[
+        "prompt_tokens_details"]
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_completion_chunks_without_usage(http):
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True, "logprobs": 1}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        data = events(r)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    texts = [c["choices"][0] for c in chunks[:-1]]
+    assert all(t["logprobs"]["tokens"] and t["finish_reason"] is None for t in texts)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_disconnect_aborts_and_frees_pages(live):
+    """A client that goes away mid-stream: its request stops and every page is free or cached."""
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+                       "stream": True}).encode()
+    before = live.stats().generated_tokens_total
+    host, port = live.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = b""
+    while got.count(b"data: ") < 4:  # a few tokens streamed
+        got += sock.recv(65536)
+    assert b"200 OK" in got
+    sock.close()
+    stats = live.wait_idle()
+    assert stats.running == 0 and stats.pages_used == stats.pages_cached
+    assert stats.generated_tokens_total - before < 300  # it stopped long before max_tokens
+
+
+def test_disconnect_during_non_streaming_request(live, http):
+    before = live.stats().generated_tokens_total
+    try:
+        http.post("/v1/completions", json={"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True},
+                  timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    time.sleep(0.2)
+    stats = live.wait_idle()
+    assert stats.generated_tokens_total - before < 300

@@ -1,0 +1,134 @@
+"""WebSocket chat sessions: the server keeps the conversation, and the radix cache keeps its KV."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+
+async def recv(ws) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+
+async def turn(ws, content: str, **params) -> tuple[str, dict]:
+    """Send one user message; return (streamed text, done message)."""
+    await ws.send(json.dumps({"type": "user", "content": content, **params}))
+    text = []
+    while True:
+        msg = await recv(ws)
+        if msg["type"] == "delta":
+            text.append(msg["text"])
+        elif msg["type"] == "done":
+            return "".join(text), msg
+        else:
+            raise AssertionError(f"unexpected {msg}")
+
+
+async def open_session(live):
+    ws = await connect(f"{live.ws_url}/v1/chat/ws")
+    hello = await recv(ws)
+    assert hello["type"] == "session" and hello["model"] == "smol"
+    return ws
+
+
+def test_three_turns_reuse_the_cache(live):
+    async def main():
+        async with await open_session(live) as ws:
+            dones = []
+            for q in ("Hi! What is your name?", "What is 2 + 2?", "Thanks. Name a color."):
+                text, done = await turn(ws, q, max_tokens=12, temperature=0)
+                assert text and done["finish_reason"] in ("stop", "length")
+                dones.append(done["usage"])
+            return dones
+
+    usages = asyncio.run(main())
+    prompts = [u["prompt_tokens"] for u in usages]
+    cached = [u["cached_tokens"] for u in usages]
+    assert prompts[0] < prompts[1] < prompts[2]  # each prompt holds the whole history
+    assert cached[0] < cached[1] < cached[2]  # ... and the history's KV comes from the cache
+    assert cached[1] >= prompts[0] - 16 and cached[2] >= prompts[1] - 16  # all but a partial page
+    live.wait_idle()
+
+
+def test_cancel_reset_and_errors(live):
+    async def main():
+        async with await open_session(live) as ws:
+            await ws.send(json.dumps({"type": "user", "content": "Write a long poem.", "max_tokens": 300,
+                                      "ignore_eos": True}))
+            assert (await recv(ws))["type"] == "delta"
+            await ws.send(json.dumps({"type": "user", "content": "again"}))  # a turn is running
+            err = await recv(ws)
+            while err["type"] == "delta":
+                err = await recv(ws)
+            assert err["type"] == "error" and "cancel" in err["message"]
+            await ws.send(json.dumps({"type": "cancel"}))
+            msg = await recv(ws)
+            while msg["type"] == "delta":
+                msg = await recv(ws)
+            assert msg["type"] == "done" and msg["finish_reason"] == "abort"
+            assert msg["usage"]["completion_tokens"] < 300
+
+            for bad in ("not json", json.dumps({"type": "dance"}), json.dumps({"type": "user"}),
+                        json.dumps({"type": "user", "content": "x", "max_tokens": 0}),
+                        json.dumps({"type": "user", "content": "x", "temperature": "hot"})):
+                await ws.send(bad)
+                m = await recv(ws)
+                assert m["type"] == "error" and m["message"], bad
+
+            await ws.send(json.dumps({"type": "reset"}))
+            assert (await recv(ws)) == {"type": "reset"}
+            _, done = await turn(ws, "Hi", max_tokens=4)
+            return done
+
+    done = asyncio.run(main())
+    assert done["finish_reason"] in ("stop", "length")
+    live.wait_idle()
+
+
+def test_too_long_turn_is_an_error_and_the_session_lives_on(live):
+    async def main():
+        async with await open_session(live) as ws:
+            await ws.send(json.dumps({"type": "user", "content": "hi " * 9000}))
+            m = await recv(ws)
+            assert m["type"] == "error" and "context length" in m["message"]
+            _, done = await turn(ws, "Hi", max_tokens=3)
+            assert done["usage"]["prompt_tokens"] < 100  # the refused message left no trace in the history
+
+    asyncio.run(main())
+
+
+def test_disconnect_aborts_the_running_turn(live):
+    async def main():
+        ws = await open_session(live)
+        await ws.send(json.dumps({"type": "user", "content": "Tell a long story.", "max_tokens": 400,
+                                  "ignore_eos": True}))
+        assert (await recv(ws))["type"] == "delta"
+        await ws.close()
+
+    before = live.stats().generated_tokens_total
+    asyncio.run(main())
+    stats = live.wait_idle()
+    assert stats.generated_tokens_total - before < 300
+
+
+@pytest.fixture
+def short_idle(live):
+    config = live.state.config
+    old, config.session_idle_timeout = config.session_idle_timeout, 0.5
+    yield
+    config.session_idle_timeout = old
+
+
+def test_idle_session_is_closed(live, short_idle):
+    async def main():
+        async with await open_session(live) as ws:
+            with pytest.raises(ConnectionClosed) as e:
+                await asyncio.wait_for(ws.recv(), 10)
+            return e.value.rcvd
+
+    close = asyncio.run(main())
+    assert close.code == 1000 and "idle" in close.reason
