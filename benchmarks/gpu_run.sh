@@ -9,9 +9,10 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-check}" in
   check)
-    python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu -m cuda 2>&1 | tail -15
+    python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels -m cuda 2>&1 | tail -15
     ;;
   w1w2)
+    [ -n "${WITH_CHECK:-}" ] && python3 -m pytest -q -p no:cacheprovider tests/gpu -m cuda 2>&1 | tail -8
     python3 -m streamer bench offline --workload W2 --max-num-seqs 8 --json "$OUT/w2.json" 2>&1 | grep -v "^W2 \["
     python3 -m streamer bench offline --workload W1 --json "$OUT/w1.json" 2>&1 | grep -v "^W1 \["
     ;;

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU only under the interpreter, which must be chosen before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -49,15 +52,16 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
     return folder
 
 
-def tiny_family(root: Path, tokenizer_src: Path | None) -> dict[str, Path]:
+def tiny_family(root: Path, tokenizer_src: Path | None, **kw) -> dict[str, Path]:
     """Qwen2, Qwen3 and Llama-3-style (llama3 rope scaling, tied embeddings) random models."""
     return {
-        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM", tokenizer_src),
-        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", tokenizer_src),
+        "qwen2": make_tiny_model(root / "qwen2", "Qwen2ForCausalLM", tokenizer_src, **kw),
+        "qwen3": make_tiny_model(root / "qwen3", "Qwen3ForCausalLM", tokenizer_src, **kw),
         "llama3": make_tiny_model(
             root / "llama3",
             "LlamaForCausalLM",
             tokenizer_src,
+            **kw,
             tie_word_embeddings=True,
             rope_parameters={
                 "rope_type": "llama3",

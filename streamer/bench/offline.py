@@ -64,12 +64,12 @@ def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Worklo
         n = n or 256
         ins = [rng.randint(100, 1024) for _ in range(n)]
         outs = [rng.randint(100, 1024) for _ in range(n)]
-        return Workload(name, "qwen3-0.6b", [rand_prompt(i) for i in ins], outs, peer_requests=min(n, 64))
+        return Workload(name, "qwen3-0.6b", [rand_prompt(i) for i in ins], outs, peer_requests=min(n, 32))
     if name == "W2":
         return Workload(name, "llama-3.1-8b", [rand_prompt(128)], [256], peer_requests=1)
     if name == "W3":
         n = n or 1000
-        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 128))
+        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 32))
     if name == "W4":
         groups = n or 32
         prompts = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -48,7 +49,10 @@ log = logging.getLogger("streamer.grammar")
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "choice")
 
 BATCH_FILL_MIN = 8
-"""From this many constrained rows on, masks are filled by xgrammar's thread pool."""
+"""From this many constrained rows on, masks are filled by xgrammar's thread pool..."""
+BATCH_FILL_THREADS = min(8, (os.cpu_count() or 1) // 2)
+"""...of this many threads; below 2 the pool only adds overhead and rows are filled in turn
+(measured on 2 cores: 4.6 us/row in turn vs 6.3 us/row through a 1-thread pool)."""
 
 
 def _clean(err: BaseException) -> str:
@@ -168,9 +172,21 @@ class GrammarCompiler:
     any_whitespace: bool = False
     cache_size: int = 512
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, *, max_threads: int = 8) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        *,
+        stop_token_ids: list[int] | None = None,
+        max_threads: int = 8,
+    ) -> None:
+        """vocab_size: the model's (the LM head's width), which may exceed the tokenizer's.
+        stop_token_ids: the tokens that end a finished grammar (the engine's EOS ids);
+        None lets xgrammar read them from the tokenizer."""
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
         self._hf = hf_tokenizer
         self._lock = threading.Lock()
@@ -264,9 +280,9 @@ def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int) -> torc
     global _batch_matcher
     mask = torch.full(((len(states)), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     rows = [i for i, s in enumerate(states) if s is not None]
-    if len(rows) >= BATCH_FILL_MIN:
+    if len(rows) >= BATCH_FILL_MIN and BATCH_FILL_THREADS >= 2:
         if _batch_matcher is None:
-            _batch_matcher = xgr.BatchGrammarMatcher()
+            _batch_matcher = xgr.BatchGrammarMatcher(BATCH_FILL_THREADS)
         _batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], mask, rows)  # type: ignore[union-attr]
     else:
         for i in rows:

@@ -101,7 +101,10 @@ def test_fill_bitmask_none_rows_are_all_ones(compiler):
     assert (mask[1] != -1).any()
 
 
-def test_batch_fill_equals_one_by_one(compiler, hf_tokenizer):
+def test_batch_fill_equals_one_by_one(compiler, hf_tokenizer, monkeypatch):
+    import streamer.sampling.grammar as grammar
+
+    monkeypatch.setattr(grammar, "BATCH_FILL_THREADS", 2)
     specs = [
         GrammarSpec("json_object"),
         GrammarSpec("regex", r"\d+(\.\d+)?"),
@@ -113,6 +116,7 @@ def test_batch_fill_equals_one_by_one(compiler, hf_tokenizer):
     feed(states[4], hf_tokenizer, "12.")
     states.insert(5, None)
     batched = fill_bitmask(states, VOCAB)  # >= BATCH_FILL_MIN rows: xgrammar's thread pool
+    assert grammar._batch_matcher is not None
     for i, s in enumerate(states):
         one = fill_bitmask([s], VOCAB)[0]
         assert torch.equal(batched[i], one), i

@@ -1,0 +1,250 @@
+"""Cost of JSON-schema constrained decoding: time per output token vs unconstrained,
+the effect of jump-forward, and the grammar work per token (bitmask fill, mask apply).
+
+  python benchmarks/grammar_bench.py                       # GPU: batch 64, default model
+  python benchmarks/grammar_bench.py --model /path/to/hf   # any local HF folder
+  python benchmarks/grammar_bench.py --smoke               # CPU smoke check (batch 4, 24 tokens)
+  python benchmarks/grammar_bench.py --model benchmarks/configs/smollm2-135m --load-format dummy \
+      --tokenizer DIR                                      # shapes only + a tokenizer folder (GPU box
+                                                           # without the cached model)
+
+Runs, each one batch of --batch requests submitted at once (temperature 0.7, seed i):
+  unconstrained      ignore_eos, exactly --max-tokens each
+  json (jf on)       the schema below, jump-forward on (the default)
+  json (jf off)      the same with Scheduler.jump_forward = False
+Then, off the engine, the constrained outputs are replayed through fresh matchers
+to time fill_bitmask for the whole batch per step (us per constrained row = per
+output token), and apply_bitmask on a [batch, vocab] logits tensor on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from streamer.engine.llm import LLM  # noqa: E402
+from streamer.engine.scheduler import Scheduler  # noqa: E402
+from streamer.messages import GrammarSpec, SamplingParams  # noqa: E402
+from streamer.sampling.grammar import GrammarCompiler, fill_bitmask  # noqa: E402
+from streamer.sampling.sampler import apply_bitmask  # noqa: E402
+
+# Long enough that a batch stays full for a while (8 records), small enough to end.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "records": {
+            "type": "array",
+            "minItems": 8,
+            "maxItems": 8,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                    "name": {"type": "string", "maxLength": 16},
+                    "kind": {"enum": ["alpha", "beta", "gamma"]},
+                    "score": {"type": "number", "minimum": 0, "maximum": 1},
+                    "active": {"type": "boolean"},
+                },
+                "required": ["id", "name", "kind", "score", "active"],
+            },
+        },
+    },
+    "required": ["title", "records"],
+}
+PROMPT = "Here is a JSON list of eight records describing team members:\n"
+
+
+def run(llm: LLM, n: int, params: SamplingParams | list[SamplingParams]) -> dict:
+    plist = params if isinstance(params, list) else [params] * n
+    s0 = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate([PROMPT] * n, plist)
+    wall = time.perf_counter() - t0
+    s1 = llm.stats()
+    toks = sum(len(o.token_ids) for o in outs)
+    steps = s1.steps - s0.steps
+    reasons: dict[str, int] = {}
+    for o in outs:
+        reasons[o.finish_reason or "?"] = reasons.get(o.finish_reason or "?", 0) + 1
+    return {
+        "wall_s": wall,
+        "output_tokens": toks,
+        "steps": steps,
+        "ms_per_token": 1e3 * wall / max(toks, 1),
+        "ms_per_step": 1e3 * wall / max(steps, 1),
+        "tokens_per_s": toks / wall,
+        "jump_forward_tokens": s1.jump_forward_tokens - s0.jump_forward_tokens,
+        "finish_reasons": reasons,
+        "outputs": outs,
+    }
+
+
+def valid_json(outs, schema) -> int:
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    ok = 0
+    for o in outs:
+        try:
+            v = json.loads(o.text)
+            if jsonschema is not None:
+                jsonschema.validate(v, schema)
+            ok += 1
+        except Exception:  # noqa: BLE001
+            pass
+    return ok
+
+
+def mask_fill_replay(compiler: GrammarCompiler, spec: GrammarSpec, outs, vocab: int) -> dict:
+    """Replay the outputs through fresh matchers: time fill_bitmask per step of the batch."""
+    seqs = [list(o.token_ids) for o in outs]
+    states = [compiler.state_for(spec) for _ in seqs]
+    per_step, rows_filled = [], 0
+    for t in range(max(len(s) for s in seqs)):
+        active = [st if t < len(seq) else None for st, seq in zip(states, seqs)]
+        n = sum(a is not None for a in active)
+        if n == 0:
+            break
+        t0 = time.perf_counter()
+        fill_bitmask(active, vocab)
+        per_step.append(time.perf_counter() - t0)
+        rows_filled += n
+        for st, seq in zip(states, seqs):
+            if t < len(seq):
+                st.accept(seq[t])
+    total = sum(per_step)
+    return {
+        "fill_us_per_token": 1e6 * total / max(rows_filled, 1),
+        "fill_ms_per_step_mean": 1e3 * statistics.mean(per_step) if per_step else 0.0,
+        "fill_ms_per_step_max": 1e3 * max(per_step) if per_step else 0.0,
+        "steps_replayed": len(per_step),
+    }
+
+
+def apply_timing(batch: int, vocab: int, device: torch.device, iters: int = 50) -> dict:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g).to(device)
+    mask = torch.randint(-(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    rows = list(range(batch))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        apply_bitmask(logits.clone(), mask, rows=rows)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        apply_bitmask(logits, mask, rows=rows)  # includes the host-to-device copy of the mask
+    sync()
+    return {"apply_ms_per_step": 1e3 * (time.perf_counter() - t0) / iters}
+
+
+def with_tokenizer(model: str, tokenizer: str) -> str:
+    """A temporary folder: the model folder's files, plus the tokenizer folder's tokenizer files."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="grammar-bench-"))
+    for src in (Path(model), Path(tokenizer)):
+        for f in src.iterdir():
+            if src == Path(tokenizer) and not (f.name.startswith("tokenizer") or f.name.endswith(".jinja")):
+                continue
+            dst = out / f.name
+            if dst.exists():
+                dst.unlink()
+            dst.symlink_to(f.resolve())
+    return str(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--tokenizer", default=None, help="folder with tokenizer files to pair with --model")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for a CPU check")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.max_tokens = 4, 24
+    model = args.model
+    if args.tokenizer:
+        model = with_tokenizer(model, args.tokenizer)
+    llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    try:
+        device = llm.engine.runner.device
+        vocab = llm.engine.runner.hf_config.vocab_size
+        spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+        compiler: GrammarCompiler = llm.engine.tokenizer.grammars
+        fresh = GrammarCompiler(llm.tokenizer, vocab)
+        t0 = time.perf_counter()
+        fresh.compile(spec)
+        compile_ms = 1e3 * (time.perf_counter() - t0)
+
+        n, mt = args.batch, args.max_tokens
+        llm.generate([PROMPT] * 2, SamplingParams(max_tokens=4))  # warm up (graphs, kernels)
+        llm.generate([PROMPT] * 2, SamplingParams(max_tokens=4, grammar=spec))
+        base = run(
+            llm,
+            n,
+            [SamplingParams(temperature=0.7, seed=i, max_tokens=mt, ignore_eos=True) for i in range(n)],
+        )
+        grammar_params = [
+            SamplingParams(temperature=0.7, seed=i, max_tokens=mt, grammar=spec) for i in range(n)
+        ]
+        jf_on = run(llm, n, grammar_params)
+        try:
+            Scheduler.jump_forward = False
+            jf_off = run(llm, n, grammar_params)
+        finally:
+            Scheduler.jump_forward = True
+        fill = mask_fill_replay(compiler, spec, jf_off["outputs"], vocab)
+        apply = apply_timing(n, vocab, device)
+
+        rows = [("unconstrained", base), ("json (jf on)", jf_on), ("json (jf off)", jf_off)]
+        print(f"model={args.model} device={device} batch={n} max_tokens={mt} vocab={vocab}")
+        print(
+            f"{'run':15s} {'tokens':>7s} {'steps':>6s} {'ms/tok':>8s} {'ms/step':>8s} {'tok/s':>8s} {'jumped':>7s}  finish"
+        )
+        for name, r in rows:
+            print(
+                f"{name:15s} {r['output_tokens']:7d} {r['steps']:6d} {r['ms_per_token']:8.3f} "
+                f"{r['ms_per_step']:8.2f} {r['tokens_per_s']:8.1f} {r['jump_forward_tokens']:7d}  {r['finish_reasons']}"
+            )
+        print(
+            f"valid JSON: jf on {valid_json(jf_on['outputs'], SCHEMA)}/{n}, "
+            f"jf off {valid_json(jf_off['outputs'], SCHEMA)}/{n}"
+        )
+        print(
+            f"schema compile {compile_ms:.1f} ms; mask fill {fill['fill_us_per_token']:.1f} us/token "
+            f"({fill['fill_ms_per_step_mean']:.3f} ms/step mean, {fill['fill_ms_per_step_max']:.3f} max, "
+            f"batch {n}); apply_bitmask {apply['apply_ms_per_step']:.3f} ms/step [{n}x{vocab}] on {device.type}"
+        )
+        if args.json:
+            result = {
+                "model": args.model,
+                "device": str(device),
+                "batch": n,
+                "max_tokens": mt,
+                "schema_compile_ms": compile_ms,
+                **{k: {kk: vv for kk, vv in r.items() if kk != "outputs"} for k, r in rows},
+                **fill,
+                **apply,
+            }
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    finally:
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
