@@ -17,6 +17,7 @@ case "${1:-check}" in
     python3 -m streamer bench offline --workload W1 --json "$OUT/w1.json" 2>&1 | grep -v "^W1 \["
     ;;
   w3w4)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu -m cuda 2>&1 | tail -8
     python3 -m streamer bench offline --workload W3 --num-requests "${W3_N:-256}" --json "$OUT/w3.json" 2>&1 | grep -v "^W3 \["
     python3 -m streamer bench offline --workload W4 --num-requests "${W4_GROUPS:-8}" --no-peer --json "$OUT/w4.json" 2>&1 | grep -v "^W4 \["
     ;;

@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="eager steps only (compare)")
     ap.add_argument("--tokenizer", default=None, help="folder with tokenizer files to pair with --model")
     ap.add_argument("--smoke", action="store_true", help="tiny run for a CPU check")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -180,7 +181,13 @@ def main() -> None:
     model = args.model
     if args.tokenizer:
         model = with_tokenizer(model, args.tokenizer)
-    llm = LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    llm = LLM(
+        model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
     try:
         device = llm.engine.runner.device
         vocab = llm.engine.runner.hf_config.vocab_size

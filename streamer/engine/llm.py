@@ -73,6 +73,14 @@ class LLM:
             self.call(self.engine.stop())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        # drop the model and the KV pool now, not at garbage collection (GPU memory)
+        self.engine.runner.graphs = None
+        self.engine.runner.pool = None  # type: ignore[assignment]
+        self.engine.runner.model = None  # type: ignore[assignment]
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self

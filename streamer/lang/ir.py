@@ -63,6 +63,7 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     normalize: bool = False
+    commit: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,18 +122,21 @@ def gen(
     return Gen(name, max_tokens, stops, temperature, top_p, seed, specs[0] if specs else None)
 
 
-def select(name: str | None = None, choices: list[str] | tuple[str, ...] = (), normalize: bool = False) -> Select:
+def select(name: str | None = None, choices: list[str] | tuple[str, ...] = (), normalize: bool = False,
+           commit: bool = True) -> Select:
     """Append the choice whose tokens are likeliest after the current text; stored as s[name].
 
     The score of a choice is the sum of its tokens' logprobs (its log-likelihood);
     normalize=True divides by the number of tokens scored (mean logprob per token),
-    which stops short choices winning merely for being short. See scoring.py.
+    which stops short choices winning merely for being short. commit=True first
+    prefills the shared text alone, so the choices' requests find it in the prefix
+    cache rather than each computing it. See scoring.py.
     """
     if not choices:
         raise ValueError("select needs at least one choice")
     if not all(isinstance(c, str) for c in choices):
         raise TypeError("select's choices must be strings")
-    return Select(name, tuple(choices), normalize)
+    return Select(name, tuple(choices), normalize, commit)
 
 
 def _role(role: str, content: Any) -> Seq:

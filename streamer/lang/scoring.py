@@ -55,11 +55,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-async def score(backend, prefix: str, choices: list[str] | tuple[str, ...]) -> Scores:
+async def score(backend, prefix: str, choices: list[str] | tuple[str, ...], commit: bool = True) -> Scores:
     ids = await backend.tokenize([prefix, *(prefix + c for c in choices)])
     base, full = ids[0], ids[1:]
     # position 0 has no logprob (nothing precedes it): score from 1 at the earliest
     k = max(1, min(common_prefix(base, f) for f in full))
+    if commit and len(full) > 1 and k > 1:
+        await backend.complete(base[:k], SamplingParams(max_tokens=1, temperature=0.0))
 
     async def one(f: list[int]) -> tuple[float, int, int]:
         if len(f) <= k:

@@ -274,7 +274,7 @@ class ProgramState:
                 self._cond.notify_all()
 
     async def _select(self, sel: Select) -> None:
-        scores = await scoring.score(self._backend, self._text, sel.choices)
+        scores = await scoring.score(self._backend, self._text, sel.choices, sel.commit)
         choice = sel.choices[scores.best(sel.normalize)]
         self._append(choice, sel.name)
         if sel.name is not None:

@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
+from streamer.server.protocol import ApiError
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
@@ -166,7 +167,24 @@ def meta_info(out: RequestOutput, body: GenerateBody) -> dict[str, Any]:
     return meta
 
 
+class InFlight:
+    """Under the app of server/app.py, requests count as in flight until done() (a shutdown aborts them)."""
+
+    def __init__(self, state: Any, reqs: list[GenerateRequest]) -> None:
+        self.state, self.ids = state, {r.request_id for r in reqs}
+        if state is not None:
+            state.inflight.update(self.ids)
+
+    def done(self) -> None:
+        if self.state is not None:
+            self.state.inflight.difference_update(self.ids)
+
+
 def routes(engine: Any) -> list[Route]:
+    """The native routes over `engine` (an AsyncEngine). Mounted in server/app.py's app, they
+    also go through its admission (503 while draining or when the queue is full) and its
+    in-flight tracking; in a bare Starlette app they talk to the engine directly."""
+
     def request(prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
         rid = engine.new_request_id()
         if isinstance(prompt, str):
@@ -180,24 +198,41 @@ def routes(engine: Any) -> list[Route]:
             params = sampling_params(body)
         except (msgspec.DecodeError, msgspec.ValidationError, RequestError) as e:
             return error(str(e))
-        if engine.dead:
-            return error(f"the engine is down: {engine.dead}", 503, "unavailable")
+        state = getattr(req.app.state, "server", None)
+        try:
+            if state is not None:
+                state.admit(len(batch))
+            elif engine.dead:
+                raise ApiError(f"the engine is down: {engine.dead}", 503, code="unavailable")
+        except ApiError as e:
+            return error(e.message, e.status, e.code or "unavailable")
         if body.stream:
             if is_batch:
                 return error("stream needs a single prompt")
-            return await stream(request(batch[0], params), body)
-        outs = await asyncio.gather(*(engine.generate(request(p, params)) for p in batch))
+            return await stream(request(batch[0], params), body, state)
+        reqs = [request(p, params) for p in batch]
+        flight = InFlight(state, reqs)
+        try:
+            outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            flight.done()
         failed = next((o for o in outs if o.error is not None), None)
         if failed is not None:
             return error(failed.error or "", 400)
         results = [{"text": o.text, "output_ids": o.token_ids, "meta_info": meta_info(o, body)} for o in outs]
         return ok(results if is_batch else results[0])
 
-    async def stream(r: GenerateRequest, body: GenerateBody) -> Response:
+    async def stream(r: GenerateRequest, body: GenerateBody, state: Any) -> Response:
+        flight = InFlight(state, [r])
         outputs = engine.submit(r)
-        first = await anext(outputs)  # a refused request must still become a 400
+        try:
+            first = await anext(outputs)  # a refused request must still become a 400
+        except BaseException:
+            flight.done()
+            raise
         if first.error is not None:
             await outputs.aclose()
+            flight.done()
             return error(first.error)
 
         async def events() -> AsyncIterator[str]:
@@ -218,6 +253,7 @@ def routes(engine: Any) -> list[Route]:
                 yield "data: [DONE]\n\n"
             finally:
                 await outputs.aclose()  # the client went away: the engine aborts the request
+                flight.done()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

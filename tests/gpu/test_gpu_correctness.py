@@ -46,7 +46,7 @@ def hf_steps(path, prompt, n):
 def test_bf16_greedy_follows_transformers_until_a_near_tie(tiny_models, family):
     path = tiny_models[family]
     batch = prompts()
-    with LLM(str(path), dtype="bfloat16") as llm:
+    with LLM(str(path), dtype="bfloat16", num_pages=4096) as llm:
         outs = llm.generate(batch, PARAMS)
     agreed = 0
     for p, o in zip(batch, outs):
@@ -63,9 +63,9 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(tiny_models, family):
 def test_cuda_graphs_and_eager_give_identical_tokens(tiny_models):
     path = tiny_models["qwen3"]
     batch = prompts(8)
-    with LLM(str(path), dtype="bfloat16", cuda_graphs=False) as eager:
+    with LLM(str(path), dtype="bfloat16", cuda_graphs=False, num_pages=4096) as eager:
         a = [o.token_ids for o in eager.generate(batch, PARAMS)]
-    with LLM(str(path), dtype="bfloat16", cuda_graphs=True, max_num_seqs=16) as graphed:
+    with LLM(str(path), dtype="bfloat16", cuda_graphs=True, max_num_seqs=16, num_pages=4096) as graphed:
         assert graphed.engine.runner.graphs is not None
         b = [o.token_ids for o in graphed.generate(batch, PARAMS)]
     assert a == b

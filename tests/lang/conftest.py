@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import threading
 import time
@@ -30,21 +29,17 @@ def backend(llm) -> EngineBackend:
 
 @pytest.fixture(scope="session")
 def live_url() -> Iterator[str]:
+    """The server's app (server/app.py) with the native routes added, as the server mounts them."""
     import uvicorn
-    from starlette.applications import Starlette
 
+    from streamer.config import ServerConfig
     from streamer.engine.engine import AsyncEngine
+    from streamer.server.app import create_app
     from streamer.server.native_api import routes
 
     engine = AsyncEngine(model="default")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        await engine.start()
-        yield
-        await engine.stop()
-
-    app = Starlette(routes=routes(engine), lifespan=lifespan)
+    app = create_app(engine, ServerConfig())
+    app.router.routes.extend(routes(engine))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
