@@ -46,7 +46,7 @@ class LLM:
             if isinstance(p, str):
                 reqs.append(GenerateRequest(request_id=rid, prompt=p, params=sp))
             else:
-                reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=list(p), params=sp))
+                reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=[int(t) for t in p], params=sp))
         return self.call(self._run(reqs))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:

@@ -163,7 +163,8 @@ class Scheduler:
         for req in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            pages, node = [], None
+            pages: list[int] = []
+            node = None
             if self.config.enable_prefix_caching:
                 pages, node = self.tree.match_prefix(req.tokens[: self._cacheable(req)])
                 self.tree.lock(node)

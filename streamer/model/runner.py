@@ -46,7 +46,7 @@ class ModelRunner:
             seed=config.seed,
         )
         cfg = self.hf_config
-        self.max_model_len = config.max_model_len or getattr(cfg, "max_position_embeddings", 4096)
+        self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
         self.pool = self._make_pool()
         self.sampler = Sampler(cfg.vocab_size, self.device)
