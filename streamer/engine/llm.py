@@ -37,16 +37,17 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. Prompts are strings or lists of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        batch: list[Any] = (
+            [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
+        )
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         reqs = []
-        for p, sp in zip(prompts, plist):
+        for p, sp in zip(batch, plist):
             rid = self.engine.new_request_id()
             if isinstance(p, str):
                 reqs.append(GenerateRequest(request_id=rid, prompt=p, params=sp))
             else:
-                reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=[int(t) for t in p], params=sp))
+                reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=list(p), params=sp))
         return self.call(self._run(reqs))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
