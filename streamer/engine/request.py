@@ -42,6 +42,8 @@ class Request:
     preemptions: int = 0
     sent_prompt_info: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
+    claim: int | None = None
+    """Hash of the first page this request computes beyond its cached prefix (admission)."""
 
     @property
     def num_output(self) -> int:

@@ -160,6 +160,7 @@ class Scheduler:
             for r in order:
                 matches[r.request_id] = self.tree._walk(r.tokens[: self._cacheable(r)])
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
+        claimed = {r.claim for r in self.running if r.claim is not None and r.num_output == 0}
         for req in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -167,6 +168,14 @@ class Scheduler:
             node = None
             if self.config.enable_prefix_caching:
                 pages, node = self.tree.match_prefix(req.tokens[: self._cacheable(req)])
+                claim = self._claim(req, len(pages))
+                if claim is not None and claim in claimed:
+                    # another request is prefilling this very page on the same prefix: wait for
+                    # it to reach the tree rather than compute the shared prefix twice
+                    continue
+                req.claim = claim
+                if claim is not None:
+                    claimed.add(claim)
                 self.tree.lock(node)
             computed = len(pages) * self.pool.page_size
             n = min(len(req.tokens) - computed, budget)
@@ -186,6 +195,13 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
         return budget
+
+    def _claim(self, req: Request, cached_pages: int) -> int | None:
+        """Identity of the first page req would compute (None: no full page to compute)."""
+        end = (cached_pages + 1) * self.pool.page_size
+        if self._cacheable(req) < end:
+            return None
+        return hash(tuple(req.tokens[:end]))
 
     @staticmethod
     def _cacheable(req: Request) -> int:
@@ -234,7 +250,10 @@ class Scheduler:
             self.in_flight.add(req.request_id)
             if sample:
                 params.append(req.params)
-                hist.append(req.output)
+                p = req.params
+                # the sampler needs the output so far only for penalties and seeded draws
+                needed = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.seed is not None
+                hist.append(req.output if needed else [])
                 ban: list[int] = []
                 if req.num_output < req.params.min_tokens:
                     ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))

@@ -258,3 +258,14 @@ def test_stop_string_spanning_tokens_ends_the_request_without_leaking(default_mo
         assert out.text == text[: text.index(stop)]
         assert out.completion_tokens < free.completion_tokens
         settle(llm)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(default_model, text_ids):
+    prefix = text_ids[:200]
+    prompts = [prefix + text_ids[300 + 7 * i : 310 + 7 * i] for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(str(default_model)) as llm:
+        outs = llm.generate(prompts, params)  # all six wait in the queue at once
+        cached = sorted(o.cached_tokens for o in outs)
+        assert cached[0] == 0 and all(c >= 192 for c in cached[1:]), cached
+        settle(llm)
