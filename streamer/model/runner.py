@@ -12,8 +12,10 @@ the event loop.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from streamer.config import EngineConfig
@@ -76,49 +78,47 @@ class ModelRunner:
         return PagePool(layers, n, c.page_size, kvh, hd, self.dtype, self.device)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
-        """Host lists -> the tensors of one forward."""
+        """Host lists -> the tensors of one forward (numpy on the host, one copy each)."""
         ps = self.pool.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu = [0]
-        last: list[int] = []
+        seqs = batch.seqs
+        lens = [len(s.token_ids) for s in seqs]
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, int(cu[-1]))
+        starts = np.array([s.start for s in seqs], dtype=np.int64)
+        seq_lens = (starts + lens).astype(np.int32)
+        # absolute position of every token: its sequence's start + its index in the chunk
+        owner = np.repeat(np.arange(len(seqs)), lens)
+        positions = starts[owner] + (np.arange(int(cu[-1])) - cu[:-1][owner])
+        width = max(len(s.page_table) for s in seqs)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.page_table)] = s.page_table
+        slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
+        last = [int(cu[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
         lp_rows: list[int] = []
         lp_targets: list[int] = []
         lp_owner: list[tuple[str, int]] = []
-        width = max(len(s.page_table) for s in batch.seqs)
-        table = []
-        for s in batch.seqs:
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            pos = range(s.start, s.start + n)
-            positions.extend(pos)
-            slots.extend(s.page_table[p // ps] * ps + p % ps for p in pos)
-            seq_lens.append(s.start + n)
-            cu.append(cu[-1] + n)
-            if s.sample:
-                last.append(cu[-1] - 1)
+        for i, s in enumerate(seqs):
             if s.logprob_targets:
-                first = cu[-2] + s.logprob_from
+                first = int(cu[i]) + s.logprob_from
                 lp_rows.extend(range(first, first + len(s.logprob_targets)))
                 lp_targets.extend(s.logprob_targets)
                 lp_owner.append((s.request_id, len(s.logprob_targets)))
-            table.append(s.page_table + [0] * (width - len(s.page_table)))
         dev = self.device
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
+        def t(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(dev, non_blocking=True)
 
         return dict(
-            input_ids=t(ids, torch.long),
-            positions=t(positions, torch.long),
-            slot_mapping=t(slots, torch.long),
-            page_table=t(table, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            cu_q_lens=t(cu, torch.int32),
-            max_q_len=max(len(s.token_ids) for s in batch.seqs),
-            last=t(last, torch.long),
+            input_ids=t(ids),
+            positions=t(positions),
+            slot_mapping=t(slots),
+            page_table=t(table),
+            seq_lens=t(seq_lens),
+            cu_q_lens=t(cu),
+            max_q_len=max(lens),
+            last=t(np.array(last, dtype=np.int64)),
             lp_rows=lp_rows,
             lp_targets=lp_targets,
             lp_owner=lp_owner,
