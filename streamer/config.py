@@ -48,6 +48,8 @@ class EngineConfig:
     """Defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    overlap_schedule: bool | None = None
+    """Schedule batch N+1 while N runs. None: on for CUDA, off on CPU (nothing to overlap)."""
     cuda_graph_max_bs: int = 256
     seed: int = 0
     fcfs_queue_threshold: int = 128

@@ -74,6 +74,8 @@ class AsyncEngine:
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len)
         self.scheduler.pool_vocab = hf.vocab_size
         self._attach_grammar()
+        overlap = self.config.overlap_schedule
+        self.overlap: bool = self.runner.device.type == "cuda" if overlap is None else overlap
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self.dead: str | None = None
@@ -105,7 +107,7 @@ class AsyncEngine:
         self.q_detok: asyncio.Queue = asyncio.Queue()
         actors = {
             "tokenizer": tokenizer.run(self.tokenizer, self.q_tok, self.q_sched, self.q_detok),
-            "scheduler": scheduler.run(self.scheduler, self.q_sched, self.q_exec, self.q_detok),
+            "scheduler": scheduler.run(self.scheduler, self.q_sched, self.q_exec, self.q_detok, self.overlap),
             "executor": executor.run(self.runner, self.q_exec, self.q_sched),
             "detokenizer": detokenizer.run(self.hf_tokenizer, self.q_detok, self.q_sched),
         }

@@ -1,7 +1,7 @@
 """Executor actor: owns the ModelRunner and runs one step at a time.
 
 Inbox:  Batch (from the scheduler), None to stop.
-Outbox: StepOutput -> scheduler inbox.
+Outbox: StepOutput -> scheduler inbox, in the order of the batches.
 Invariants: the model runs only in this actor's single worker thread, so the
 event loop keeps serving while a step computes; a failing step becomes a
 StepOutput with `error` set (its requests fail, the engine lives on).
@@ -15,21 +15,43 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from streamer.messages import Batch, StepOutput
-from streamer.model.runner import ModelRunner
+from streamer.model.runner import Launched, ModelRunner
 
 log = logging.getLogger("streamer.executor")
 
 
 async def run(runner: ModelRunner, inbox: asyncio.Queue, to_scheduler: asyncio.Queue) -> None:
+    """Launch each batch as soon as it arrives; collect the previous one's tokens after
+    that, so with two batches queued the device always has the next step to run."""
     loop = asyncio.get_running_loop()
+    pending: Launched | StepOutput | None = None
+
+    async def collect(item: Launched | StepOutput) -> None:
+        if isinstance(item, Launched):
+            try:
+                item = await loop.run_in_executor(thread, runner.collect, item)
+            except Exception as e:  # noqa: BLE001
+                log.error("step %d failed:\n%s", item.step, traceback.format_exc())
+                item = StepOutput(item.step, [], error=f"internal error in model step: {e}")
+        to_scheduler.put_nowait(item)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
         while True:
+            if pending is not None and inbox.empty():
+                await collect(pending)
+                pending = None
+                continue
             batch: Batch | None = await inbox.get()
             if batch is None:
+                if pending is not None:
+                    await collect(pending)
                 return
+            launched: Launched | StepOutput
             try:
-                out = await loop.run_in_executor(thread, runner.step, batch)
+                launched = await loop.run_in_executor(thread, runner.launch, batch)
             except Exception as e:  # noqa: BLE001 - reported to the requests of this step
                 log.error("step %d failed:\n%s", batch.step, traceback.format_exc())
-                out = StepOutput(batch.step, [], error=f"internal error in model step: {e}")
-            to_scheduler.put_nowait(out)
+                launched = StepOutput(batch.step, [], error=f"internal error in model step: {e}")
+            if pending is not None:
+                await collect(pending)
+            pending = launched

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import msgspec
@@ -42,6 +42,9 @@ from streamer.messages import (
 )
 
 log = logging.getLogger("streamer.scheduler")
+
+PLACEHOLDER = -1
+"""A token being sampled by a batch in flight; the runner reads its value on the device."""
 
 
 class EngineStats(msgspec.Struct):
@@ -64,6 +67,8 @@ class EngineStats(msgspec.Struct):
     requests_finished: int
     jump_forward_tokens: int = 0
     """Output tokens a grammar forced and that were appended without a decode step each."""
+    steps_ahead: int = 0
+    """Batches scheduled while the previous one was still running (overlap)."""
 
 
 class Scheduler:
@@ -80,8 +85,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.in_flight: set[str] = set()
-        self.pending_finish: dict[str, str] = {}
+        self.in_flight: Counter[str] = Counter()
+        """request id -> number of batches in flight that contain it."""
+        self.zombies: dict[str, Request] = {}
+        """Finished while in a batch in flight: pages are released when it returns."""
         self.early_aborts: dict[str, float] = {}
         """Aborted before they reached the scheduler (still in the tokenizer)."""
         self.step_id = 0
@@ -95,6 +102,7 @@ class Scheduler:
         self._kv_live = 0
         self._kv_slots = 0
         self.jump_forward_tokens = 0
+        self.steps_ahead = 0
 
     # ---- arrivals -------------------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -126,20 +134,27 @@ class Scheduler:
         return None
 
     # ---- one iteration --------------------------------------------------
-    def schedule(self) -> Batch | None:
+    def schedule(self, ahead: bool = False) -> Batch | None:
+        """Build the next batch. ahead=True: a batch is still in flight (overlap), so the
+        sampled tokens it will produce are placeholders here, and nothing is preempted
+        (its pages may be in use); a request that cannot grow just sits this step out."""
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []
         preempted = False
         for req in list(self.running):
-            if req.status != Status.RUNNING or budget == 0:
+            if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
                 continue
             n = min(req.remaining, budget)
             while not self._grow(req, req.num_computed + n):
+                if ahead:
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
+            if ahead and self.pool.pages_for(req.num_computed + n) > len(req.pages):
+                continue
             if req.status != Status.RUNNING:
                 continue
             chunks.append((req, n))
@@ -148,7 +163,21 @@ class Scheduler:
             budget = self._admit(chunks, budget)
         if not chunks:
             return None
+        self.steps_ahead += ahead
         return self._build(chunks)
+
+    def _awaiting_last_token(self, req: Request) -> bool:
+        """Its final token is already being sampled by a batch in flight."""
+        return req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len
+
+    def can_overlap(self) -> bool:
+        """Scheduling ahead needs no sampled token's value: no grammar (masks follow the
+        matcher) and no penalties (they read the output so far)."""
+        for r in self.running:
+            p = r.params
+            if r.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                return False
+        return True
 
     def _admit(self, chunks: list[tuple[Request, int]], budget: int) -> int:
         if not self.waiting or budget == 0:
@@ -247,7 +276,9 @@ class Scheduler:
                     chunk.logprob_from = lo - start
                     chunk.logprob_targets = req.tokens[lo + 1 : hi + 1]
             seqs.append(chunk)
-            self.in_flight.add(req.request_id)
+            self.in_flight[req.request_id] += 1
+            # the step will compute these tokens: later batches build on them at once
+            req.num_computed = start + n
             if sample:
                 params.append(req.params)
                 p = req.params
@@ -258,9 +289,11 @@ class Scheduler:
                 if req.num_output < req.params.min_tokens:
                     ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
                 banned.append(ban)
+                # the token this step samples; process() writes its value in place
+                req.tokens.append(PLACEHOLDER)
         self.batch_sizes_sum += len(seqs)
         self.max_batch_size = max(self.max_batch_size, len(seqs))
-        masks = self._grammar_masks([r for r, n in chunks if r.num_computed + n == len(r.tokens)])
+        masks = self._grammar_masks([r for r, n in chunks if r.num_computed == len(r.tokens) - 1])
         return Batch(self.step_id, seqs, params, hist, banned, masks)
 
     def _grammar_masks(self, sampling: list[Request]) -> Any:
@@ -278,7 +311,9 @@ class Scheduler:
         deltas: list[TokenDelta] = []
         sampled = iter(out.sampled)
         for seq in batch.seqs:
-            self.in_flight.discard(seq.request_id)
+            self.in_flight[seq.request_id] -= 1
+            if self.in_flight[seq.request_id] <= 0:
+                del self.in_flight[seq.request_id]
             req = self.requests.get(seq.request_id)
             tok = next(sampled) if seq.sample and out.error is None else None
             if req is None or req.status != Status.RUNNING:
@@ -286,16 +321,18 @@ class Scheduler:
             if out.error is not None:
                 deltas.append(self._finish(req, "error", error=out.error))
                 continue
-            req.num_computed = seq.start + len(seq.token_ids)
             if seq.request_id in out.prompt_logprobs:
                 req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
             if tok is None:
                 continue
-            req.tokens.append(tok.token_id)
+            at = seq.start + len(seq.token_ids)
+            req.tokens[at] = tok.token_id
             self.generated_tokens_total += 1
-            if req.num_output == 1 and self.config.enable_prefix_caching:
+            if at == req.prompt_len and self.config.enable_prefix_caching:
                 self._cache_prompt(req)
-            reason = self._stop_reason(req, tok.token_id)
+            reason = self._stop_reason(req, tok.token_id, at + 1)
+            if reason is not None:
+                del req.tokens[at + 1 :]  # placeholders of batches still in flight
             logprobs = [tok] if req.params.logprobs is not None else None
             new = [tok.token_id]
             if reason is None and req.grammar is not None:
@@ -310,27 +347,25 @@ class Scheduler:
         # KV efficiency: of the slots in pages held by running requests, how many hold tokens
         self._kv_live += sum(r.num_computed for r in self.running)
         self._kv_slots += sum(len(r.pages) for r in self.running) * self.pool.page_size
-        for rid, reason in list(self.pending_finish.items()):
-            if rid not in self.in_flight:
-                del self.pending_finish[rid]
-                req = self.requests.get(rid)
-                if req is not None and req.status < Status.FINISHED:
-                    deltas.append(self._finish(req, reason))
+        for rid in [r for r in self.zombies if r not in self.in_flight]:
+            self._release(self.zombies.pop(rid))
         return deltas
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int, length: int) -> str | None:
+        """Why req ends at `token`, the last of its first `length` tokens (None: it goes on)."""
         p = req.params
+        num_output = length - req.prompt_len
         if req.grammar is not None:
             if not req.grammar.accept(token):
                 return "error"
             if req.grammar.is_terminated():
                 return "stop"
-        if req.num_output >= p.min_tokens:
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
                 return "stop"
-        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+        if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 
@@ -368,7 +403,7 @@ class Scheduler:
 
     def _cache_prompt(self, req: Request) -> None:
         """Share a freshly prefilled prompt with later arrivals (lock moves to the longer path)."""
-        _, node = self.tree.insert(req.tokens[: req.num_computed], req.pages)
+        _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages)
         self.tree.lock(node)
         if req.node is not None:
             self.tree.unlock(req.node)
@@ -377,8 +412,12 @@ class Scheduler:
     # ---- leaving --------------------------------------------------------
     def _release(self, req: Request) -> None:
         """Give back req's pages: full computed pages to the tree, the rest to the pool."""
-        if self.config.enable_prefix_caching and req.num_computed:
-            self.tree.insert(req.tokens[: req.num_computed], req.pages)
+        known = len(req.tokens)
+        while known and req.tokens[known - 1] == PLACEHOLDER:  # sampled by a batch that was dropped
+            known -= 1
+        computed = min(req.num_computed, known)
+        if self.config.enable_prefix_caching and computed:
+            self.tree.insert(req.tokens[:computed], req.pages)
         self.pool.decref(req.pages)
         if req.node is not None:
             self.tree.unlock(req.node)
@@ -400,7 +439,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> TokenDelta:
         if req.status == Status.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            if req.request_id in self.in_flight:
+                self.zombies[req.request_id] = req  # the GPU may still write its pages
+            else:
+                self._release(req)
         elif req.status == Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.status = Status.FINISHED
@@ -411,16 +453,13 @@ class Scheduler:
         return d
 
     def finish(self, request_id: str, reason: str) -> TokenDelta | None:
-        """Abort or stop-string finish. Deferred while the request is in the step in flight."""
+        """Abort or stop-string finish (its pages wait for any batch in flight that holds it)."""
         req = self.requests.get(request_id)
         if req is None:
             if reason == "abort":
                 now = time.monotonic()
                 self.early_aborts = {k: t for k, t in self.early_aborts.items() if now - t < 300}
                 self.early_aborts[request_id] = now
-            return None
-        if request_id in self.in_flight:
-            self.pending_finish[request_id] = reason
             return None
         return self._finish(req, reason)
 
@@ -450,16 +489,18 @@ class Scheduler:
             kv_efficiency=(self._kv_live / self._kv_slots) if self._kv_slots else 1.0,
             requests_finished=self.finished_total,
             jump_forward_tokens=self.jump_forward_tokens,
+            steps_ahead=self.steps_ahead,
         )
 
     def check(self) -> None:
-        """Every page is free, held by the tree, or held by a running request; counts agree."""
+        """Every page is free, held by the tree, or held by a running request (or a finished
+        one whose batch is still in flight); the refcounts say exactly that."""
         self.pool.check()
         expect = [0] * self.pool.num_pages
         expect[0] = 1
         for p in self.tree.held_pages():
             expect[p] += 1
-        for r in self.running:
+        for r in [*self.running, *self.zombies.values()]:
             for p in r.pages:
                 expect[p] += 1
         assert expect == self.pool.refcount, "page refcounts do not match their holders"
@@ -470,9 +511,15 @@ async def run(
     inbox: asyncio.Queue,
     to_executor: asyncio.Queue,
     to_detokenizer: asyncio.Queue,
+    overlap: bool = False,
 ) -> None:
-    """The actor loop: handle every message; keep exactly one step in flight while there is work."""
-    in_flight: Batch | None = None
+    """The actor loop: handle every message; keep a step in flight while there is work.
+
+    With overlap, a second batch is scheduled while the first runs (its decodes read the
+    tokens the first one samples on the device), so the GPU never waits for the host.
+    """
+    in_flight: deque[Batch] = deque()
+    depth = 2 if overlap else 1
     while True:
         msg = await inbox.get()
         deltas: list[TokenDelta] = []
@@ -482,9 +529,9 @@ async def run(
                 if refused is not None:
                     deltas.append(refused)
             elif isinstance(msg, StepOutput):
-                assert in_flight is not None and msg.step == in_flight.step
-                deltas.extend(sched.process(in_flight, msg))
-                in_flight = None
+                done = in_flight.popleft()
+                assert msg.step == done.step, "step outputs arrive in order"
+                deltas.extend(sched.process(done, msg))
             elif isinstance(msg, Abort | Finish):
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:
@@ -498,12 +545,13 @@ async def run(
             if inbox.empty():
                 break
             msg = inbox.get_nowait()
-        if in_flight is None and sched.has_work:
-            t0 = time.perf_counter()
-            in_flight = sched.schedule()
-            if in_flight is not None:
-                to_executor.put_nowait(in_flight)
-            elif sched.running or sched.waiting:
-                log.debug("nothing schedulable (%.3f ms)", 1e3 * (time.perf_counter() - t0))
         if deltas:
             to_detokenizer.put_nowait(deltas)
+        while len(in_flight) < depth and sched.has_work:
+            if in_flight and not sched.can_overlap():
+                break
+            batch = sched.schedule(ahead=bool(in_flight))
+            if batch is None:
+                break
+            in_flight.append(batch)
+            to_executor.put_nowait(batch)

@@ -13,6 +13,7 @@ the event loop.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from streamer.config import EngineConfig
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
-from streamer.messages import Batch, StepOutput
+from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
 from streamer.model.graphs import DecodeGraphs
 from streamer.model.loader import load_model
@@ -52,6 +53,8 @@ class ModelRunner:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.pool = self._make_pool()
         self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.last_rows: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             max_pages = self.pool.pages_for(self.max_model_len)
@@ -110,8 +113,15 @@ class ModelRunner:
         def t(x: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(x).to(dev, non_blocking=True)
 
+        input_ids = t(ids)
+        pending = np.flatnonzero(ids < 0)
+        if len(pending):
+            # tokens sampled by the previous step, still on the device (overlap scheduling)
+            rows = [self.last_rows[seqs[owner[i]].request_id] for i in pending]
+            idx = torch.from_numpy(pending).to(dev, non_blocking=True)
+            input_ids[idx] = self.last_tokens[torch.tensor(rows, device=dev)]
         return dict(
-            input_ids=t(ids),
+            input_ids=input_ids,
             positions=t(positions),
             slot_mapping=t(slots),
             page_table=t(table),
@@ -158,10 +168,50 @@ class ModelRunner:
         return self.model.compute_logits(hidden[x["last"]]), prompt_logprobs
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> StepOutput:
+    def launch(self, batch: Batch) -> Launched:
+        """Queue one step on the device. Greedy batches keep their tokens there (no sync),
+        so the next batch can be launched before these values reach the host."""
         logits, prompt_logprobs = self.forward(batch)
-        if logits.shape[0] == 0:
-            return StepOutput(batch.step, [], prompt_logprobs=prompt_logprobs)
         rids = [s.request_id for s in batch.seqs if s.sample]
-        inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
-        return StepOutput(batch.step, self.sampler(logits, inp), prompt_logprobs=prompt_logprobs)
+        sampled: list[SampledToken] | None = None
+        if _plain_greedy(batch):
+            tokens = logits.argmax(-1)
+        else:
+            inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
+            sampled = self.sampler(logits, inp) if rids else []
+            tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
+        self.last_tokens, self.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
+        return Launched(batch.step, tokens, sampled, prompt_logprobs)
+
+    @staticmethod
+    def collect(launched: Launched) -> StepOutput:
+        """Wait for a launched step and bring its tokens to the host."""
+        sampled = launched.sampled
+        if sampled is None:
+            sampled = [SampledToken(t) for t in launched.tokens.tolist()]
+        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs)
+
+    def step(self, batch: Batch) -> StepOutput:
+        return self.collect(self.launch(batch))
+
+
+@dataclass(slots=True)
+class Launched:
+    step: int
+    tokens: torch.Tensor
+    """Sampled token ids on the device, one per sampling sequence."""
+    sampled: list[SampledToken] | None
+    """Already on the host (non-greedy sampling syncs), or None."""
+    prompt_logprobs: dict[str, list[float]]
+
+
+def _plain_greedy(batch: Batch) -> bool:
+    return batch.masks is None and not any(batch.banned) and all(
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        for p in batch.params
+    )
