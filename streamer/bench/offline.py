@@ -69,7 +69,7 @@ def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Worklo
         return Workload(name, "llama-3.1-8b", [rand_prompt(128)], [256], peer_requests=1)
     if name == "W3":
         n = n or 1000
-        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 16))
+        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8))
     if name == "W4":
         groups = n or 32
         prompts = []
