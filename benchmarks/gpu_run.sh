@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
 part=${1:-check}
 if [ "$part" = check ] || [ "$part" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels -m cuda 2>&1 | tail -6
+  python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNEL_TESTS:-} -m cuda 2>&1 | tail -6
 fi
 if [ "$part" = w1w2 ] || [ "$part" = all ]; then
   bench --workload W2 --max-num-seqs 8 --json "$OUT/w2.json"
