@@ -252,6 +252,12 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: Any = None) -> None:
         self.state.draining = True
         self.state.abort_all()
+        # let aborted turns send their final message (WebSocket "done", SSE finish chunk)
+        # before uvicorn closes the connections; bounded, so a stuck client cannot hold us
+        for _ in range(40):
+            if not self.state.inflight:
+                break
+            await asyncio.sleep(0.05)
         await super().shutdown(sockets)
 
 

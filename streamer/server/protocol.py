@@ -330,6 +330,8 @@ def decode_body(data: bytes, kind: type[Any]) -> Any:
         raise ApiError(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("the body nests too deeply") from None
 
 
 def openapi_document(version: str) -> dict[str, Any]:

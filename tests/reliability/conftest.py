@@ -1,0 +1,141 @@
+"""Reliability tests: a real `python -m streamer serve` subprocess per test module.
+
+Each module gets its own server on a free loopback port, started once
+(module-scoped fixture `server`), with the extra command-line flags the
+module lists in SERVER_ARGS. The fixture waits for /health, and on teardown
+sends SIGTERM and waits for the process. The server's output goes to a log
+file whose tail is shown when something fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+STARTUP_TIMEOUT = 180.0
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} (labels kept verbatim; unlabelled names bare)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "streamer", "serve", "--model", "default", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        """Resident bytes of the server process (and of any children it started)."""
+        p = psutil.Process(self.pid)
+        return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(self.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """/metrics once nothing runs or waits and every KV page is free or held by the prefix cache."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["streamer_requests_running"] == 0 and m["streamer_requests_waiting"] == 0
+                    and m["streamer_kv_pages_used"] == m["streamer_kv_pages_cached"]):
+                return m
+            if time.monotonic() > deadline:
+                keys = [k for k in m if k.startswith(("streamer_requests_", "streamer_kv_"))]
+                raise AssertionError(f"not idle after {timeout} s: {({k: m[k] for k in keys})}")
+            time.sleep(0.1)
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait; SIGKILL if it hangs. Returns the exit status (negative: the signal)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = list(getattr(request.module, "SERVER_ARGS", []))
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(args, log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_model_ready() -> None:
+    """Fetch the default model once, before any server starts (each would otherwise race for it)."""
+    from streamer.model.default_model import ensure_default_model
+
+    ensure_default_model()
