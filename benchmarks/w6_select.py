@@ -60,7 +60,7 @@ def answer(s, prefix, q, choices, commit=True):
 
 
 def run_language(args, prefix, qs) -> dict:
-    with LLM(args.model, enable_prefix_caching=True) as llm:
+    with LLM(args.model, enable_prefix_caching=True, load_format=args.load_format, gpu_memory_fraction=0.4) as llm:
         llm.generate(["Warm-up: an unrelated prompt."], SamplingParams(max_tokens=2))
         before = llm.stats()
         t0 = time.perf_counter()
@@ -84,7 +84,7 @@ def run_language(args, prefix, qs) -> dict:
 
 
 def run_baseline(args, prefix, qs) -> dict:
-    with LLM(args.model, enable_prefix_caching=False) as llm:
+    with LLM(args.model, enable_prefix_caching=False, load_format=args.load_format, gpu_memory_fraction=0.4) as llm:
         llm.generate(["Warm-up: an unrelated prompt."], SamplingParams(max_tokens=2))
         tok = llm.tokenizer
         picks = []
@@ -104,6 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--num-questions", type=int, default=200)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (GPU machine, no checkpoint)")
     ap.add_argument("--parallel", type=int, default=64, help="programs run at once by run_batch")
     ap.add_argument("--no-commit", action="store_true",
                     help="select without first prefilling the shared text (choices then compute it each)")

@@ -38,12 +38,16 @@ from streamer import __version__
 from streamer.config import EngineConfig, ServerConfig
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, RequestOutput
-from streamer.server import openai_api, websocket
+from streamer.server import native_api, openai_api, websocket
 from streamer.server.metrics import Metrics, RequestCounter, RequestTimer
 from streamer.server.protocol import ApiError, openapi_document
 
 log = logging.getLogger("streamer.server")
 STATIC = Path(__file__).parent / "static"
+
+
+PROTECTED = ("/v1/", "/generate", "/tokenize", "/apply_chat_template")
+"""Paths that need the API key when one is set."""
 
 
 class ServerState:
@@ -151,7 +155,7 @@ class ApiKeyCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.config.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if key and scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             headers = dict(scope["headers"])
             if not key_matches(key, headers.get(b"authorization", b"").decode("latin-1")):
                 err = ApiError("missing or wrong API key (send Authorization: Bearer <key>)", 401,
@@ -215,6 +219,7 @@ def create_app(engine: Any, server_config: ServerConfig) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", websocket.chat_session),
+        *native_api.routes(engine),  # /generate (the frontend language), /tokenize, ...
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -35,11 +35,9 @@ def live_url() -> Iterator[str]:
     from streamer.config import ServerConfig
     from streamer.engine.engine import AsyncEngine
     from streamer.server.app import create_app
-    from streamer.server.native_api import routes
 
     engine = AsyncEngine(model="default")
-    app = create_app(engine, ServerConfig())
-    app.router.routes.extend(routes(engine))
+    app = create_app(engine, ServerConfig())  # mounts the native routes
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
