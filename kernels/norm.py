@@ -10,28 +10,13 @@ hand because the interpreter truncates fp32 -> bf16 casts.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def _interpreting() -> bool:
-    """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-@triton.jit
-def _round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE."""
-    if INTERP and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
 
 
 @triton.jit
