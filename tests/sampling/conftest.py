@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from streamer.model.default_model import default_model_dir, is_ready
+from streamer.model.default_model import ensure_default_model
 
 
 def _model_dir():
-    d = default_model_dir()
-    if not is_ready(d):
-        pytest.skip(f"the default model is not cached at {d}")
-    return d
+    return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
