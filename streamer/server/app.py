@@ -120,6 +120,7 @@ class ServerState:
             finally:
                 if waiting:
                     self.pending -= 1
+                timer.abandoned()
                 self.inflight.discard(req.request_id)
                 queue.put_nowait((i, None))
 

@@ -83,6 +83,7 @@ class RequestTimer:
         self.m = metrics
         self.start = self.last = time.perf_counter()
         self.first = True
+        self.done = False
 
     def observe(self, out: Any) -> None:
         now = time.perf_counter()
@@ -100,6 +101,13 @@ class RequestTimer:
             self.m.prompt_tokens.inc(out.prompt_tokens)
             self.m.generated_tokens.inc(out.completion_tokens)
             self.m.finished.labels(out.finish_reason or "unknown").inc()
+            self.done = True
+
+    def abandoned(self) -> None:
+        """The client went away before the final output: the engine request was aborted."""
+        if not self.done:
+            self.done = True
+            self.m.finished.labels("abort").inc()
 
 
 class RequestCounter:
