@@ -71,8 +71,7 @@ class AsyncEngine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_ids(hf, self.hf_tokenizer, self.model_path)
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size)
-        self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len)
-        self.scheduler.pool_vocab = hf.vocab_size
+        self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size)
         self._attach_grammar()
         overlap = self.config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if overlap is None else overlap

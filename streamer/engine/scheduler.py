@@ -77,8 +77,10 @@ class Scheduler:
     jump_forward = True
     """Append the text a grammar forces without decoding it token by token (tests flip it)."""
 
-    def __init__(self, config: EngineConfig, pool: PagePool, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, pool: PagePool, max_model_len: int, vocab_size: int = 0) -> None:
         self.config = config
+        self.vocab_size = vocab_size
+        """Width of the grammar bitmasks."""
         self.pool = pool
         self.tree = RadixCache(pool)
         self.max_model_len = max_model_len
@@ -187,7 +189,7 @@ class Scheduler:
         if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
             # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
             for r in order:
-                matches[r.request_id] = self.tree._walk(r.tokens[: self._cacheable(r)])
+                matches[r.request_id] = self.tree.peek(r.tokens[: self._cacheable(r)])
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
         claimed = {r.claim for r in self.running if r.claim is not None and r.num_output == 0}
         for req in order:
@@ -301,10 +303,7 @@ class Scheduler:
             return None
         from streamer.sampling.grammar import fill_bitmask
 
-        return fill_bitmask([r.grammar for r in sampling], self.pool_vocab)
-
-    pool_vocab = 0
-    """Set by the engine: the model's vocabulary size (bitmask width)."""
+        return fill_bitmask([r.grammar for r in sampling], self.vocab_size)
 
     # ---- results --------------------------------------------------------
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:

@@ -93,6 +93,10 @@ class RadixCache:
             node = child
         return pages, node
 
+    def peek(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """match_prefix without counting it in the hit statistics (admission ordering)."""
+        return self._walk(tokens)
+
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
         pages, node = self._walk(tokens)
         self.queried_tokens += len(tokens)
