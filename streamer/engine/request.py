@@ -43,7 +43,8 @@ class Request:
     sent_prompt_info: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
     claim: int | None = None
-    """Hash of the first page this request computes beyond its cached prefix (admission)."""
+    """Hash of the first page this request computes beyond its cached prefix, from admission
+    until its prompt is in the radix tree (requests needing that page wait for it)."""
 
     @property
     def num_output(self) -> int:

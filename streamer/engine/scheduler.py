@@ -191,7 +191,7 @@ class Scheduler:
             for r in order:
                 matches[r.request_id] = self.tree.peek(r.tokens[: self._cacheable(r)])
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
-        claimed = {r.claim for r in self.running if r.claim is not None and r.num_output == 0}
+        claimed = {r.claim for r in self.running if r.claim is not None}
         for req in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -403,6 +403,7 @@ class Scheduler:
     def _cache_prompt(self, req: Request) -> None:
         """Share a freshly prefilled prompt with later arrivals (lock moves to the longer path)."""
         _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages)
+        req.claim = None  # its prefix is in the tree now: waiting requests can share it
         self.tree.lock(node)
         if req.node is not None:
             self.tree.unlock(req.node)

@@ -1,0 +1,58 @@
+"""The scheduling policy on its own: no model, fake step outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from streamer.config import EngineConfig
+from streamer.engine.scheduler import Scheduler
+from streamer.kv.pages import PagePool
+from streamer.messages import SampledToken, SamplingParams, StepOutput, TokenizedRequest
+
+
+def scheduler(num_pages: int = 256, **kw) -> Scheduler:
+    pool = PagePool(1, num_pages, 16, 1, 4, torch.float32, "cpu")
+    return Scheduler(EngineConfig(num_pages=num_pages, **kw), pool, max_model_len=4096)
+
+
+def submit(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    assert s.add(TokenizedRequest(request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[2])) is None
+
+
+def finish_step(s: Scheduler, batch) -> None:
+    s.process(batch, StepOutput(batch.step, [SampledToken(7) for c in batch.seqs if c.sample]))
+
+
+def test_a_shared_prefix_is_computed_once_even_when_scheduling_ahead():
+    s = scheduler()
+    prefix = list(range(100, 300))
+    for i in range(6):
+        submit(s, f"r{i}", prefix + [1000 + i] * 5)
+    first = s.schedule()
+    assert [c.request_id for c in first.seqs] == ["r0"], "the others wait for r0's prefix"
+    ahead = s.schedule(ahead=True)  # built while `first` runs: r0's prompt is not cached yet
+    assert [c.request_id for c in ahead.seqs] == ["r0"]
+    finish_step(s, first)
+    finish_step(s, ahead)
+    third = s.schedule()
+    admitted = {c.request_id: c.start for c in third.seqs if c.request_id != "r0"}
+    assert admitted and all(start >= 192 for start in admitted.values()), admitted
+
+
+def test_scheduling_ahead_never_preempts_but_a_plain_schedule_does():
+    s = scheduler(num_pages=12)  # 11 usable pages; three requests grow to 9 pages each
+    for i in range(3):
+        submit(s, f"r{i}", [i + 10] * 40, max_tokens=100)
+    batch = s.schedule()
+    while batch is not None:
+        before = s.preemptions
+        ahead = s.schedule(ahead=True)
+        assert s.preemptions == before, "a batch in flight may still use the pages"
+        finish_step(s, batch)
+        if ahead is not None:
+            finish_step(s, ahead)
+        batch = s.schedule()
+    assert s.preemptions > 0
+    assert not s.running and not s.waiting
+    s.check()
