@@ -61,6 +61,20 @@ class LLM:
     def stats(self):
         return self.engine.stats()
 
+    def wait_idle(self, timeout: float = 2.0):
+        """Stats once nothing runs and every page is free or cached, or after timeout.
+
+        A request's caller may see its last output a moment before its pages come back
+        (a stop string's Finish is still on its way, or a batch in flight holds them)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if (s.running == 0 and s.pages_used == s.pages_cached) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.02)
+
     def check(self) -> None:
         """Assert the page invariants (tests): call when no request is running."""
 

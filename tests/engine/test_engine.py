@@ -43,15 +43,8 @@ def distinct_prompts(ids, n, lo, hi, seed=0):
 
 
 def settle(llm: LLM) -> None:
-    """A stop string's Finish reaches the scheduler a moment after the caller's last output,
-    and an aborted request's pages wait for the batch in flight that holds them."""
-    for _ in range(100):
-        s = llm.stats()
-        if s.running == 0 and s.pages_used == s.pages_cached:
-            break
-        time.sleep(0.02)
+    s = llm.wait_idle()
     llm.check()
-    s = llm.stats()
     assert s.running == 0 and s.waiting == 0
     assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
 

@@ -30,7 +30,6 @@ def test_overlapped_schedule_gives_identical_outputs(tiny_models):
 
 def test_overlap_with_preemption_and_aborts_keeps_the_page_invariant(tiny_models):
     import asyncio
-    import time
 
     from streamer.messages import GenerateRequest
 
@@ -56,12 +55,7 @@ def test_overlap_with_preemption_and_aborts_keeps_the_page_invariant(tiny_models
         for o in outs:
             if o.finish_reason == "length":
                 assert o.completion_tokens == len(o.token_ids) > 0
-        for _ in range(100):
-            s = llm.stats()
-            if s.running == 0 and s.pages_used == s.pages_cached:
-                break
-            time.sleep(0.02)
+        s = llm.wait_idle()
         llm.check()
-        s = llm.stats()
         assert s.steps_ahead > 0 and s.preemptions > 0
         assert s.running == 0 and s.pages_used == s.pages_cached
