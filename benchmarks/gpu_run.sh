@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all)
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6)
+# w5 and w6 need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -19,4 +20,20 @@ fi
 if [ "$part" = w3w4 ] || [ "$part" = all ]; then
   bench --workload W3 --num-requests "${W3_N:-256}" --json "$OUT/w3.json"
   bench --workload W4 --num-requests "${W4_GROUPS:-8}" --no-peer --json "$OUT/w4.json"
+fi
+if [ "$part" = w5 ]; then
+  # online figures: the server with the Llama-3.1-8B shape, bench serve at four rates, then the
+  # same workload offline (throughput at saturation vs offline)
+  python3 -m streamer serve --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy \
+      --max-model-len 4096 --port 8100 > "$OUT/w5_server.log" 2>&1 &
+  srv=$!
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
+  python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
+      --output-len 128 --num-prompts "${W5_N:-64}" --request-rate 2,8,32,inf --json "$OUT/w5_serve.json"
+  kill -TERM $srv; wait $srv
+  bench --workload W5 --num-requests "${W5_N:-64}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
+      --json "$OUT/w5_offline.json"
+fi
+if [ "$part" = w6 ]; then
+  python3 benchmarks/w6_select.py -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
 fi

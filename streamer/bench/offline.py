@@ -5,6 +5,8 @@
   W3  Llama-3.1-8B shape, 1,000 requests of 1,000 input and 1,000 output tokens
   W4  prefix sharing: 32 groups x (2,000-token shared prefix + 16 distinct 64-token questions), 128 out;
       radix cache on vs off
+  W5  Llama-3.1-8B shape, 64 requests of 512 prompt and 128 output tokens (what `bench serve`
+      sends in benchmarks/gpu_run.sh w5, for the online/offline ratio)
 
 Weights are random of the real shapes (dummy), EOS is ignored, so every request
 produces exactly its output length. Each figure comes with the floor: the bytes
@@ -70,6 +72,9 @@ def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Worklo
     if name == "W3":
         n = n or 1000
         return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8))
+    if name == "W5":  # the offline twin of `bench serve --input-len 512 --output-len 128` at saturation
+        n = n or 64
+        return Workload(name, "llama-3.1-8b", [rand_prompt(512) for _ in range(n)], [128] * n, peer_requests=0)
     if name == "W4":
         groups = n or 32
         prompts = []
