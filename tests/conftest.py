@@ -3,8 +3,15 @@ and the transformers oracle."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,3 +85,34 @@ def tiny_family(root: Path, tokenizer_src: Path | None, **kw) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
     return tiny_family(tmp_path_factory.mktemp("tiny"), default_model)
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, **uvicorn_kw: Any) -> Iterator[tuple[int, asyncio.AbstractEventLoop]]:
+    """Run a Starlette app with uvicorn on a free loopback port in a background thread;
+    yields (port, the server's event loop)."""
+    import uvicorn
+
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_kw))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield sock.getsockname()[1], loop
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

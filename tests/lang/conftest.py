@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +10,7 @@ import pytest
 
 from streamer import LLM
 from streamer.lang import EngineBackend
+from tests.conftest import serve_in_thread
 
 
 @pytest.fixture(scope="session")
@@ -30,30 +27,14 @@ def backend(llm) -> EngineBackend:
 @pytest.fixture(scope="session")
 def live_url() -> Iterator[str]:
     """The server's app (server/app.py) with the native routes added, as the server mounts them."""
-    import uvicorn
-
     from streamer.config import ServerConfig
     from streamer.engine.engine import AsyncEngine
     from streamer.server.app import create_app
 
     engine = AsyncEngine(model="default")
     app = create_app(engine, ServerConfig())  # mounts the native routes
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_thread(app) as (port, _loop):
+        yield f"http://127.0.0.1:{port}"
 
 
 def line_of(name: str, file: str) -> int:

@@ -8,8 +8,6 @@ engine's stats on that loop (`live.stats()`) so they never race the actors.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,11 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from streamer.config import EngineConfig, ServerConfig
 from streamer.engine.engine import AsyncEngine
 from streamer.server.app import ServerState, create_app
+from tests.conftest import serve_in_thread
 
 
 @dataclass
@@ -49,33 +47,13 @@ class LiveServer:
             time.sleep(0.05)
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="session")
 def live() -> Iterator[LiveServer]:
     engine = AsyncEngine(EngineConfig(model="default"))
     config = ServerConfig(served_model_name="smol", max_queue=64, session_idle_timeout=30.0)
     app = create_app(engine, config)
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_ping_interval=None))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
-    yield LiveServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", loop, app.state.server)
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_thread(app, ws_ping_interval=None) as (port, loop):
+        yield LiveServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", loop, app.state.server)
 
 
 @pytest.fixture
