@@ -1,0 +1,178 @@
+"""Where the time goes, on the GPU machine (diagnostics, not a benchmark of record).
+
+    python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
+    python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
+    python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
+
+The host profile samples every thread's Python stack each millisecond
+(sys._current_frames) and prints the functions with the most samples, self and
+inclusive, per thread: it shows what the scheduler, executor and detokenizer
+actors spend their time on while the GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIGS = ROOT / "benchmarks" / "configs"
+
+
+def bench_gemm() -> None:
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+              "lm_head": (4096, 128256)}
+    print(f"{'gemm':8} {'M':>4} {'us':>8} {'TB/s':>6}")
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 8, 64, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                F.linear(x, w)
+            torch.cuda.synchronize()
+            reps = 50
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(reps):
+                F.linear(x, w)
+            e1.record()
+            torch.cuda.synchronize()
+            us = 1e3 * e0.elapsed_time(e1) / reps
+            tb = (n * k + m * k + m * n) * 2 / (us * 1e-6) / 1e12
+            print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f}")
+
+
+def profile_step() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from streamer import LLM
+    from streamer.messages import SamplingParams
+
+    cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8)]
+    for model, bs, ctx, steps in cases:
+        llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=4096,
+                  max_num_seqs=bs, max_num_batched_tokens=16384)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 30000, (ctx,), generator=g).tolist() for _ in range(bs)]
+        # prefill first (not profiled), then decode steps
+        sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        llm.generate(prompts, sp)
+        sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, sp)  # prompts cached: one short prefill, then decodes
+            torch.cuda.synchronize()
+        totals: dict[str, float] = collections.defaultdict(float)
+        counts: dict[str, int] = collections.defaultdict(int)
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA":
+                totals[ev.name[:70]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+                counts[ev.name[:70]] += 1
+        whole = sum(totals.values())
+        print(f"\n== {model} bs={bs} ctx={ctx}: {steps} decode steps, GPU kernel time {whole / 1e3:.2f} ms "
+              f"({whole / 1e3 / steps:.3f} ms/step incl. one prefill)")
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"  {us / 1e3 / steps:8.3f} ms/step {100 * us / whole:5.1f}%  x{counts[name] / steps:5.1f}  {name}")
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+
+
+class StackSampler:
+    """Counts, per thread, the Python functions on the stack every `interval` seconds."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.self_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.incl_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.samples: collections.Counter = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                tname = names.get(ident, str(ident))
+                self.samples[tname] += 1
+                seen = set()
+                leaf = True
+                f = frame
+                while f is not None:
+                    key = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
+                    if leaf:
+                        self.self_counts[tname][key] += 1
+                        leaf = False
+                    if key not in seen:
+                        self.incl_counts[tname][key] += 1
+                        seen.add(key)
+                    f = f.f_back
+            time.sleep(self.interval)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 25) -> None:
+        for tname, n in self.samples.most_common():
+            if n < 50:
+                continue
+            print(f"\n== thread {tname}: {n} samples")
+            print("  self:")
+            for key, c in self.self_counts[tname].most_common(top):
+                print(f"    {100 * c / n:5.1f}%  {key}")
+            print("  inclusive:")
+            for key, c in self.incl_counts[tname].most_common(top):
+                print(f"    {100 * c / n:5.1f}%  {key}")
+
+
+def profile_w1_host(n: int) -> None:
+    from streamer import LLM
+    from streamer.bench.offline import make_workload, run_engine, warm_up
+
+    llm = LLM(str(CONFIGS / "qwen3-0.6b"), load_format="dummy", max_model_len=2100, max_num_seqs=256,
+              max_num_batched_tokens=8192)
+    w = make_workload("W1", 151936, n, seed=0)
+    warm_up(llm, 151936)
+    with StackSampler() as s:
+        t0 = time.perf_counter()
+        run_engine(llm, w, "W1")
+        dt = time.perf_counter() - t0
+    st = llm.stats()
+    print(f"W1 {n} requests: {sum(w.outputs) / dt:.0f} tok/s, {st.steps} steps, {1e3 * dt / max(1, st.steps):.2f} ms/step, "
+          f"mean batch {st.mean_batch_size:.1f}")
+    s.report()
+    llm.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("part", choices=["gemm", "step", "w1cpu"])
+    p.add_argument("-n", type=int, default=256)
+    a = p.parse_args()
+    if a.part == "gemm":
+        bench_gemm()
+    elif a.part == "step":
+        profile_step()
+    else:
+        profile_w1_host(a.n)
+
+
+if __name__ == "__main__":
+    main()
