@@ -119,7 +119,9 @@ def _decode_step(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The page-table width and split count change from batch to batch; left to specialize, Triton
+# would compile new variants (divisible by 16, equal to 1) in the middle of serving.
+@triton.jit(do_not_specialize=["stride_ptb", "num_splits"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -490,7 +492,7 @@ def _extend_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ptb"])
 def _extend_kernel(
     q_ptr,
     k_ptr,

@@ -108,31 +108,46 @@ class ModelRunner:
                 lp_rows.extend(range(first, first + len(s.logprob_targets)))
                 lp_targets.extend(s.logprob_targets)
                 lp_owner.append((s.request_id, len(s.logprob_targets)))
-        dev = self.device
-
-        def t(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(x).to(dev, non_blocking=True)
-
-        input_ids = t(ids)
         pending = np.flatnonzero(ids < 0)
+        # tokens sampled by the previous step, still on the device (overlap scheduling)
+        pending_rows = np.array([self.last_rows[seqs[owner[i]].request_id] for i in pending], dtype=np.int64)
+        # Every index array travels in one pinned buffer and one asynchronous copy: a copy
+        # from pageable memory (or torch.tensor(..., device=)) would wait for the step in
+        # flight and undo the overlap of host preparation with the device.
+        parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
+                 table.ravel()]
+        dev_buf = self._upload(parts)
+        views: list[torch.Tensor] = []
+        at = 0
+        for a in parts:
+            views.append(dev_buf[at : at + a.size])
+            at += a.size
+        input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t = views
         if len(pending):
-            # tokens sampled by the previous step, still on the device (overlap scheduling)
-            rows = [self.last_rows[seqs[owner[i]].request_id] for i in pending]
-            idx = torch.from_numpy(pending).to(dev, non_blocking=True)
-            input_ids[idx] = self.last_tokens[torch.tensor(rows, device=dev)]
+            input_ids[pend_t] = self.last_tokens[rows_t]
         return dict(
             input_ids=input_ids,
-            positions=t(positions),
-            slot_mapping=t(slots),
-            page_table=t(table),
-            seq_lens=t(seq_lens),
-            cu_q_lens=t(cu),
+            positions=pos_t,
+            slot_mapping=slots_t,
+            page_table=table_t.view(len(seqs), width),
+            seq_lens=seq_lens_t,
+            cu_q_lens=cu_t,
             max_q_len=max(lens),
-            last=t(np.array(last, dtype=np.int64)),
+            last=last_t,
             lp_rows=lp_rows,
             lp_targets=lp_targets,
             lp_owner=lp_owner,
         )
+
+    def _upload(self, parts: list[np.ndarray]) -> torch.Tensor:
+        """Concatenate int arrays into one int64 tensor on the device."""
+        n = sum(a.size for a in parts)
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False).ravel() for a in parts]))
+        # the caching host allocator keeps a pinned block until the copy reading it is done
+        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        np.concatenate([a.astype(np.int64, copy=False).ravel() for a in parts], out=host.numpy())
+        return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
@@ -181,13 +196,24 @@ class ModelRunner:
             sampled = self.sampler(logits, inp) if rids else []
             tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
         self.last_tokens, self.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
-        return Launched(batch.step, tokens, sampled, prompt_logprobs)
+        done = None
+        if sampled is None and tokens.is_cuda:
+            # Queue the copy to the host right behind this step: a plain .tolist() later
+            # would also wait for the step launched after this one.
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            tokens = host
+        return Launched(batch.step, tokens, sampled, prompt_logprobs, done)
 
     @staticmethod
     def collect(launched: Launched) -> StepOutput:
         """Wait for a launched step and bring its tokens to the host."""
         sampled = launched.sampled
         if sampled is None:
+            if launched.done is not None:
+                launched.done.synchronize()
             sampled = [SampledToken(t) for t in launched.tokens.tolist()]
         return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs)
 
@@ -199,10 +225,12 @@ class ModelRunner:
 class Launched:
     step: int
     tokens: torch.Tensor
-    """Sampled token ids on the device, one per sampling sequence."""
+    """Sampled token ids, one per sampling sequence (a pinned host copy in flight on CUDA)."""
     sampled: list[SampledToken] | None
     """Already on the host (non-greedy sampling syncs), or None."""
     prompt_logprobs: dict[str, list[float]]
+    done: torch.cuda.Event | None = None
+    """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
 
 
 def _plain_greedy(batch: Batch) -> bool:
