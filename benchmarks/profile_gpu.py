@@ -1,7 +1,6 @@
 """Where the time goes, on the GPU machine (diagnostics, not a benchmark of record).
 
-    python3 benchmarks/profile_gpu.py gemm     # cuBLAS vs the skinny Triton GEMM at decode shapes: TB/s
-    python3 benchmarks/profile_gpu.py attn     # paged decode attention variants at decode shapes
+    python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
 
@@ -11,7 +10,6 @@ inclusive, per thread: it shows what the scheduler, executor and detokenizer
 actors spend their time on while the GPU runs.
 """
 
-# ruff: noqa: B023 - the lambdas are timed on the spot, inside their loop iteration
 from __future__ import annotations
 
 import argparse
@@ -28,79 +26,29 @@ sys.path.insert(0, str(ROOT))
 CONFIGS = ROOT / "benchmarks" / "configs"
 
 
-def _time_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return 1e3 * e0.elapsed_time(e1) / reps
-
-
 def bench_gemm() -> None:
-    """cuBLAS against the skinny Triton kernel (default config, then the best of a sweep)."""
     import torch.nn.functional as F
 
-    from kernels import linear
-
-    shapes = {"8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
-              "8b.lm_head": (4096, 128256), "0.6b.qkv": (1024, 4096), "0.6b.o": (2048, 1024),
-              "0.6b.gate_up": (1024, 6144), "0.6b.down": (3072, 1024), "0.6b.lm_head": (1024, 151936)}
-    sweep = [(bn, bk, nw, ns) for bn in (16, 32, 64) for bk in (128, 256, 512) for nw in (4, 8) for ns in (3, 5)]
-    print(f"{'gemm':13} {'M':>3} {'cublas us':>9} {'TB/s':>5} {'skinny':>7} {'TB/s':>5} {'best':>7} {'TB/s':>5}  best config")
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+              "lm_head": (4096, 128256)}
+    print(f"{'gemm':8} {'M':>4} {'us':>8} {'TB/s':>6}")
     for name, (k, n) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 8, 16):
+        for m in (1, 8, 64, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            gb = (n * k + m * k + m * n) * 2 / 1e12
-            t_cublas = _time_us(lambda: F.linear(x, w))
-            t_def = _time_us(lambda: linear.skinny_linear(x, w))
-            best, cfg = float("inf"), None
-            if m in (1, 16):
-                for bn, bk, nw, ns in sweep:
-                    try:
-                        t = _time_us(lambda: linear.skinny_linear(x, w, None, bn, bk, nw, ns), reps=20)
-                    except Exception:  # noqa: BLE001 - a config that does not fit
-                        continue
-                    if t < best:
-                        best, cfg = t, (bn, bk, nw, ns)
-            print(f"{name:13} {m:3d} {t_cublas:9.1f} {gb / t_cublas * 1e6:5.2f} {t_def:7.1f} {gb / t_def * 1e6:5.2f} "
-                  f"{best:7.1f} {gb / best * 1e6:5.2f}  {cfg}", flush=True)
-
-
-def bench_attn() -> None:
-    """Decode attention variants (Llama-3.1-8B heads: 32 q, 8 kv, d 128, page 16)."""
-    from kernels import attention
-
-    cases = [(1, 400), (1, 2000), (8, 1000), (64, 2048), (128, 1500), (256, 1024)]
-    for b, ctx in cases:
-        pages = (ctx + 15) // 16
-        kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
-        sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
-        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
-        gb = 2 * b * ctx * 8 * 128 * 2 / 1e12
-        base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088, max_seq_len=2048))
-        rows = []
-        for splits in (1, 2, 4, 8, 16, 32):
-            for bn in (32, 64):
-                for nw in (2, 4):
-                    for ns in (1, 2, 3):
-                        try:
-                            t = _time_us(lambda: attention.paged_decode(
-                                q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn, num_warps=nw,
-                                num_stages=ns), reps=20)
-                        except Exception:  # noqa: BLE001
-                            continue
-                        rows.append((t, splits, bn, nw, ns))
-        rows.sort()
-        print(f"attn B={b:3d} ctx={ctx:4d}: default {base:7.1f} us ({gb / base * 1e6:4.2f} TB/s); best "
-              + ", ".join(f"{t:.1f}us s{s} n{bn} w{nw} st{ns}" for t, s, bn, nw, ns in rows[:3]), flush=True)
+            for _ in range(3):
+                F.linear(x, w)
+            torch.cuda.synchronize()
+            reps = 50
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(reps):
+                F.linear(x, w)
+            e1.record()
+            torch.cuda.synchronize()
+            us = 1e3 * e0.elapsed_time(e1) / reps
+            tb = (n * k + m * k + m * n) * 2 / (us * 1e-6) / 1e12
+            print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f}")
 
 
 def profile_step() -> None:
@@ -215,13 +163,11 @@ def profile_w1_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu"])
+    p.add_argument("part", choices=["gemm", "step", "w1cpu"])
     p.add_argument("-n", type=int, default=256)
     a = p.parse_args()
     if a.part == "gemm":
         bench_gemm()
-    elif a.part == "attn":
-        bench_attn()
     elif a.part == "step":
         profile_step()
     else:

@@ -79,13 +79,3 @@ def paged_attention(
             return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale)
         return attention.paged_extend(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len)
     return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode-sized product on CUDA takes the skinny Triton GEMM when the shapes suit it."""
-    if _triton(x):
-        from kernels import linear as lin
-
-        if lin.ENABLED and lin.use_skinny(x, w):
-            return lin.skinny_linear(x, w, bias)
-    return reference.linear(x, w, bias)

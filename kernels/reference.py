@@ -127,8 +127,3 @@ def paged_attention(
         )
         out[q0:q1] = o.transpose(0, 1)
     return out
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T (+ bias) -> [M, N]."""
-    return F.linear(x, w, bias)

@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import activation, attention, kv_store, linear, norm, reference, rope
+from kernels import activation, attention, kv_store, norm, reference, rope
 
 CUDA = torch.cuda.is_available()
 if not CUDA and not isinstance(tl.sum, InterpretedFunction):
@@ -313,46 +313,6 @@ def test_silu_and_mul_matches_reference(inter, dtype):
     ref = reference.silu_and_mul(x)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _close(out, ref, ELEM_TOL[dtype])
-
-
-# --------------------------------------------------------------------------- skinny linear
-
-
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n,k", [(40, 96), (64, 1024)])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_skinny_linear_matches_reference(m, n, k, bias, dtype):
-    gen = torch.Generator().manual_seed(m * 7 + n)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
-    # block sizes that leave a partial column block and (k=96) a partial K block
-    out = linear.skinny_linear(x, w, b, block_n=16, block_k=64)
-    ref = reference.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
-    assert out.shape == (m, n) and out.dtype == dtype
-    _close(out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
-
-
-def test_skinny_linear_strided_rows():
-    """A row-strided x (a slice of a wider activation) gives the same product."""
-    gen = torch.Generator().manual_seed(1)
-    wide = torch.randn(4, 160, generator=gen).to(DEVICE)
-    w = torch.randn(32, 96, generator=gen).to(DEVICE)
-    x = wide[:, 10:106]
-    _close(linear.skinny_linear(x, w, block_n=16, block_k=32), reference.linear(x, w), 1e-4)
-
-
-@pytest.mark.cuda
-@cuda
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (151936, 1024)])
-def test_cuda_skinny_linear_model_shapes(m, n, k):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
-    assert linear.use_skinny(x, w)
-    _close(linear.skinny_linear(x, w), reference.linear(x, w), 2e-2)
 
 
 # --------------------------------------------------------------------------- GPU sizes
