@@ -25,7 +25,7 @@ if [ "$part" = w5 ]; then
   # online figures: the server with the Llama-3.1-8B shape, bench serve at four rates, then the
   # same workload offline (throughput at saturation vs offline)
   python3 -m streamer serve --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy \
-      --max-model-len 4096 --port 8100 > "$OUT/w5_server.log" 2>&1 &
+      --max-model-len 4096 --max-num-batched-tokens 8192 --port 8100 > "$OUT/w5_server.log" 2>&1 &
   srv=$!
   for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
   python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \

@@ -359,7 +359,7 @@ def paged_decode(
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 1 if prefetch else 2
+        num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
         part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)

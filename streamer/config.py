@@ -51,6 +51,8 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     """Schedule batch N+1 while N runs. None: on for CUDA, off on CPU (nothing to overlap)."""
     cuda_graph_max_bs: int = 256
+    warmup: bool = True
+    """On CUDA, start() runs a few short requests first (Triton compiles its kernel variants)."""
     seed: int = 0
     fcfs_queue_threshold: int = 128
     """Past this many waiting requests, admission is plain FCFS (no prefix sort)."""

@@ -20,7 +20,7 @@ from streamer.config import EngineConfig
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
 from streamer.engine.scheduler import EngineStats, Scheduler
 from streamer.errors import ModelLoadError
-from streamer.messages import Abort, GenerateRequest, Register, RequestOutput
+from streamer.messages import Abort, GenerateRequest, Register, RequestOutput, SamplingParams
 from streamer.model.runner import ModelRunner
 
 log = logging.getLogger("streamer.engine")
@@ -115,6 +115,23 @@ class AsyncEngine:
             task = asyncio.create_task(coro, name=f"streamer-{name}")
             task.add_done_callback(self._actor_done)
             self._tasks.append(task)
+        if self.config.warmup and self.runner.device.type == "cuda":
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """A few short requests of different lengths, so that Triton compiles the kernel
+        variants of prefill, mixed and decode steps now rather than during a user's request."""
+        vocab = self.runner.hf_config.vocab_size
+        lengths = sorted({min(n, self.max_model_len - 8) for n in (7, 100, 700)})
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        reqs = [
+            GenerateRequest(request_id=f"warmup-{n}", prompt_token_ids=[(i * 7919 + n) % vocab for i in range(n)],
+                            params=params)
+            for n in lengths if n > 0
+        ]
+        t0 = time.monotonic()
+        await asyncio.gather(*(self.generate(r) for r in reqs))
+        log.info("warm-up done in %.1f s", time.monotonic() - t0)
 
     def _actor_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:

@@ -116,12 +116,8 @@ class ModelRunner:
         # flight and undo the overlap of host preparation with the device.
         parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
                  table.ravel()]
-        dev_buf = self._upload(parts)
-        views: list[torch.Tensor] = []
-        at = 0
-        for a in parts:
-            views.append(dev_buf[at : at + a.size])
-            at += a.size
+        dev_buf, offsets = self._upload(parts)
+        views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
         input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t = views
         if len(pending):
             input_ids[pend_t] = self.last_tokens[rows_t]
@@ -139,15 +135,21 @@ class ModelRunner:
             lp_owner=lp_owner,
         )
 
-    def _upload(self, parts: list[np.ndarray]) -> torch.Tensor:
-        """Concatenate int arrays into one int64 tensor on the device."""
-        n = sum(a.size for a in parts)
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False).ravel() for a in parts]))
-        # the caching host allocator keeps a pinned block until the copy reading it is done
-        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        np.concatenate([a.astype(np.int64, copy=False).ravel() for a in parts], out=host.numpy())
-        return host.to(self.device, non_blocking=True)
+    def _upload(self, parts: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+        """Concatenate int arrays into one int64 tensor on the device; returns it and where
+        each part starts. Parts start on 128-byte boundaries: Triton specializes kernels on
+        16-byte pointer alignment, so unaligned views would compile new variants mid-run."""
+        offsets, n = [], 0
+        for a in parts:
+            offsets.append(n)
+            n += -(-a.size // 16) * 16
+        flat = np.zeros(max(n, 1), dtype=np.int64) if self.device.type != "cuda" else None
+        host = torch.from_numpy(flat) if flat is not None else torch.empty(max(n, 1), dtype=torch.int64, pin_memory=True)
+        # (the caching host allocator keeps a pinned block until the copy reading it is done)
+        view = host.numpy()
+        for at, a in zip(offsets, parts):
+            view[at : at + a.size] = a.ravel()
+        return host.to(self.device, non_blocking=True), offsets
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
