@@ -136,6 +136,18 @@ class Batch(msgspec.Struct):
     """Per sampling sequence: token ids not allowed now (EOS before min_tokens)."""
     masks: Any = None
     """Grammar bitmask tensor [n_sampling, words] or None."""
+    masks_deferred: bool = False
+    """Scheduled while the step before it was in flight, with grammar rows: the matchers
+    have not seen that step's tokens yet, so the bitmask follows in a MaskFill. The
+    executor runs the forward meanwhile and samples when the MaskFill arrives."""
+
+
+class MaskFill(msgspec.Struct):
+    """Scheduler -> executor: the grammar bitmask of a batch sent with masks_deferred,
+    filled on the CPU after the previous step's tokens moved the matchers."""
+
+    step: int
+    masks: Any
 
 
 class SampledToken(msgspec.Struct):

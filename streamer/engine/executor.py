@@ -1,6 +1,6 @@
 """Executor actor: owns the ModelRunner and runs one step at a time.
 
-Inbox:  Batch (from the scheduler), None to stop.
+Inbox:  Batch, MaskFill (from the scheduler), None to stop.
 Outbox: StepOutput -> scheduler inbox, in the order of the batches.
 Invariants: the model runs only in this actor's single worker thread, so the
 event loop keeps serving while a step computes; a failing step becomes a
@@ -14,7 +14,7 @@ import logging
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from streamer.messages import Batch, StepOutput
+from streamer.messages import Batch, MaskFill, StepOutput
 from streamer.model.runner import Launched, ModelRunner
 
 log = logging.getLogger("streamer.executor")
@@ -37,21 +37,33 @@ async def run(runner: ModelRunner, inbox: asyncio.Queue, to_scheduler: asyncio.Q
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
         while True:
-            if pending is not None and inbox.empty():
+            ready = not (isinstance(pending, Launched) and pending.awaiting_masks)
+            if pending is not None and ready and inbox.empty():
                 await collect(pending)
                 pending = None
                 continue
-            batch: Batch | None = await inbox.get()
-            if batch is None:
-                if pending is not None:
+            msg: Batch | MaskFill | None = await inbox.get()
+            if msg is None:
+                if pending is not None and ready:
                     await collect(pending)
                 return
+            if isinstance(msg, MaskFill):
+                # the forward of this step ran while the scheduler filled its masks
+                if not (isinstance(pending, Launched) and pending.awaiting_masks and pending.step == msg.step):
+                    continue  # that step failed already and its error has been sent
+                try:
+                    pending = await loop.run_in_executor(thread, runner.sample, pending, msg.masks)
+                except Exception as e:  # noqa: BLE001
+                    log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
+                    pending = StepOutput(msg.step, [], error=f"internal error in model step: {e}")
+                continue
+            assert ready, "a batch arrived before the masks of the one in flight"
             launched: Launched | StepOutput
             try:
-                launched = await loop.run_in_executor(thread, runner.launch, batch)
+                launched = await loop.run_in_executor(thread, runner.launch, msg)
             except Exception as e:  # noqa: BLE001 - reported to the requests of this step
-                log.error("step %d failed:\n%s", batch.step, traceback.format_exc())
-                launched = StepOutput(batch.step, [], error=f"internal error in model step: {e}")
+                log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
+                launched = StepOutput(msg.step, [], error=f"internal error in model step: {e}")
             if pending is not None:
                 await collect(pending)
             pending = launched

@@ -2,7 +2,7 @@
 
 Inbox:  TokenizedRequest (new work), StepOutput (from the executor),
         Abort (from callers), Finish (from the detokenizer: a stop string matched).
-Outbox: Batch -> executor; list[TokenDelta] -> detokenizer.
+Outbox: Batch, MaskFill -> executor; list[TokenDelta] -> detokenizer.
 
 NOTE: there are no prefill and decode phases. Every running request just
 catches its KV up: `num_computed` chases `len(tokens)`. A prefill is a chunk
@@ -10,8 +10,13 @@ of many tokens, a decode is a chunk of one; both share the per-step token
 budget, and a chunk that reaches the last token samples the next one.
 
 Invariants:
-  - at most one Batch is in flight; requests in it are retired only when its
-    StepOutput is back (the GPU may still be writing their pages);
+  - at most one Batch is in flight, two with overlap scheduling (the second is
+    built while the first runs; its tokens to come are PLACEHOLDERs); requests
+    in a batch are retired only when its StepOutput is back (the GPU may still
+    be writing their pages);
+  - a batch scheduled ahead with grammar rows gets its MaskFill right after
+    the StepOutput of the batch before it is processed, before anything else
+    goes to the executor;
   - every page is free, held by a running request, or held by the radix tree
     (PagePool refcounts count the holders);
   - a request holds a lock on the radix node of its cached prefix while it runs.
@@ -35,6 +40,7 @@ from streamer.messages import (
     Abort,
     Batch,
     Finish,
+    MaskFill,
     SeqChunk,
     StepOutput,
     TokenDelta,
@@ -69,6 +75,8 @@ class EngineStats(msgspec.Struct):
     """Output tokens a grammar forced and that were appended without a decode step each."""
     steps_ahead: int = 0
     """Batches scheduled while the previous one was still running (overlap)."""
+    masks_deferred: int = 0
+    """Of those, batches whose grammar masks were filled while their forward ran."""
 
 
 class Scheduler:
@@ -105,6 +113,9 @@ class Scheduler:
         self._kv_slots = 0
         self.jump_forward_tokens = 0
         self.steps_ahead = 0
+        self.masks_deferred = 0
+        self.deferred_masks: dict[int, list[Request]] = {}
+        """Sampling requests of batches sent with masks_deferred, by step."""
 
     # ---- arrivals -------------------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -166,18 +177,21 @@ class Scheduler:
         if not chunks:
             return None
         self.steps_ahead += ahead
-        return self._build(chunks)
+        return self._build(chunks, ahead)
 
     def _awaiting_last_token(self, req: Request) -> bool:
         """Its final token is already being sampled by a batch in flight."""
         return req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len
 
     def can_overlap(self) -> bool:
-        """Scheduling ahead needs no sampled token's value: no grammar (masks follow the
-        matcher) and no penalties (they read the output so far)."""
+        """Scheduling ahead needs no sampled token's value on the host: no penalties (they
+        read the output so far) and no jump-forward (it appends tokens where the batch
+        ahead already placed its own). Grammar rows are fine: their masks are deferred."""
         for r in self.running:
             p = r.params
-            if r.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if r.grammar is not None and self.jump_forward:
+                return False
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 return False
         return True
 
@@ -257,7 +271,7 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def _build(self, chunks: list[tuple[Request, int]]) -> Batch:
+    def _build(self, chunks: list[tuple[Request, int]], ahead: bool = False) -> Batch:
         self.step_id += 1
         seqs, params, hist, banned = [], [], [], []
         for req, n in chunks:
@@ -295,15 +309,33 @@ class Scheduler:
                 req.tokens.append(PLACEHOLDER)
         self.batch_sizes_sum += len(seqs)
         self.max_batch_size = max(self.max_batch_size, len(seqs))
-        masks = self._grammar_masks([r for r, n in chunks if r.num_computed == len(r.tokens) - 1])
-        return Batch(self.step_id, seqs, params, hist, banned, masks)
+        sampling = [r for r, n in chunks if r.num_computed == len(r.tokens) - 1]
+        if not any(r.grammar is not None for r in sampling):
+            return Batch(self.step_id, seqs, params, hist, banned)
+        if ahead:
+            # the batch in flight will move these matchers: fill once its tokens are in
+            self.deferred_masks[self.step_id] = sampling
+            self.masks_deferred += 1
+            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True)
+        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling))
 
     def _grammar_masks(self, sampling: list[Request]) -> Any:
-        if not any(r.grammar is not None for r in sampling):
-            return None
         from streamer.sampling.grammar import fill_bitmask
 
-        return fill_bitmask([r.grammar for r in sampling], self.vocab_size)
+        # a request that ended meanwhile (stop, abort, grammar complete) samples unconstrained:
+        # its token is dropped, and a terminated matcher has no mask to give
+        states = [
+            r.grammar
+            if r.grammar is not None and r.status == Status.RUNNING and not r.grammar.is_terminated()
+            else None
+            for r in sampling
+        ]
+        return fill_bitmask(states, self.vocab_size)
+
+    def fill_deferred(self, step: int) -> MaskFill:
+        """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they
+        are now: the step before it has been processed."""
+        return MaskFill(step, self._grammar_masks(self.deferred_masks.pop(step)))
 
     # ---- results --------------------------------------------------------
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
@@ -490,6 +522,7 @@ class Scheduler:
             requests_finished=self.finished_total,
             jump_forward_tokens=self.jump_forward_tokens,
             steps_ahead=self.steps_ahead,
+            masks_deferred=self.masks_deferred,
         )
 
     def check(self) -> None:
@@ -532,6 +565,9 @@ async def run(
                 done = in_flight.popleft()
                 assert msg.step == done.step, "step outputs arrive in order"
                 deltas.extend(sched.process(done, msg))
+                if in_flight and in_flight[0].masks_deferred:
+                    # the next step's forward is running: its masks are filled now, on the CPU
+                    to_executor.put_nowait(sched.fill_deferred(in_flight[0].step))
             elif isinstance(msg, Abort | Finish):
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:

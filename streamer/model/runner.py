@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -187,8 +188,21 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
-        so the next batch can be launched before these values reach the host."""
+        so the next batch can be launched before these values reach the host. A batch with
+        masks_deferred only runs its forward: sample() finishes it once the masks are in."""
         logits, prompt_logprobs = self.forward(batch)
+        if batch.masks_deferred:
+            return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch)
+        return self._sample(batch, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, launched: Launched, masks: Any) -> Launched:
+        """Finish a step launched with masks_deferred, now that its bitmask is filled."""
+        assert launched.batch is not None and launched.logits is not None
+        batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
+        return self._sample(batch, launched.logits, launched.prompt_logprobs)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:
         rids = [s.request_id for s in batch.seqs if s.sample]
         sampled: list[SampledToken] | None = None
         if _plain_greedy(batch):
@@ -216,6 +230,7 @@ class ModelRunner:
         if sampled is None:
             if launched.done is not None:
                 launched.done.synchronize()
+            assert launched.tokens is not None, "a step awaiting its masks cannot be collected"
             sampled = [SampledToken(t) for t in launched.tokens.tolist()]
         return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs)
 
@@ -226,13 +241,21 @@ class ModelRunner:
 @dataclass(slots=True)
 class Launched:
     step: int
-    tokens: torch.Tensor
-    """Sampled token ids, one per sampling sequence (a pinned host copy in flight on CUDA)."""
+    tokens: torch.Tensor | None
+    """Sampled token ids, one per sampling sequence (a pinned host copy in flight on CUDA);
+    None while the step awaits its grammar masks."""
     sampled: list[SampledToken] | None
     """Already on the host (non-greedy sampling syncs), or None."""
     prompt_logprobs: dict[str, list[float]]
     done: torch.cuda.Event | None = None
     """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
+    logits: torch.Tensor | None = None
+    """Kept while the step awaits its grammar masks (masks_deferred)."""
+    batch: Batch | None = None
+
+    @property
+    def awaiting_masks(self) -> bool:
+        return self.tokens is None and self.sampled is None
 
 
 def _plain_greedy(batch: Batch) -> bool:
