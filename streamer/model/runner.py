@@ -214,10 +214,16 @@ class ModelRunner:
         sampled: list[SampledToken] | None = None
         if _plain_greedy(batch):
             tokens = logits.argmax(-1)
+        elif not rids:
+            sampled, tokens = [], torch.zeros(0, dtype=torch.long, device=self.device)
         else:
             inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
-            sampled = self.sampler(logits, inp) if rids else []
-            tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
+            out = self.sampler.sample(logits, inp)
+            if isinstance(out, torch.Tensor):
+                tokens = out  # still on the device, like the greedy fast path
+            else:
+                sampled = out  # logprobs were asked for: already on the host
+                tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
         self.last_tokens, self.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
         done = None
         if sampled is None and tokens.is_cuda:

@@ -77,13 +77,19 @@ class Sampler:
         """Kept for callers; seeded draws hold no per-request state."""
 
     def __call__(self, logits: torch.Tensor, inp: SampleInputs) -> list[SampledToken]:
+        out = self.sample(logits, inp)
+        return [SampledToken(t) for t in out.tolist()] if isinstance(out, torch.Tensor) else out
+
+    def sample(self, logits: torch.Tensor, inp: SampleInputs) -> torch.Tensor | list[SampledToken]:
+        """The chosen token ids, left on the device when no row asks for logprobs (so the
+        host need not wait for the step); with logprobs, the packaged tokens."""
         params = inp.params
         logits = logits[:, : self.vocab_size]
         edits = (
             inp.bitmask is not None or any(_has_penalty(p) or p.logit_bias for p in params) or any(inp.banned)
         )
         if not edits and all(p.greedy and p.logprobs is None for p in params):
-            return [SampledToken(t) for t in logits.argmax(-1).tolist()]
+            return logits.argmax(-1)
         if logits.dtype != torch.float32:
             logits = logits.float()
         elif edits:
@@ -91,6 +97,8 @@ class Sampler:
         if edits:
             self._process(logits, inp)
         chosen = self._draw(logits, inp)
+        if all(p.logprobs is None for p in params):
+            return chosen
         return self._package(logits, chosen, params)
 
     # ---- processed distribution -------------------------------------------
@@ -114,7 +122,7 @@ class Sampler:
                         bv.append(float(b))
         if br:
             logits.index_put_(
-                (_t(br, dev), _t(bt, dev)), torch.tensor(bv, device=dev, dtype=logits.dtype), accumulate=True
+                (_t(br, dev), _t(bt, dev)), _up(bv, dev, logits.dtype), accumulate=True
             )
         # penalties: counts of the distinct (row, token) pairs of the histories, sparse
         pr: list[int] = []
@@ -127,9 +135,9 @@ class Sampler:
             key = _t(pr, dev) * v + _t(pt, dev).clamp_(0, v - 1)
             key, count = torch.unique(key, return_counts=True)
             rr, tt = key // v, key % v
-            rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[rr]
-            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[rr]
-            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[rr]
+            rep = _up([p.repetition_penalty for p in params], dev)[rr]
+            freq = _up([p.frequency_penalty for p in params], dev)[rr]
+            pres = _up([p.presence_penalty for p in params], dev)[rr]
             x = logits[rr, tt]
             x = torch.where(x > 0, x / rep, x * rep) - freq * count - pres
             logits[rr, tt] = x
@@ -178,11 +186,11 @@ class Sampler:
             seed = params[i].seed
             if seed is not None:
                 u[j] = draw_uniform(seed, len(hist[i]) if i < len(hist) else 0)
-        u_t = torch.tensor(u, dtype=torch.float64, device=dev)
+        u_t = _up(u, dev, torch.float64)
         top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
         top_p = [params[i].top_p for i in rows]
         min_p = [params[i].min_p for i in rows]
-        temp = torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+        temp = _up([params[i].temperature for i in rows], dev)[:, None]
         sub = logits if len(rows) == n else logits[_t(rows, dev)]
         probs = (sub / temp).softmax(-1)
         filt = [j for j in range(len(rows)) if top_k[j] < v or top_p[j] < 1.0]
@@ -193,7 +201,7 @@ class Sampler:
             pp = probs if len(plain) == len(rows) else probs[jj]
             mp = [min_p[j] for j in plain]
             if any(m > 0 for m in mp):
-                m = torch.tensor(mp, device=dev)[:, None]
+                m = _up(mp, dev)[:, None]
                 pp = pp.masked_fill(pp < m * pp.amax(-1, keepdim=True), 0.0)
             pick[jj] = inverse_cdf(pp, u_t[jj])
         if filt:
@@ -264,9 +272,9 @@ def top_filtered_draw(
     kk = min(v, max([TOP_CANDIDATES, *ks]))
     vals, idx = probs.topk(kk, dim=-1)
     cand_mass = vals.sum(-1)
-    k_t = torch.tensor(top_k, device=dev)[:, None]
-    p_t = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
-    m_t = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+    k_t = _up(top_k, dev, torch.long)[:, None]
+    p_t = _up(top_p, dev, probs.dtype)[:, None]
+    m_t = _up(min_p, dev, probs.dtype)[:, None]
     has_k = k_t < v
     vals = vals.masked_fill(torch.arange(kk, device=dev)[None, :] >= k_t, 0.0)
     vals = torch.where(has_k, vals / vals.sum(-1, keepdim=True), vals)
@@ -290,7 +298,14 @@ def top_filtered_draw(
 
 
 def _t(x: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long, device=dev)
+    return _up(x, dev, torch.long)
+
+
+def _up(x: list, dev: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A host list on the device without waiting for the stream: a non-blocking copy from
+    pageable memory is staged at once, while torch.tensor(x, device=...) would wait for the
+    step in flight."""
+    return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
