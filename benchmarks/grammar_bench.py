@@ -11,7 +11,8 @@ the effect of jump-forward, and the grammar work per token (bitmask fill, mask a
 Runs, each one batch of --batch requests submitted at once (temperature 0.7, seed i):
   unconstrained      ignore_eos, exactly --max-tokens each
   json (jf on)       the schema below, jump-forward on (the default)
-  json (jf off)      the same with Scheduler.jump_forward = False
+  json (jf off)      the same with jump-forward off (the engine's choice under CUDA graphs):
+                     batches are scheduled ahead, masks filled while the forward runs
 Then, off the engine, the constrained outputs are replayed through fresh matchers
 to time fill_bitmask for the whole batch per step (us per constrained row = per
 output token), and apply_bitmask on a [batch, vocab] logits tensor on the device.
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from streamer.engine.llm import LLM  # noqa: E402
-from streamer.engine.scheduler import Scheduler  # noqa: E402
 from streamer.messages import GrammarSpec, SamplingParams  # noqa: E402
 from streamer.sampling.grammar import GrammarCompiler, fill_bitmask  # noqa: E402
 from streamer.sampling.sampler import apply_bitmask  # noqa: E402
@@ -209,12 +209,19 @@ def main() -> None:
         grammar_params = [
             SamplingParams(temperature=0.7, seed=i, max_tokens=mt, grammar=spec) for i in range(n)
         ]
-        jf_on = run(llm, n, grammar_params)
+        # the engine switches jump-forward off under CUDA graphs (on its scheduler instance):
+        # set it on the instance both ways, so "jf on" really jumps (and is not scheduled
+        # ahead), and run a JSON warm-up first (xgrammar's first use is not timed)
+        sched = llm.engine.scheduler
+        engine_default = sched.jump_forward
+        run(llm, min(n, 4), grammar_params[:4])
         try:
-            Scheduler.jump_forward = False
+            sched.jump_forward = True
+            jf_on = run(llm, n, grammar_params)
+            sched.jump_forward = False
             jf_off = run(llm, n, grammar_params)
         finally:
-            Scheduler.jump_forward = True
+            sched.jump_forward = engine_default
         fill = mask_fill_replay(compiler, spec, jf_off["outputs"], vocab)
         apply = apply_timing(n, vocab, device)
 

@@ -1,6 +1,7 @@
 """Where the time goes, on the GPU machine (diagnostics, not a benchmark of record).
 
     python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
+    python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
 
@@ -10,6 +11,7 @@ inclusive, per thread: it shows what the scheduler, executor and detokenizer
 actors spend their time on while the GPU runs.
 """
 
+# ruff: noqa: B023 - the lambdas are timed on the spot, inside their loop iteration
 from __future__ import annotations
 
 import argparse
@@ -24,6 +26,50 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CONFIGS = ROOT / "benchmarks" / "configs"
+
+
+def _time_us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return 1e3 * e0.elapsed_time(e1) / reps
+
+
+def bench_attn() -> None:
+    """Decode attention variants (Llama-3.1-8B heads: 32 q, 8 kv, d 128, page 16)."""
+    from kernels import attention
+
+    cases = [(1, 400), (1, 2000), (8, 1000), (64, 2048), (128, 1500), (256, 1024)]
+    for b, ctx in cases:
+        pages = (ctx + 15) // 16
+        kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+        sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        gb = 2 * b * ctx * 8 * 128 * 2 / 1e12
+        base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088, max_seq_len=2048))
+        rows = []
+        for splits in (1, 2, 4, 8, 16, 32):
+            for bn in (32, 64):
+                for nw in (2, 4):
+                    for ns in (1, 2, 3):
+                        try:
+                            t = _time_us(lambda: attention.paged_decode(
+                                q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn, num_warps=nw,
+                                num_stages=ns), reps=20)
+                        except Exception:  # noqa: BLE001
+                            continue
+                        rows.append((t, splits, bn, nw, ns))
+        rows.sort()
+        print(f"attn B={b:3d} ctx={ctx:4d}: default {base:7.1f} us ({gb / base * 1e6:4.2f} TB/s); best "
+              + ", ".join(f"{t:.1f}us s{s} n{bn} w{nw} st{ns}" for t, s, bn, nw, ns in rows[:3]), flush=True)
 
 
 def bench_gemm() -> None:
@@ -163,11 +209,13 @@ def profile_w1_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "step", "w1cpu"])
+    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu"])
     p.add_argument("-n", type=int, default=256)
     a = p.parse_args()
     if a.part == "gemm":
         bench_gemm()
+    elif a.part == "attn":
+        bench_attn()
     elif a.part == "step":
         profile_step()
     else:
