@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6)
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | record)
+# record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
+# W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # w5 and w6 need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -33,6 +35,18 @@ if [ "$part" = w5 ]; then
   kill -TERM $srv; wait $srv
   bench --workload W5 --num-requests "${W5_N:-64}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
       --json "$OUT/w5_offline.json"
+fi
+if [ "$part" = grammar ] || [ "$part" = record ]; then
+  python3 benchmarks/grammar_bench.py --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/grammar_smollm.json" 2>&1 | tail -6
+  python3 benchmarks/grammar_bench.py --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-tokens 96 \
+      --json "$OUT/grammar_8b.json" 2>&1 | tail -6
+fi
+if [ "$part" = record ]; then
+  bench --workload W2 --max-num-seqs 8 --json "$OUT/w2.json" | tail -1
+  bench --workload W1 --no-peer --json "$OUT/w1.json" | tail -1
+  bench --workload W3 --no-peer --num-requests "${W3_N:-256}" --json "$OUT/w3.json" | tail -1
+  bench --workload W4 --num-requests 32 --no-peer --json "$OUT/w4.json" | tail -1
+  W5_N=${W5_N:-48} bash "$0" w5 | grep -A6 "rate  reqs"
 fi
 if [ "$part" = w6 ]; then
   python3 benchmarks/w6_select.py -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
