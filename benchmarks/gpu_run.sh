@@ -30,10 +30,13 @@ if [ "$part" = w5 ]; then
       --max-model-len 4096 --max-num-batched-tokens 8192 --port 8100 > "$OUT/w5_server.log" 2>&1 &
   srv=$!
   for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
-  python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
-      --output-len 128 --num-prompts "${W5_N:-64}" --request-rate 2,8,32,inf --json "$OUT/w5_serve.json"
+  serve() { python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
+      --output-len 128 "$@"; }
+  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/w5_serve.json"
+  # saturation: enough requests that the ramp (all prefills at once) does not dominate
+  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json"
   kill -TERM $srv; wait $srv
-  bench --workload W5 --num-requests "${W5_N:-64}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
+  bench --workload W5 --num-requests "${W5_SAT_N:-256}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
       --json "$OUT/w5_offline.json"
 fi
 if [ "$part" = grammar ] || [ "$part" = record ]; then
