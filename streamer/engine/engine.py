@@ -61,6 +61,24 @@ def eos_ids(hf_config: Any, hf_tokenizer: Any, path: Path) -> list[int]:
     return sorted(ids)
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive increments of one request as one (b is the later)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return RequestOutput(
+        b.request_id,
+        a.token_ids + b.token_ids,
+        a.text + b.text,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        prompt_tokens=b.prompt_tokens,
+        completion_tokens=b.completion_tokens,
+        cached_tokens=b.cached_tokens,
+        logprobs=logprobs,
+        error=b.error or a.error,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
@@ -162,6 +180,10 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await queue.get()
+                # a consumer that fell behind (a busy server) gets what has piled up as one
+                # increment: one SSE event or WebSocket frame instead of one per token
+                while not out.finished and not queue.empty():
+                    out = merge_outputs(out, queue.get_nowait())
                 finished = out.finished
                 yield out
         finally:

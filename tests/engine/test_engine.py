@@ -264,3 +264,28 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(default_model, 
         cached = sorted(o.cached_tokens for o in outs)
         assert cached[0] == 0 and all(c >= 192 for c in cached[1:]), cached
         settle(llm)
+
+
+def test_a_slow_consumer_gets_piled_up_tokens_as_one_increment(shared_llm, text_ids):
+    """Outputs that queued while the caller was busy arrive merged; nothing is lost or
+    reordered, and the final increment carries the totals."""
+    llm = shared_llm
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    want = llm.generate([text_ids[:40]], params)[0]
+
+    async def slow() -> list:
+        req = GenerateRequest(request_id="slow-consumer", prompt_token_ids=text_ids[:40], params=params)
+        outs = []
+        async for out in llm.engine.submit(req):
+            outs.append(out)
+            await asyncio.sleep(0.15)  # meanwhile the engine produces several tokens
+        return outs
+
+    outs = run(llm, slow())
+    assert len(outs) < 24, "some increments were merged"
+    assert [t for o in outs for t in o.token_ids] == want.token_ids
+    assert "".join(o.text for o in outs) == want.text
+    assert [lp.token_id for o in outs for lp in o.logprobs] == want.token_ids
+    assert outs[-1].finished and outs[-1].completion_tokens == 24
+    assert not any(o.finished for o in outs[:-1])
+    settle(llm)
