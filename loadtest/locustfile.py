@@ -50,6 +50,8 @@ from urllib.parse import quote
 
 from locust import HttpUser, User, between, events, tag, task
 
+from streamer.sse import DONE, parse_line
+
 # ---- configuration ---------------------------------------------------------------------
 
 
@@ -177,14 +179,12 @@ class ChatStreamUser(HttpUser):
                 return
             try:
                 for raw in resp.iter_lines(chunk_size=None):
-                    line = raw.decode() if isinstance(raw, bytes) else raw
-                    if not line.startswith("data: "):
+                    chunk = parse_line(raw.decode() if isinstance(raw, bytes) else raw)
+                    if chunk is None:
                         continue
-                    data = line[6:]
-                    if data == "[DONE]":
+                    if chunk == DONE:
                         done = True
                         break
-                    chunk = json.loads(data)
                     if "error" in chunk:
                         raise StreamError(f"error event: {chunk['error']}")
                     if chunk.get("usage"):

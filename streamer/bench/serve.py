@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamer.sse import DONE, parse_line
+
 JSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -159,13 +161,13 @@ async def send(client: Any, body: dict[str, Any], keep_text: bool) -> Outcome:
                 o.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return o
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
+                chunk = parse_line(line)
+                if chunk is None:
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                if chunk == DONE:
                     done = True
                     break
-                chunk = json.loads(data)
+                assert isinstance(chunk, dict)
                 if "error" in chunk:
                     o.error = f"error event: {chunk['error'].get('message', chunk['error'])}"[:300]
                     return o

@@ -17,6 +17,7 @@ from typing import Any
 from streamer.errors import RequestError
 from streamer.lang.backend import Backend, LoopThread
 from streamer.messages import RequestOutput, SamplingParams
+from streamer.sse import DONE, parse_line
 
 
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
@@ -73,12 +74,12 @@ class RuntimeEndpoint(Backend):
             if r.status_code != 200:
                 raise RequestError(_message(r.status_code, (await r.aread()).decode(errors="replace")))
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
+                event = parse_line(line)
+                if event is None:
                     continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
+                if event == DONE:
                     return
-                event = json.loads(data)
+                assert isinstance(event, dict)
                 if "error" in event:
                     raise RequestError(event["error"].get("message", "the server failed"))
                 m = event["meta_info"]

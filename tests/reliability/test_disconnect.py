@@ -9,12 +9,12 @@ whole stream (a finish chunk and [DONE]).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import httpx
 
+from streamer.sse import DONE, parse_line
 from tests.reliability.conftest import ServerProcess
 
 N = 200
@@ -45,13 +45,13 @@ async def one(client: httpx.AsyncClient, i: int) -> dict:
                 res["error"] = (await r.aread()).decode(errors="replace")[:300]
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
+                chunk = parse_line(line)
+                if chunk is None:
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                if chunk == DONE:
                     res["done"] = True
                     break
-                chunk = json.loads(data)
+                assert isinstance(chunk, dict)
                 if "error" in chunk:
                     res["error"] = chunk["error"]
                     break
