@@ -36,6 +36,10 @@ import torch
 
 from streamer.messages import SampledToken, SamplingParams
 
+LOGIT_MAX = 1e30
+"""Processed logits are capped here (divided by the smallest temperature, still finite)."""
+MIN_TEMPERATURE = 1e-6
+"""A positive temperature below this is treated as this (1e-300 is 0 in float32)."""
 TOP_CANDIDATES = 256
 """Candidate set of top-k / top-p rows (more only when a row's top_k is larger)."""
 
@@ -96,6 +100,9 @@ class Sampler:
             logits = logits.clone()
         if edits:
             self._process(logits, inp)
+            # Valid but extreme knobs (a repetition penalty of 1e-300 is 0 in float32) can
+            # overflow: keep every logit finite or -inf, so no row turns into NaN.
+            logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
         chosen = self._draw(logits, inp)
         if all(p.logprobs is None for p in params):
             return chosen
@@ -190,7 +197,7 @@ class Sampler:
         top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
         top_p = [params[i].top_p for i in rows]
         min_p = [params[i].min_p for i in rows]
-        temp = _up([params[i].temperature for i in rows], dev)[:, None]
+        temp = _up([max(params[i].temperature, MIN_TEMPERATURE) for i in rows], dev)[:, None]
         sub = logits if len(rows) == n else logits[_t(rows, dev)]
         probs = (sub / temp).softmax(-1)
         filt = [j for j in range(len(rows)) if top_k[j] < v or top_p[j] < 1.0]
@@ -255,7 +262,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()
     j = torch.searchsorted(cdf, u[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # the last entry with mass
-    return torch.minimum(j, last).squeeze(1)
+    # (a NaN row would search past the end: never return an id outside the vocabulary)
+    return torch.minimum(j, last).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def top_filtered_draw(

@@ -324,3 +324,24 @@ def test_draw_seed_spreads():
     seeds = {draw_seed(s, p) for s in range(50) for p in range(50)}
     assert len(seeds) == 2500
     assert all(0 <= x < 2**63 for x in seeds)
+
+
+def test_extreme_valid_knobs_give_tokens_in_the_vocabulary():
+    """Found by fuzzing: a repetition penalty of 2.2e-313 (0 in float32) or a temperature of
+    1e-300 used to turn logits into inf/NaN and draw an id past the vocabulary, failing the
+    whole step. Now every row still draws a valid token."""
+    v = 50
+    logits = torch.randn(4, v)
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=2.2250738585e-313, frequency_penalty=-0.9),
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=0.7, repetition_penalty=2.2250738585e-313, logit_bias={3: 100.0}),
+        SamplingParams(temperature=2.0, presence_penalty=-2.0, frequency_penalty=-2.0),
+    ]
+    hist = [[1, 2, 3, 3], [], [3, 4], [5, 5, 5]]
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = Sampler(v, "cpu")(logits.clone(), SampleInputs(params, hist))
+        assert all(0 <= t.token_id < v for t in out), [t.token_id for t in out]
+    # the temperature 1e-300 row is as good as greedy
+    assert out[1].token_id == int(logits[1].argmax())
