@@ -16,7 +16,9 @@ new tokens); cu_q_lens [B+1].
   - never from device values - so the launch is CUDA-graph safe; inside the
   kernel each sequence's keys are divided evenly between the splits.
 * `paged_extend`: packed variable-length queries, grid
-  (cdiv(max_q_len, BLOCK_M), H, B). Query i of sequence b sits at position
+  (cdiv(max_q_len, BLOCK_M), H, B), or (len(tiles), H) with a tile list (see
+  `extend_tiles`): the grid then depends only on the tile list's length, so a
+  CUDA graph captured for a padded token count serves any batch that fits. Query i of sequence b sits at position
   seq_lens[b] - q_len_b + i and sees keys up to its own position (its K/V must
   already be in the pages). Blocks of keys entirely before the query block run
   without masks; the rest apply the causal mask.
@@ -500,6 +502,7 @@ def _extend_kernel(
     pt_ptr,
     seq_lens_ptr,
     cu_ptr,
+    tiles_ptr,
     out_ptr,
     qk_scale,
     stride_qt,
@@ -524,13 +527,22 @@ def _extend_kernel(
     OUT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    mb = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    if TILED:
+        # one program per (sequence, query block) of the tile list; -1 pads it
+        tile = tl.load(tiles_ptr + tl.program_id(0))
+        live = tile >= 0
+        b = tl.where(live, tile >> 16, 0)
+        mb = tile & 0xFFFF
+    else:
+        live = True
+        mb = tl.program_id(0)
+        b = tl.program_id(2)
     q_start = tl.load(cu_ptr + b).to(tl.int32)
     q_len = tl.load(cu_ptr + b + 1).to(tl.int32) - q_start
-    if mb * BLOCK_M < q_len:
+    if live & (mb * BLOCK_M < q_len):
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
         prefix = seq_len - q_len
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -639,10 +651,13 @@ def paged_extend(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over paged K/V -> [T, H, D].
 
     max_q_len: host-known upper bound of the per-sequence query counts (sizes the grid).
+    tiles: optional int32 list from `extend_tiles(q_lens, block_m)` (padding -1), with
+    block_m its block size; the grid is then (len(tiles), H) whatever the batch.
     """
     t, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -659,8 +674,10 @@ def paged_extend(
     block_d = triton.next_power_of_2(d)
     compute = _compute_dtype(q)
     big = compute != tl.float32 and block_d <= 128
+    if tiles is not None:
+        assert block_m is not None, "a tile list is built for one block size"
     if block_m is None:
-        block_m = 64 if big else 32
+        block_m = extend_block_m(q.dtype, d)
         block_m = min(block_m, max(16, triton.next_power_of_2(max_q_len)))
     if block_n is None:
         block_n = 64 if big else 32
@@ -668,7 +685,10 @@ def paged_extend(
         num_warps = 4
     if num_stages is None:
         num_stages = 2
-    grid = (triton.cdiv(max_q_len, block_m), h, batch)
+    if tiles is not None:
+        grid: tuple[int, ...] = (tiles.shape[0], h)
+    else:
+        grid = (triton.cdiv(max_q_len, block_m), h, batch)
     _extend_kernel[grid](
         q,
         k_cache,
@@ -676,6 +696,7 @@ def paged_extend(
         page_table,
         seq_lens,
         cu_q_lens,
+        cu_q_lens if tiles is None else tiles,
         out,
         float(scale) * _LOG2E,
         q.stride(0),
@@ -700,10 +721,34 @@ def paged_extend(
         OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=_interpreting(),
+        TILED=tiles is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
+
+
+def extend_block_m(dtype: torch.dtype, head_dim: int) -> int:
+    """The default query block of paged_extend: 64 for 16-bit inputs on the GPU, else 32."""
+    big = dtype in (torch.bfloat16, torch.float16) and not _interpreting() and triton.next_power_of_2(head_dim) <= 128
+    return 64 if big else 32
+
+
+def extend_tiles(q_lens, block_m: int, pad_to: int = 0):
+    """The tile list of paged_extend (numpy int32): sequence b's query block m is
+    b << 16 | m, one per block with queries; then -1 up to pad_to entries.
+    At most cdiv(sum(q_lens), block_m) + len(q_lens) tiles."""
+    import numpy as np
+
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    blocks = -(-q_lens // block_m)
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), blocks)
+    first = np.cumsum(blocks) - blocks
+    m = np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(first, blocks)
+    assert len(q_lens) < 1 << 15 and (m < 1 << 16).all()
+    tiles = np.full(max(pad_to, len(seq)), -1, dtype=np.int32)
+    tiles[: len(seq)] = (seq << 16) | m
+    return tiles
 
 
 __all__ = ["paged_decode", "paged_extend"]

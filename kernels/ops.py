@@ -70,12 +70,18 @@ def paged_attention(
     cu_q_lens: torch.Tensor,
     scale: float,
     max_q_len: int,
+    tiles: torch.Tensor | None = None,
+    block_m: int = 0,
 ) -> torch.Tensor:
-    """max_q_len is known on the host; 1 selects the split-KV decode kernel."""
+    """max_q_len is known on the host; 1 selects the split-KV decode kernel. tiles and
+    block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid."""
     if _triton(q):
         from kernels import attention
 
         if max_q_len == 1:
             return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale)
-        return attention.paged_extend(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len)
+        return attention.paged_extend(
+            q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len,
+            block_m=block_m or None, tiles=tiles,
+        )
     return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale)

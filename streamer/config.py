@@ -51,6 +51,10 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     """Schedule batch N+1 while N runs. None: on for CUDA, off on CPU (nothing to overlap)."""
     cuda_graph_max_bs: int = 256
+    """Largest decode batch replayed from a CUDA graph."""
+    cuda_graph_max_tokens: int = 2048
+    """Largest prefill or mixed step replayed from a CUDA graph (padded up a ladder of
+    token counts); longer steps run eagerly, where the GPU outlasts the launches. 0: off."""
     warmup: bool = True
     """On CUDA, start() runs a few short requests first (Triton compiles its kernel variants)."""
     seed: int = 0

@@ -91,7 +91,7 @@ class LLM:
         # drop the model and the KV pool now, not at garbage collection (GPU memory)
         import torch
 
-        self.engine.runner.graphs = None
+        self.engine.runner.graphs = self.engine.runner.extend_graphs = None
         pool = self.engine.runner.pool
         if pool is not None:  # other actors still reference the pool: empty its tensors
             pool.k = pool.v = torch.empty(0)

@@ -25,6 +25,11 @@ class ForwardContext:
     k_cache: torch.Tensor
     """[layers, pages, page_size, kv_heads, head_dim]."""
     v_cache: torch.Tensor
+    tiles: torch.Tensor | None = None
+    """Extend attention's tile list (kernels.attention.extend_tiles), set by CUDA-graph
+    steps: the launch grid then depends on the padded size only."""
+    block_m: int = 0
+    """The query block the tile list was built for."""
 
 
 _current: ForwardContext | None = None

@@ -1,10 +1,19 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps and for short prefill / mixed steps.
 
 A decode step of batch size B replays the graph captured for the smallest
 ladder size >= B. Inputs are copied into static buffers; rows past B are
 padding: they write their K/V to slot -1 (skipped) and read page 0 (scratch),
 and their logits are dropped. Each captured graph runs the whole model and the
 LM head, so a replay is one launch from the host.
+
+A step with multi-token chunks (a prefill, or decodes mixed with one) of T
+tokens replays the ExtendGraphs graph of the smallest token count >= T. Eagerly,
+such a step costs about 15 ms of kernel launches on the host for a 32-layer
+model, more than the GPU needs for a few hundred tokens: that was most of a
+lone request's time to first token. Its attention launches over a tile list
+(kernels.attention.extend_tiles) padded to a bound that depends on T only;
+padding tokens write no K/V, and only the hidden states of the real tokens are
+used (the LM head runs eagerly on the rows that sample).
 """
 
 from __future__ import annotations
@@ -14,6 +23,15 @@ from typing import Any
 import torch
 
 from streamer.model.context import ForwardContext, set_context
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """Token counts of the ExtendGraphs, multiples of 16 about 1/6 apart (padding <= 17%
+    past 96 tokens), ending at max_tokens."""
+    sizes = [16]
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] + max(16, sizes[-1] // 6 // 16 * 16))
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
 def ladder(max_bs: int) -> list[int]:
@@ -84,3 +102,87 @@ class DecodeGraphs:
         self.seq_lens[b:bs].fill_(1)
         self.graphs[bs].replay()
         return self.logits[bs][:b]
+
+
+class ExtendGraphs:
+    """Graphs of the whole model (no LM head) for steps of up to `max_tokens` tokens from
+    up to `max_seqs` sequences, by padded token count."""
+
+    def __init__(
+        self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_tokens: int, max_seqs: int,
+        max_pages: int, block_m: int, pool: Any = None,
+    ) -> None:
+        dev = k_cache.device
+        self.model = model
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.sizes = token_ladder(max_tokens)
+        self.max_seqs, self.block_m = max_seqs, block_m
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.page_table = torch.zeros(max_seqs, max_pages, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.cu_q_lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+        self.tiles = torch.full((self.num_tiles(n),), -1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pool = pool
+        self.replays = 0
+
+    def num_tiles(self, tokens: int) -> int:
+        """Bound on the tile list of any batch of <= tokens tokens (one partial block per sequence)."""
+        return -(-tokens // self.block_m) + min(self.max_seqs, tokens)
+
+    def padded(self, tokens: int) -> int:
+        return next(s for s in self.sizes if s >= tokens)
+
+    def fits(self, tokens: int, seqs: int, width: int) -> bool:
+        return tokens <= self.sizes[-1] and seqs <= self.max_seqs and width <= self.page_table.shape[1]
+
+    def capture(self) -> None:
+        for t in reversed(self.sizes):
+            self._run(t)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.hidden[t] = self._run(t)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[t] = g
+        torch.cuda.synchronize()
+
+    def _run(self, t: int) -> torch.Tensor:
+        ctx = ForwardContext(
+            slot_mapping=self.slot_mapping[:t],
+            page_table=self.page_table,
+            seq_lens=self.seq_lens,
+            cu_q_lens=self.cu_q_lens,
+            max_q_len=t,
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            tiles=self.tiles[: self.num_tiles(t)],
+            block_m=self.block_m,
+        )
+        set_context(ctx)
+        try:
+            return self.model(self.input_ids[:t], self.positions[:t])
+        finally:
+            set_context(None)
+
+    def replay(self, x: dict[str, Any]) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step prepared by ModelRunner.prepare with its tile
+        list (x["tiles"], padded to num_tiles(padded(T)))."""
+        n = x["input_ids"].shape[0]
+        t = self.padded(n)
+        b, width = x["page_table"].shape
+        self.input_ids[:n].copy_(x["input_ids"], non_blocking=True)
+        self.positions[:n].copy_(x["positions"], non_blocking=True)
+        self.slot_mapping[:n].copy_(x["slot_mapping"], non_blocking=True)
+        self.slot_mapping[n:t].fill_(-1)
+        self.page_table[:b, :width].copy_(x["page_table"], non_blocking=True)
+        self.seq_lens[:b].copy_(x["seq_lens"], non_blocking=True)
+        self.cu_q_lens[: b + 1].copy_(x["cu_q_lens"], non_blocking=True)
+        self.tiles[: self.num_tiles(t)].copy_(x["tiles"], non_blocking=True)
+        self.graphs[t].replay()
+        self.replays += 1
+        return self.hidden[t][:n]

@@ -86,7 +86,8 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
         ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         o = ops.paged_attention(
-            q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len
+            q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
+            ctx.tiles, ctx.block_m,
         )
         return self.o_proj(o.reshape(t, self.q_size))
 

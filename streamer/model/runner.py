@@ -25,7 +25,7 @@ from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
-from streamer.model.graphs import DecodeGraphs
+from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.loader import load_model
 from streamer.sampling.sampler import SampleInputs, Sampler
 
@@ -59,12 +59,27 @@ class ModelRunner:
         self.inputs_staging = PinnedRing()
         self.tokens_staging = PinnedRing()
         self.graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
-            max_pages = self.pool.pages_for(self.max_model_len)
-            bs = min(config.max_num_seqs, config.cuda_graph_max_bs)
-            self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        from kernels.attention import extend_block_m
+
+        c = self.config
+        max_pages = self.pool.pages_for(self.max_model_len)
+        bs = min(c.max_num_seqs, c.cuda_graph_max_bs)
+        self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
+        with torch.inference_mode():
+            self.graphs.capture()
+        tokens = min(c.cuda_graph_max_tokens, c.max_num_batched_tokens)
+        if tokens > 1:
+            block_m = extend_block_m(self.dtype, self.model.head_dim)
+            self.extend_graphs = ExtendGraphs(
+                self.model, self.pool.k, self.pool.v, tokens, c.max_num_seqs, max_pages, block_m, self.graphs.pool
+            )
             with torch.inference_mode():
-                self.graphs.capture()
+                self.extend_graphs.capture()
 
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
@@ -111,6 +126,17 @@ class ModelRunner:
                 lp_rows.extend(range(first, first + len(s.logprob_targets)))
                 lp_targets.extend(s.logprob_targets)
                 lp_owner.append((s.request_id, len(s.logprob_targets)))
+        decode = max(lens) == 1 and all(s.sample for s in seqs)
+        graph = None
+        if decode and self.graphs is not None and self.graphs.fits(len(seqs), width):
+            graph = self.graphs
+        eg = self.extend_graphs
+        tiles = np.zeros(0, dtype=np.int32)
+        if graph is None and eg is not None and not lp_rows and eg.fits(int(cu[-1]), len(seqs), width):
+            from kernels.attention import extend_tiles
+
+            graph = eg
+            tiles = extend_tiles(lens, eg.block_m, pad_to=eg.num_tiles(eg.padded(int(cu[-1]))))
         pending = np.flatnonzero(ids < 0)
         # tokens sampled by the previous step, still on the device (overlap scheduling)
         pending_rows = np.array([self.last_rows[seqs[owner[i]].request_id] for i in pending], dtype=np.int64)
@@ -119,10 +145,10 @@ class ModelRunner:
         # overlap of host preparation with the device; pinned memory also spares the driver
         # staging each of nine small pageable copies.
         parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
-                 table.ravel()]
+                 table.ravel(), tiles]
         dev_buf, offsets = self._upload(parts)
         views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
-        input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t = views
+        input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views
         if len(pending):
             input_ids[pend_t] = self.last_tokens[rows_t]
         return dict(
@@ -134,6 +160,8 @@ class ModelRunner:
             cu_q_lens=cu_t,
             max_q_len=max(lens),
             last=last_t,
+            graph=graph,
+            tiles=tiles_t,
             lp_rows=lp_rows,
             lp_targets=lp_targets,
             lp_owner=lp_owner,
@@ -164,9 +192,11 @@ class ModelRunner:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
         x = self.prepare(batch)
-        decode = x["max_q_len"] == 1 and all(s.sample for s in batch.seqs)
-        if decode and self.graphs is not None and self.graphs.fits(len(batch.seqs), x["page_table"].shape[1]):
+        if x["graph"] is self.graphs and self.graphs is not None:
             return self.graphs.replay(x), {}
+        if x["graph"] is not None:
+            hidden = x["graph"].replay(x)
+            return self.model.compute_logits(hidden[x["last"]]), {}
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
             page_table=x["page_table"],

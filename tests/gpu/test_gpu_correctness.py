@@ -61,11 +61,35 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(tiny_models, family):
 
 
 def test_cuda_graphs_and_eager_give_identical_tokens(tiny_models):
+    """Decode graphs, and extend graphs for the prefills: first fresh, then again over a
+    cached prefix (shorter chunks after a prefix), then one by one (lone prefills).
+
+    Identical up to an exact tie: a padded graph batch may run another GEMM kernel than
+    the eager one, and where bf16 gives two tokens the very same logit (seen once here,
+    top-2 both -9.34296) either is the argmax."""
     path = tiny_models["qwen3"]
     batch = prompts(8)
+    shared = [p[:100] + [7, 8, 9] for p in batch[-3:]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(llm):
+        out = llm.generate(batch, params) + llm.generate(shared, params)
+        return out + [llm.generate([p], params)[0] for p in batch[:3]]
+
     with LLM(str(path), dtype="bfloat16", cuda_graphs=False, num_pages=4096) as eager:
-        a = [o.token_ids for o in eager.generate(batch, PARAMS)]
+        a = run(eager)
     with LLM(str(path), dtype="bfloat16", cuda_graphs=True, max_num_seqs=16, num_pages=4096) as graphed:
-        assert graphed.engine.runner.graphs is not None
-        b = [o.token_ids for o in graphed.generate(batch, PARAMS)]
-    assert a == b
+        runner = graphed.engine.runner
+        assert runner.graphs is not None and runner.extend_graphs is not None
+        before = runner.extend_graphs.replays  # the warm-up's
+        b = run(graphed)
+        assert runner.extend_graphs.replays - before >= 5
+    compared = 0
+    for x, y in zip(a, b):
+        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)):
+            top = x.logprobs[i].top_logprobs
+            if abs(top[0][1] - top[1][1]) < 1e-4:
+                break  # a tie: the rest of this sequence may differ
+            assert s == t, (x.request_id, i)
+            compared += 1
+    assert compared >= 0.9 * len(a) * params.max_tokens

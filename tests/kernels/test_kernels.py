@@ -193,6 +193,26 @@ def test_paged_extend_zero_length_sequence():
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[torch.float32])
 
 
+def test_extend_tiles_lists_every_query_block_once():
+    """Tile b << 16 | m for each query block m of sequence b, then -1 padding."""
+    tiles = attention.extend_tiles([5, 0, 64, 65], 32, pad_to=12)
+    assert tiles.tolist() == [0, (2 << 16), (2 << 16) | 1, (3 << 16), (3 << 16) | 1, (3 << 16) | 2] + [-1] * 6
+    # the bound a padded CUDA graph relies on: cdiv(total, block) + number of sequences
+    for q_lens in ([1] * 9, [100, 3, 29], [64, 64]):
+        assert len(attention.extend_tiles(q_lens, 32)) <= -(-sum(q_lens) // 32) + len(q_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_extend_with_padded_tile_list_matches_reference(dtype):
+    """The tile-list grid (what a padded CUDA graph launches) computes the same attention;
+    padding tiles do nothing and a grid sized by an upper bound covers every query."""
+    prefixes, q_lens = EXTEND_MIX
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, 16, 4, 64, dtype, kvh=1)
+    tiles = torch.from_numpy(attention.extend_tiles(q_lens, 16, pad_to=20)).to(DEVICE)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 64, block_m=16, tiles=tiles)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[dtype])
+
+
 ODD_SHAPES = [
     # page_size, head_dim, gqa, dtype: other powers of two, a non-power-of-two head dim
     # and GQA group, fp16
@@ -357,6 +377,21 @@ def test_cuda_paged_extend_large(dtype, page_size, gqa, d):
     scale = 1 / math.sqrt(d)
     ref = reference.paged_attention(q.float(), kc.float(), vc.float(), pt, lens, cu, scale)
     _close(attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens)), ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype,page_size,gqa,d", CUDA_ATTN_CASES)
+def test_cuda_paged_extend_tiled_large(dtype, page_size, gqa, d):
+    prefixes = [0, 0, 700, 129, 0, 2000]
+    q_lens = [1, 300, 77, 513, 64, 5]
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, gqa, d, dtype, kvh=4)
+    scale = 1 / math.sqrt(d)
+    bm = attention.extend_block_m(dtype, d)
+    tiles = torch.from_numpy(attention.extend_tiles(q_lens, bm, pad_to=64)).to(DEVICE)
+    ref = reference.paged_attention(q.float(), kc.float(), vc.float(), pt, lens, cu, scale)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, 1024, block_m=bm, tiles=tiles)
+    _close(out, ref, ATTN_TOL[dtype])
 
 
 @pytest.mark.cuda
