@@ -11,7 +11,7 @@ the effect of jump-forward, and the grammar work per token (bitmask fill, mask a
 Runs, each one batch of --batch requests submitted at once (temperature 0.7, seed i):
   unconstrained      ignore_eos, exactly --max-tokens each
   json (jf on)       the schema below, jump-forward on (the default)
-  json (jf off)      the same with jump-forward off (the engine's choice under CUDA graphs):
+  json (jf off)      the same with jump-forward off:
                      batches are scheduled ahead, masks filled while the forward runs
 Then, off the engine, the constrained outputs are replayed through fresh matchers
 to time fill_bitmask for the whole batch per step (us per constrained row = per

@@ -207,9 +207,46 @@ def profile_w1_host(n: int) -> None:
     llm.close()
 
 
+def profile_serve_host(n: int) -> None:
+    """The server (8B shape) in this process under the stack sampler, while `bench serve`
+    sends n 512-token prompts at once from a subprocess (W5 at saturation)."""
+    import os
+    import signal
+    import subprocess
+
+    from streamer.cli import main as cli_main
+
+    model = os.environ.get("W5_MODEL", ".gpu_assets/llama-3.1-8b-dummy")
+    sampler = StackSampler(interval=0.002)
+
+    def client() -> None:
+        import urllib.request
+
+        for _ in range(600):
+            try:
+                urllib.request.urlopen("http://127.0.0.1:8101/health", timeout=1)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.5)
+        sampler.__enter__()
+        subprocess.run([sys.executable, "-m", "streamer", "bench", "serve", "--base-url", "http://127.0.0.1:8101",
+                        "--workload", "random", "--input-len", "512", "--output-len", "128",
+                        "--num-prompts", str(n), "--request-rate", "inf"], check=False)
+        sampler.__exit__()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=client, daemon=True).start()
+    try:
+        cli_main(["serve", "--model", model, "--load-format", "dummy", "--max-model-len", "4096",
+                  "--max-num-batched-tokens", "8192", "--port", "8101"])
+    except SystemExit:
+        pass
+    sampler.report(top=30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu"])
+    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu", "serve"])
     p.add_argument("-n", type=int, default=256)
     a = p.parse_args()
     if a.part == "gemm":
@@ -218,6 +255,8 @@ def main() -> None:
         bench_attn()
     elif a.part == "step":
         profile_step()
+    elif a.part == "serve":
+        profile_serve_host(a.n)
     else:
         profile_w1_host(a.n)
 

@@ -50,7 +50,7 @@ from urllib.parse import quote
 
 from locust import HttpUser, User, between, events, tag, task
 
-from streamer.sse import DONE, parse_line
+from streamer.sse import DONE, iter_lines, parse_line
 
 # ---- configuration ---------------------------------------------------------------------
 
@@ -178,8 +178,8 @@ class ChatStreamUser(HttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
             try:
-                for raw in resp.iter_lines(chunk_size=None):
-                    chunk = parse_line(raw.decode() if isinstance(raw, bytes) else raw)
+                for line in iter_lines(resp.iter_content(chunk_size=None)):
+                    chunk = parse_line(line)
                     if chunk is None:
                         continue
                     if chunk == DONE:

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer.sse import DONE, parse_line
+from streamer.sse import DONE, aiter_lines, parse_line
 
 JSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -160,7 +160,7 @@ async def send(client: Any, body: dict[str, Any], keep_text: bool) -> Outcome:
             if r.status_code != 200:
                 o.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return o
-            async for line in r.aiter_lines():
+            async for line in aiter_lines(r.aiter_bytes()):
                 chunk = parse_line(line)
                 if chunk is None:
                     continue

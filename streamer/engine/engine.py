@@ -114,9 +114,10 @@ class AsyncEngine:
         self.tokenizer.grammars = GrammarCompiler(
             self.hf_tokenizer, self.runner.hf_config.vocab_size, stop_token_ids=self.eos_token_ids
         )
-        # A jumped chunk is a multi-token step, which leaves the CUDA-graph decode path:
-        # measured 3.5x slower per token on the H200 with graphs on, 1.7x faster eager.
-        if self.runner.graphs is not None:
+        # A jumped chunk makes a multi-token step, which leaves the CUDA-graph decode path:
+        # measured 3.5x slower per token on the H200 when such steps ran eagerly next to
+        # decode graphs. With extend graphs they replay a graph too.
+        if self.runner.graphs is not None and self.runner.extend_graphs is None:
             self.scheduler.jump_forward = False
 
     @property
@@ -147,17 +148,24 @@ class AsyncEngine:
 
     async def _warm_up(self) -> None:
         """A few short requests of different lengths, so that Triton compiles the kernel
-        variants of prefill, mixed and decode steps now rather than during a user's request."""
+        variants of prefill, mixed and decode steps now rather than during a user's request:
+        first together (a step replayed from a CUDA graph), then two longer than the graphs
+        take (eager steps), if the token budget allows them."""
         vocab = self.runner.hf_config.vocab_size
-        lengths = sorted({min(n, self.max_model_len - 8) for n in (7, 100, 700)})
+        c = self.config
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        reqs = [
-            GenerateRequest(request_id=f"warmup-{n}", prompt_token_ids=[(i * 7919 + n) % vocab for i in range(n)],
-                            params=params)
-            for n in lengths if n > 0
-        ]
+
+        def request(n: int) -> GenerateRequest:
+            ids = [(i * 7919 + n) % vocab for i in range(n)]
+            return GenerateRequest(request_id=f"warmup-{n}", prompt_token_ids=ids, params=params)
+
         t0 = time.monotonic()
-        await asyncio.gather(*(self.generate(r) for r in reqs))
+        lengths = sorted({min(n, self.max_model_len - 8) for n in (7, 100, 700)})
+        await asyncio.gather(*(self.generate(request(n)) for n in lengths if n > 0))
+        eager = c.cuda_graph_max_tokens + 64 if c.cuda_graphs else 0
+        for n in (eager, eager + 1):  # Triton specializes integers on divisibility by 16
+            if 0 < n <= min(c.max_num_batched_tokens, self.max_model_len - 8):
+                await self.generate(request(n))
         log.info("warm-up done in %.1f s", time.monotonic() - t0)
 
     def _actor_done(self, task: asyncio.Task) -> None:

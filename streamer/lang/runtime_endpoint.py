@@ -17,7 +17,7 @@ from typing import Any
 from streamer.errors import RequestError
 from streamer.lang.backend import Backend, LoopThread
 from streamer.messages import RequestOutput, SamplingParams
-from streamer.sse import DONE, parse_line
+from streamer.sse import DONE, aiter_lines, parse_line
 
 
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class RuntimeEndpoint(Backend):
         async with self._client.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
                 raise RequestError(_message(r.status_code, (await r.aread()).decode(errors="replace")))
-            async for line in r.aiter_lines():
+            async for line in aiter_lines(r.aiter_bytes()):
                 event = parse_line(line)
                 if event is None:
                     continue

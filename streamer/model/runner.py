@@ -117,6 +117,11 @@ class ModelRunner:
             table[i, : len(s.page_table)] = s.page_table
         slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
         last = [int(cu[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+        n_sample = len(last)
+        if last:
+            # the LM head of eager and extend-graph steps sees a few row counts only (a new
+            # GEMM shape per step cost cuBLAS heuristics on the host); extra rows are dropped
+            last += last[:1] * (_padded_rows(n_sample) - n_sample)
         lp_rows: list[int] = []
         lp_targets: list[int] = []
         lp_owner: list[tuple[str, int]] = []
@@ -160,6 +165,7 @@ class ModelRunner:
             cu_q_lens=cu_t,
             max_q_len=max(lens),
             last=last_t,
+            n_sample=n_sample,
             graph=graph,
             tiles=tiles_t,
             lp_rows=lp_rows,
@@ -196,7 +202,7 @@ class ModelRunner:
             return self.graphs.replay(x), {}
         if x["graph"] is not None:
             hidden = x["graph"].replay(x)
-            return self.model.compute_logits(hidden[x["last"]]), {}
+            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], {}
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
             page_table=x["page_table"],
@@ -221,7 +227,7 @@ class ModelRunner:
             for rid, n in x["lp_owner"]:
                 prompt_logprobs[rid] = values[i : i + n]
                 i += n
-        return self.model.compute_logits(hidden[x["last"]]), prompt_logprobs
+        return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], prompt_logprobs
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:
@@ -330,6 +336,11 @@ class Launched:
     @property
     def awaiting_masks(self) -> bool:
         return self.tokens is None and self.sampled is None
+
+
+def _padded_rows(n: int) -> int:
+    """1, 2, 4, 8, then multiples of 16."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 16) * 16
 
 
 def _plain_greedy(batch: Batch) -> bool:

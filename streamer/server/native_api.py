@@ -39,6 +39,7 @@ from starlette.routing import Route
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server.protocol import ApiError
+from streamer.sse import encode_data
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
@@ -86,7 +87,7 @@ def ok(body: Any) -> Response:
 
 
 def sse(body: Any) -> str:
-    return f"data: {msgspec.json.encode(body).decode()}\n\n"
+    return f"data: {encode_data(body)}\n\n"
 
 
 def error(message: str, status: int = 400, code: str = "invalid_request") -> Response:

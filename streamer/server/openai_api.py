@@ -27,6 +27,7 @@ from starlette.responses import Response
 from streamer.messages import GenerateRequest, RequestOutput, SampledToken
 from streamer.server import protocol as p
 from streamer.server.protocol import ApiError
+from streamer.sse import encode_data
 
 if TYPE_CHECKING:
     from streamer.server.app import ServerState
@@ -287,7 +288,7 @@ class CompletionChunks:
         self.fmt, self.head = fmt, (rid, "text_completion", created, model)
 
     def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> str:
-        return msgspec.json.encode(p.CompletionResponse(*self.head, choices=list(choices), usage=use)).decode()
+        return encode_data(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
 
     def opening(self, count: int) -> list[str]:
         return []
@@ -304,7 +305,7 @@ class ChatChunks:
         self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
 
     def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> str:
-        return msgspec.json.encode(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use)).decode()
+        return encode_data(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
 
     def opening(self, count: int) -> list[str]:
         return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in range(count)]
@@ -330,7 +331,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         async for i, out in chain(buffered, gen):
             choices[i].add(out)
             if out.error:
-                yield msgspec.json.encode(p.ErrorResponse(p.ErrorInfo(out.error, "server_error"))).decode()
+                yield encode_data(p.ErrorResponse(p.ErrorInfo(out.error, "server_error")))
                 break
             if out.text or out.logprobs:
                 yield chunks.content(i, out, choices[i])
