@@ -27,6 +27,7 @@ from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.loader import load_model
+from streamer.model.staging import PinnedRing
 from streamer.sampling.sampler import SampleInputs, Sampler
 
 
@@ -285,37 +286,6 @@ class ModelRunner:
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
-
-
-class PinnedRing:
-    """A few reusable pinned host buffers for asynchronous copies.
-
-    Fresh pinned tensors of a new size each step cost a cudaHostAlloc (about 2 ms per step
-    on the H200 in W1); these grow by doubling and are reused in turn. A buffer is handed
-    out again only after the copy recorded on it has finished; with at most two steps in
-    flight, that wait is over long before the ring comes round.
-    """
-
-    def __init__(self, slots: int = 4) -> None:
-        self.bufs: list[torch.Tensor | None] = [None] * slots
-        self.events: list[torch.cuda.Event | None] = [None] * slots
-        self.i = -1
-
-    def take(self, n: int) -> torch.Tensor:
-        """An int64 pinned tensor of n elements; call record() after queueing its copy."""
-        self.i = (self.i + 1) % len(self.bufs)
-        ev, buf = self.events[self.i], self.bufs[self.i]
-        if ev is not None:
-            ev.synchronize()
-        if buf is None or buf.numel() < n:
-            size = max(n, 2 * (buf.numel() if buf is not None else 0), 1024)
-            buf = self.bufs[self.i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        return buf[:n]
-
-    def record(self) -> torch.cuda.Event:
-        ev = self.events[self.i] = torch.cuda.Event()
-        ev.record()
-        return ev
 
 
 @dataclass(slots=True)

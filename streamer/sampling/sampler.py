@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamer.messages import SampledToken, SamplingParams
+from streamer.model.staging import PinnedRing
 
 LOGIT_MAX = 1e30
 """Processed logits are capped here (divided by the smallest temperature, still finite)."""
@@ -76,6 +77,9 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # grammar bitmasks (1 MB at batch 64 and a 128k vocabulary) go up through pinned
+        # buffers: from pageable memory the copy waited for the forward in flight
+        self.staging = PinnedRing() if self.device.type == "cuda" else None
 
     def forget(self, request_id: str) -> None:
         """Kept for callers; seeded draws hold no per-request state."""
@@ -154,7 +158,7 @@ class Sampler:
             bm = inp.bitmask
             grows = (bm[:n] != -1).any(-1).nonzero().flatten().tolist()
             if grows:
-                apply_bitmask(logits, bm, rows=grows)
+                apply_bitmask(logits, bm, rows=grows, staging=self.staging)
         # banned tokens; a ban that would empty a grammar row is dropped for that row
         ban_rows = [i for i in range(min(n, len(inp.banned))) if inp.banned[i]]
         if ban_rows:
@@ -341,16 +345,25 @@ _BITS = torch.arange(32, dtype=torch.int32)
 _xgr_apply_ok = True
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None, staging: PinnedRing | None = None
+) -> None:
     """Set to -inf every token whose bit is 0 in the packed int32 bitmask (in place).
 
     Bit t % 32 of word t // 32 of a row stands for token t; tokens past the mask's width
     are disallowed. rows: only these rows (default all). Uses xgrammar's kernel (CPU
-    C++ / Triton on CUDA) when it can, a torch version otherwise.
+    C++ / Triton on CUDA) when it can, a torch version otherwise. staging: pinned buffers
+    for a host bitmask going to the GPU, so that the copy does not wait for the stream.
     """
     global _xgr_apply_ok
     v = logits.shape[1]
-    words = bitmask.to(logits.device, non_blocking=True)
+    if staging is not None and logits.is_cuda and not bitmask.is_cuda:
+        host = staging.take(bitmask.numel(), torch.int32).view(bitmask.shape)
+        host.copy_(bitmask)
+        words = host.to(logits.device, non_blocking=True)
+        staging.record()
+    else:
+        words = bitmask.to(logits.device, non_blocking=True)
     if _xgr_apply_ok and words.shape[1] * 32 >= v and logits.dtype == torch.float32:
         try:
             import xgrammar as xgr

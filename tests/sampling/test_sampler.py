@@ -219,6 +219,24 @@ def test_apply_bitmask_matches_unpacked(v):
     torch.testing.assert_close(got[[1, 2, 4]], logits[[1, 2, 4]])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_apply_bitmask_through_pinned_staging_on_cuda():
+    """The GPU path copies the host bitmask through a pinned ring buffer: same result,
+    also when the ring comes round and a buffer is reused for a new mask."""
+    from streamer.model.staging import PinnedRing
+
+    ring = PinnedRing(slots=2)
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        allowed = torch.rand(7, 1000, generator=g) < 0.3
+        logits = torch.randn(7, 1000, generator=g).cuda()
+        want = logits.masked_fill(~allowed.cuda(), float("-inf"))
+        got = logits.clone()
+        apply_bitmask(got, pack(allowed), rows=[0, 2, 3, 4, 5, 6, 1], staging=ring)
+        torch.testing.assert_close(got, want)
+
+
 def test_apply_bitmask_torch_fallback(monkeypatch):
     import streamer.sampling.sampler as s
 
