@@ -1,0 +1,61 @@
+"""The padding rules that make one captured CUDA graph serve many batches (checked on
+the CPU: they are host arithmetic; the graphs themselves run in tests/gpu)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.attention import extend_tiles
+from streamer.model.graphs import ExtendGraphs, ladder, token_ladder
+
+
+def test_token_ladder_is_aligned_ends_at_the_limit_and_pads_little():
+    for limit in (100, 2048, 8192):
+        sizes = token_ladder(limit)
+        assert sizes[-1] == limit and sizes == sorted(set(sizes))
+        assert all(s % 16 == 0 for s in sizes[:-1])
+        # any step of more than 96 tokens is padded by at most 1/6
+        for t in range(97, limit + 1, 7):
+            pad = next(s for s in sizes if s >= t)
+            assert pad - t <= t / 6 + 16, (limit, t, pad)
+
+
+def test_decode_ladder_covers_every_batch_size():
+    sizes = ladder(256)
+    assert sizes[0] == 1 and sizes[-1] == 256
+    assert all(any(s >= b for s in sizes) for b in range(1, 257))
+
+
+def small_extend_graphs(max_tokens: int, max_seqs: int, block_m: int) -> ExtendGraphs:
+    cache = torch.zeros(1, 2, 4, 1, 8)  # [layers, pages, page_size, kv_heads, head_dim]
+    return ExtendGraphs(None, cache, cache, max_tokens, max_seqs, max_pages=4, block_m=block_m)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=40),
+    block_m=st.sampled_from([16, 32, 64]),
+)
+def test_any_batch_that_fits_has_a_tile_list_within_its_graphs_grid(q_lens, block_m):
+    """A graph launches num_tiles(padded(T)) programs per head: every batch it accepts must
+    list no more tiles than that, or some queries would never be computed."""
+    eg = small_extend_graphs(max_tokens=2048, max_seqs=32, block_m=block_m)
+    total = sum(q_lens)
+    if not eg.fits(total, len(q_lens), width=4) or total == 0:
+        return
+    tiles = extend_tiles(q_lens, block_m, pad_to=eg.num_tiles(eg.padded(total)))
+    assert len(tiles) == eg.num_tiles(eg.padded(total))
+    live = tiles[tiles >= 0]
+    # each sequence's query blocks, once each, in order
+    want = [(b << 16) | m for b, n in enumerate(q_lens) for m in range(-(-n // block_m))]
+    assert live.tolist() == want
+
+
+def test_fits_rejects_what_the_static_buffers_cannot_hold():
+    eg = small_extend_graphs(max_tokens=512, max_seqs=8, block_m=64)
+    assert eg.fits(512, 8, 4)
+    assert not eg.fits(513, 8, 4)
+    assert not eg.fits(100, 9, 4)
+    assert not eg.fits(100, 8, 5)
