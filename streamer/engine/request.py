@@ -42,6 +42,9 @@ class Request:
     preemptions: int = 0
     sent_prompt_info: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
+    suspect: bool = False
+    """A step failed with this request among others: its next step runs alone, so that a
+    failure caused by one request fails that request only."""
     claim: int | None = None
     """Hash of the first page this request computes beyond its cached prefix, from admission
     until its prompt is in the radix tree (requests needing that page wait for it)."""

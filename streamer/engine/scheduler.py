@@ -98,6 +98,10 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         """request id -> number of batches in flight that contain it."""
         self.zombies: dict[str, Request] = {}
+        # requests of a failed step, waiting for their batches in flight to drain before
+        # they go back to the queue (their pages may still be written)
+        self.retrying: dict[str, Request] = {}
+        self.isolated_failures = 0
         """Finished while in a batch in flight: pages are released when it returns."""
         self.early_aborts: dict[str, float] = {}
         """Aborted before they reached the scheduler (still in the tokenizer)."""
@@ -154,7 +158,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []
         preempted = False
-        for req in list(self.running):
+        suspect = next((r for r in self.running if r.suspect), None)
+        if suspect is None:
+            waiting = next((r for r in self.waiting if r.suspect), None)
+            if waiting is not None:
+                self._admit(chunks, budget, only=waiting)
+                if chunks:
+                    self.steps_ahead += ahead
+                    return self._build(chunks, ahead)
+        for req in [suspect] if suspect is not None else list(self.running):
             if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
                 continue
             n = min(req.remaining, budget)
@@ -172,7 +184,7 @@ class Scheduler:
                 continue
             chunks.append((req, n))
             budget -= n
-        if not preempted:
+        if not preempted and suspect is None:
             budget = self._admit(chunks, budget)
         if not chunks:
             return None
@@ -195,10 +207,12 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, chunks: list[tuple[Request, int]], budget: int) -> int:
+    def _admit(self, chunks: list[tuple[Request, int]], budget: int, only: Request | None = None) -> int:
+        """Move waiting requests to running while the budget and the pages allow. Suspects
+        are admitted alone, through `only`."""
         if not self.waiting or budget == 0:
             return budget
-        order = list(self.waiting)
+        order = [only] if only is not None else [r for r in self.waiting if not r.suspect]
         matches: dict[str, tuple[list[int], Any]] = {}
         if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
             # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
@@ -341,6 +355,16 @@ class Scheduler:
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []
         sampled = iter(out.sampled)
+        isolate = False
+        if out.error is not None:
+            live = {s.request_id for s in batch.seqs if self._running(s.request_id)}
+            # one request's bad input must not fail the others: each goes back to the queue
+            # and runs its next step alone; a request that fails alone fails
+            isolate = len(live) > 1
+            if isolate:
+                self.isolated_failures += 1
+                log.warning("step %d failed with %d requests; each runs alone next: %s",
+                            batch.step, len(live), out.error)
         for seq in batch.seqs:
             self.in_flight[seq.request_id] -= 1
             if self.in_flight[seq.request_id] <= 0:
@@ -350,12 +374,16 @@ class Scheduler:
             if req is None or req.status != Status.RUNNING:
                 continue
             if out.error is not None:
-                deltas.append(self._finish(req, "error", error=out.error))
+                if isolate and not req.suspect:
+                    self._retry_later(req, seq.start)
+                else:
+                    deltas.append(self._finish(req, "error", error=out.error))
                 continue
             if seq.request_id in out.prompt_logprobs:
                 req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
             if tok is None:
                 continue
+            req.suspect = False  # it sampled alone without failing: batched again from now
             at = seq.start + len(seq.token_ids)
             req.tokens[at] = tok.token_id
             self.generated_tokens_total += 1
@@ -380,7 +408,31 @@ class Scheduler:
         self._kv_slots += sum(len(r.pages) for r in self.running) * self.pool.page_size
         for rid in [r for r in self.zombies if r not in self.in_flight]:
             self._release(self.zombies.pop(rid))
+        for rid in [r for r in self.retrying if r not in self.in_flight]:
+            self._requeue(self.retrying.pop(rid))
         return deltas
+
+    def _running(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.status == Status.RUNNING
+
+    def _retry_later(self, req: Request, valid: int) -> None:
+        """Take req out of a failed step: only tokens[:valid] have trustworthy KV (the failed
+        chunk started there; batches after it built on its output). Back to the queue once
+        no batch in flight holds its pages."""
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.suspect = True
+        req.num_computed = min(req.num_computed, valid)
+        self.retrying[req.request_id] = req
+
+    def _requeue(self, req: Request) -> None:
+        self._release(req)  # the valid prefix goes to the tree: the retry mostly hits it
+        if req.status == Status.FINISHED:  # aborted while its batches drained
+            return
+        while len(req.tokens) > req.prompt_len and req.tokens[-1] == PLACEHOLDER:
+            req.tokens.pop()  # sampled by the failed step or a batch after it
+        self.waiting.appendleft(req)
 
     def _stop_reason(self, req: Request, token: int, length: int) -> str | None:
         """Why req ends at `token`, the last of its first `length` tokens (None: it goes on)."""
@@ -527,13 +579,13 @@ class Scheduler:
 
     def check(self) -> None:
         """Every page is free, held by the tree, or held by a running request (or a finished
-        one whose batch is still in flight); the refcounts say exactly that."""
+        or retrying one whose batch is still in flight); the refcounts say exactly that."""
         self.pool.check()
         expect = [0] * self.pool.num_pages
         expect[0] = 1
         for p in self.tree.held_pages():
             expect[p] += 1
-        for r in [*self.running, *self.zombies.values()]:
+        for r in [*self.running, *self.zombies.values(), *self.retrying.values()]:
             for p in r.pages:
                 expect[p] += 1
         assert expect == self.pool.refcount, "page refcounts do not match their holders"

@@ -18,6 +18,7 @@ used (the LM head runs eagerly on the rows that sample).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,25 @@ def token_ladder(max_tokens: int) -> list[int]:
     while sizes[-1] < max_tokens:
         sizes.append(sizes[-1] + max(16, sizes[-1] // 6 // 16 * 16))
     return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+def capture_ladder(
+    sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor], Any]:
+    """A graph of run(size) for each size, and its output tensor. Largest first: the
+    smaller graphs reuse its memory pool (and `pool`, if given, is shared with others)."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for n in reversed(sizes):
+        run(n)  # warm up (Triton compiles, the allocator settles)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs[n] = run(n)
+        if pool is None:
+            pool = g.pool()
+        graphs[n] = g
+    torch.cuda.synchronize()
+    return graphs, outputs, pool
 
 
 def ladder(max_bs: int) -> list[int]:
@@ -58,15 +78,7 @@ class DecodeGraphs:
         self.pool = None
 
     def capture(self) -> None:
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self._run(bs)  # warm up (Triton compiles, allocator settles)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[bs] = self._run(bs)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
+        self.graphs, self.logits, self.pool = capture_ladder(self.sizes, self._run, self.pool)
 
     def _run(self, bs: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -141,15 +153,7 @@ class ExtendGraphs:
         return tokens <= self.sizes[-1] and seqs <= self.max_seqs and width <= self.page_table.shape[1]
 
     def capture(self) -> None:
-        for t in reversed(self.sizes):
-            self._run(t)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.hidden[t] = self._run(t)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[t] = g
-        torch.cuda.synchronize()
+        self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
 
     def _run(self, t: int) -> torch.Tensor:
         ctx = ForwardContext(

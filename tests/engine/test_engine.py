@@ -289,3 +289,43 @@ def test_a_slow_consumer_gets_piled_up_tokens_as_one_increment(shared_llm, text_
     assert outs[-1].finished and outs[-1].completion_tokens == 24
     assert not any(o.finished for o in outs[:-1])
     settle(llm)
+
+
+POISON = 7777  # a token id that makes any step holding it fail: a stand-in for an input that breaks the model
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_failing_step_fails_only_the_request_that_causes_it(default_model, text_ids, overlap):
+    """A step that raises does not fail its neighbours: each request of the step goes back
+    to the queue and runs its next step alone; the one that fails alone gets the error,
+    the others finish with the outputs of a clean run. A one-off failure of a batched
+    decode step (with a batch built on it already in flight when overlapping) fails nobody."""
+    prompts = distinct_prompts(text_ids, 5, 30, 60, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(default_model)) as clean:
+        expected = [o.token_ids for o in clean.generate(prompts, params)]
+    assert all(POISON not in p + e for p, e in zip(prompts, expected))
+    poisoned = prompts[2][:10] + [POISON] + prompts[2][10:]
+    with LLM(str(default_model), overlap_schedule=overlap) as llm:
+        runner = llm.engine.runner
+        launch = runner.launch
+        failed_once: list[int] = []
+
+        def faulty(batch):
+            if any(POISON in s.token_ids for s in batch.seqs):
+                raise RuntimeError("poisoned input")
+            if batch.step >= 8 and len(batch.seqs) >= 3 and not failed_once:
+                failed_once.append(batch.step)
+                raise RuntimeError("a one-off failure")
+            return launch(batch)
+
+        runner.launch = faulty
+        outs = llm.generate(prompts[:2] + [poisoned] + prompts[3:], params)
+        assert failed_once
+        assert outs[2].finish_reason == "error" and "poisoned input" in outs[2].error
+        for i in (0, 1, 3, 4):
+            assert outs[i].error is None and outs[i].token_ids == expected[i], i
+        assert llm.engine.scheduler.isolated_failures >= 2
+        settle(llm)
+        again = llm.generate(prompts[:2], params)  # the engine serves on, batched as before
+        assert [o.token_ids for o in again] == expected[:2]

@@ -59,3 +59,38 @@ def test_fits_rejects_what_the_static_buffers_cannot_hold():
     assert not eg.fits(513, 8, 4)
     assert not eg.fits(100, 9, 4)
     assert not eg.fits(100, 8, 5)
+
+
+def test_capture_ladder_records_largest_first_into_one_memory_pool(monkeypatch):
+    """The capture order (largest first, so smaller graphs fit in its pool) and the pool
+    handed from graph to graph, with CUDA's graph API stood in for on the CPU."""
+    import contextlib
+
+    from streamer.model import graphs
+
+    pools: list[object] = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool-of-the-first"
+
+    @contextlib.contextmanager
+    def fake_graph(g, pool=None):
+        pools.append(pool)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls: list[int] = []
+
+    def run(n):
+        calls.append(n)
+        return torch.full((n,), n)
+
+    got, outputs, pool = graphs.capture_ladder([1, 2, 4], run, None)
+    assert calls == [4, 4, 2, 2, 1, 1]  # a warm-up run, then the captured one
+    assert pools == [None, "pool-of-the-first", "pool-of-the-first"] and pool == "pool-of-the-first"
+    assert sorted(got) == [1, 2, 4] and all(outputs[n].tolist() == [n] * n for n in (1, 2, 4))
+    _, _, shared = graphs.capture_ladder([8], run, "decode-pool")
+    assert pools[-1] == "decode-pool" and shared == "decode-pool"
