@@ -27,7 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=2048,
+                   help="longest prefill / mixed step replayed from a CUDA graph (0: decode graphs only)")
     g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
 
 

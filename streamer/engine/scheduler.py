@@ -357,14 +357,15 @@ class Scheduler:
         sampled = iter(out.sampled)
         isolate = False
         if out.error is not None:
-            live = {s.request_id for s in batch.seqs if self._running(s.request_id)}
             # one request's bad input must not fail the others: each goes back to the queue
-            # and runs its next step alone; a request that fails alone fails
-            isolate = len(live) > 1
+            # and runs its next step alone; a request that fails alone fails. (Count every
+            # request of the step, also those already retrying: a step built on a failed one
+            # may fail because of them.)
+            isolate = len({s.request_id for s in batch.seqs}) > 1
             if isolate:
                 self.isolated_failures += 1
                 log.warning("step %d failed with %d requests; each runs alone next: %s",
-                            batch.step, len(live), out.error)
+                            batch.step, len(batch.seqs), out.error)
         for seq in batch.seqs:
             self.in_flight[seq.request_id] -= 1
             if self.in_flight[seq.request_id] <= 0:
@@ -411,10 +412,6 @@ class Scheduler:
         for rid in [r for r in self.retrying if r not in self.in_flight]:
             self._requeue(self.retrying.pop(rid))
         return deltas
-
-    def _running(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and req.status == Status.RUNNING
 
     def _retry_later(self, req: Request, valid: int) -> None:
         """Take req out of a failed step: only tokens[:valid] have trustworthy KV (the failed

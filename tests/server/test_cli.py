@@ -40,6 +40,15 @@ def test_every_serve_flag_has_help():
     assert p.parse_args([]).host == "127.0.0.1"  # loopback unless asked
 
 
+def test_engine_flags_reach_the_engine_config():
+    from streamer.cli import engine_config
+
+    args = serve_parser().parse_args(["--max-num-seqs", "8", "--cuda-graph-max-tokens", "0", "--no-prefix-caching"])
+    cfg = engine_config(args)
+    assert (cfg.max_num_seqs, cfg.cuda_graph_max_tokens, cfg.enable_prefix_caching) == (8, 0, False)
+    assert engine_config(serve_parser().parse_args([])).cuda_graph_max_tokens == 2048
+
+
 @pytest.fixture(scope="module")
 def cli_server() -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
     with socket.socket() as s:
