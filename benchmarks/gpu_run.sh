@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | record)
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | record | probe)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
-# w5 and w6 need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
+# probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
+# w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -53,4 +54,10 @@ if [ "$part" = record ]; then
 fi
 if [ "$part" = w6 ]; then
   python3 benchmarks/w6_select.py -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
+fi
+if [ "$part" = probe ]; then
+  python3 benchmarks/ttft_probe.py 2>&1 | grep -v Warning | tail -40
+  python3 benchmarks/ttft_probe.py --launch 2>&1 | grep -v Warning | grep "tokens:\|generate" 
+  python3 benchmarks/profile_gpu.py serve -n "${W5_SAT_N:-256}" > "$OUT/serve_profile.txt" 2>&1
+  grep -A3 "rate  reqs" "$OUT/serve_profile.txt"
 fi
