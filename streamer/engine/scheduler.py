@@ -98,11 +98,10 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         """request id -> number of batches in flight that contain it."""
         self.zombies: dict[str, Request] = {}
-        # requests of a failed step, waiting for their batches in flight to drain before
-        # they go back to the queue (their pages may still be written)
-        self.retrying: dict[str, Request] = {}
-        self.isolated_failures = 0
         """Finished while in a batch in flight: pages are released when it returns."""
+        self.retrying: dict[str, Request] = {}
+        """Requests of a failed step, back to the queue once no batch in flight holds them."""
+        self.isolated_failures = 0
         self.early_aborts: dict[str, float] = {}
         """Aborted before they reached the scheduler (still in the tokenizer)."""
         self.step_id = 0

@@ -201,10 +201,11 @@ class ModelRunner:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
         x = self.prepare(batch)
-        if x["graph"] is self.graphs and self.graphs is not None:
-            return self.graphs.replay(x), {}
-        if x["graph"] is not None:
-            hidden = x["graph"].replay(x)
+        graph = x["graph"]
+        if isinstance(graph, DecodeGraphs):
+            return graph.replay(x), {}  # the LM head is in the graph
+        if isinstance(graph, ExtendGraphs):
+            hidden = graph.replay(x)
             return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], {}
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
