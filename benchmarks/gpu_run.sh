@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | record | probe)
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
+#                                        | record | probe)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
@@ -33,15 +34,20 @@ if [ "$part" = w5 ]; then
   for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
   serve() { python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
       --output-len 128 "$@"; }
-  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/w5_serve.json"
+  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/w5_serve.json" 2>&1 | grep -v "^rate "
   # saturation: enough requests that the ramp (all prefills at once) does not dominate
-  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json"
+  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json" 2>&1 | grep -v "^rate "
   kill -TERM $srv; wait $srv
   bench --workload W5 --num-requests "${W5_SAT_N:-256}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
       --json "$OUT/w5_offline.json"
 fi
+if [ "$part" = gemv ]; then
+  python3 benchmarks/gemv_bench.py 2>&1 | tee "$OUT/gemv.txt" | tail -40
+fi
 if [ "$part" = grammar ] || [ "$part" = record ]; then
   python3 benchmarks/grammar_bench.py --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/grammar_smollm.json" 2>&1 | tail -6
+fi
+if [ "$part" = grammar ] || [ "$part" = grammar8b ] || [ "$part" = record ]; then
   python3 benchmarks/grammar_bench.py --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-tokens 96 \
       --json "$OUT/grammar_8b.json" 2>&1 | tail -6
 fi

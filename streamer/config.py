@@ -50,6 +50,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     overlap_schedule: bool | None = None
     """Schedule batch N+1 while N runs. None: on for CUDA, off on CPU (nothing to overlap)."""
+    hold_ahead_ms: float = 1.5
+    """With overlap, while only decodes run and nobody waits, the batch after the running
+    one is scheduled this long before the running one is expected to end (not at once), so
+    that a request arriving meanwhile joins it instead of queueing behind it. 0: off."""
     cuda_graph_max_bs: int = 256
     """Largest decode batch replayed from a CUDA graph."""
     cuda_graph_max_tokens: int = 2048
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ConfigError(f"num_pages must be >= 2, not {self.num_pages}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
+        if self.hold_ahead_ms < 0:
+            raise ConfigError(f"hold_ahead_ms must be >= 0, not {self.hold_ahead_ms}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
 

@@ -162,6 +162,9 @@ class StepOutput(msgspec.Struct):
     """One per sampling sequence of the batch, in order."""
     error: str | None = None
     prompt_logprobs: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    device_time: float = 0.0
+    """Seconds the step took on the device, from its first work to its tokens' copy (on
+    the CPU: the launch's wall time). The scheduler predicts decode steps' ends from it."""
 
 
 class TokenDelta(msgspec.Struct):
@@ -175,6 +178,8 @@ class TokenDelta(msgspec.Struct):
     cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[float] | None = None
+    queue_time: float | None = None
+    """With the first delta: seconds from arrival at the scheduler to the first batch."""
 
 
 class RequestOutput(msgspec.Struct):
@@ -192,6 +197,8 @@ class RequestOutput(msgspec.Struct):
     error: str | None = None
     prompt_logprobs: list[float] | None = None
     """Logprob of each prompt token from SamplingParams.prompt_logprobs_from on (first output)."""
+    queue_time: float | None = None
+    """First output only: seconds the request waited at the scheduler for its first batch."""
 
 
 class Register(msgspec.Struct):

@@ -226,20 +226,45 @@ class Progress:
         print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
 
 
+SCRAPED = (
+    "streamer_cached_prompt_tokens_total", "streamer_prompt_tokens_total", "streamer_engine_steps_total",
+    "streamer_time_to_first_token_seconds_sum", "streamer_time_to_first_token_seconds_count",
+    "streamer_request_queue_time_seconds_sum", "streamer_request_queue_time_seconds_count",
+    "streamer_steps_held_total", "streamer_held_steps_joined_total", "streamer_held_steps_late_total",
+)
+
+
 async def scrape(client: Any) -> dict[str, float] | None:
-    """The server's counters for the cache hit rate (None when /metrics cannot be read)."""
+    """The server's counters: cache hit rate, steps, and its own view of TTFT and queueing
+    (None when /metrics cannot be read)."""
     try:
         r = await client.get("/metrics")
         r.raise_for_status()
     except Exception:  # noqa: BLE001 - the hit rate is then reported as unknown
         return None
-    wanted = {"streamer_cached_prompt_tokens_total", "streamer_prompt_tokens_total"}
     out = {}
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
-        if name in wanted:
+        if name in SCRAPED:
             out[name] = float(value)
-    return out if len(out) == len(wanted) else None
+    return out if "streamer_prompt_tokens_total" in out else None
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Means over one rate point, from the differences of the server's counters: where the
+    client's TTFT goes (server TTFT = submit to first token; queue = wait for a first batch)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    out: dict[str, float] = {}
+    for key, name in (("server_ttft_mean_ms", "streamer_time_to_first_token_seconds"),
+                      ("server_queue_mean_ms", "streamer_request_queue_time_seconds")):
+        if d.get(name + "_count"):
+            out[key] = 1e3 * d[name + "_sum"] / d[name + "_count"]
+    for key, name in (("server_steps", "streamer_engine_steps_total"), ("steps_held", "streamer_steps_held_total"),
+                      ("held_joined", "streamer_held_steps_joined_total"),
+                      ("held_late", "streamer_held_steps_late_total")):
+        if name in d:
+            out[key] = d[name]
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -303,6 +328,7 @@ async def run_point(client: Any, args: argparse.Namespace, rate: float, point: i
         return o
 
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     tasks = []
     next_at = t0
     for req in reqs:
@@ -315,6 +341,7 @@ async def run_point(client: Any, args: argparse.Namespace, rate: float, point: i
         prog.sent += 1
     outcomes: list[Outcome] = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
+    client_cpu = (time.process_time() - cpu0) / duration
     ticker.cancel()
     prog.finish()
     after = await scrape(client)
@@ -342,6 +369,10 @@ async def run_point(client: Any, args: argparse.Namespace, rate: float, point: i
         max_concurrency=args.max_concurrency,
         error_samples=sorted({o.error for o in outcomes if o.error})[:5],
     )
+    if before and after:
+        res.extra.update(server_view(before, after))
+    # this client is one Python process: near 1.0, its own parsing may hold the figures back
+    res.extra["client_cpu_fraction"] = client_cpu
     if args.workload in ("shared-prefix", "W4"):
         # every prompt but the first of its group could take its whole prefix from the cache
         seen: set[tuple[int, ...]] = set()

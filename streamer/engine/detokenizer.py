@@ -28,10 +28,17 @@ class IncrementalText:
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
+        # The Rust tokenizer's own decode gives the same text as transformers' decode when
+        # no clean-up pass follows, at a quarter of the cost (two decodes per token per
+        # stream run on the event loop: 256 streams at saturation).
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self.backend = None if getattr(hf_tokenizer, "clean_up_tokenization_spaces", True) else backend
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip)
         return self.hf.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, new: list[int], final: bool = False) -> str:
@@ -98,6 +105,7 @@ class Stream:
             logprobs=d.logprobs,
             error=d.error,
             prompt_logprobs=d.prompt_logprobs,
+            queue_time=d.queue_time,
         )
         self.sent = max(self.sent, end)
         return out, stopped

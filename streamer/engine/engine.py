@@ -83,6 +83,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         logprobs=logprobs,
         error=b.error or a.error,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
     )
 
 
@@ -220,10 +221,13 @@ class AsyncEngine:
         text: list[str] = []
         logprobs: list = []
         prompt_logprobs = None
+        queue_time = None
         last = None
         async for out in self.submit(request):
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs
+            if out.queue_time is not None:
+                queue_time = out.queue_time
             ids.extend(out.token_ids)
             text.append(out.text)
             if out.logprobs:
@@ -242,4 +246,5 @@ class AsyncEngine:
             logprobs=logprobs or None,
             error=last.error,
             prompt_logprobs=prompt_logprobs,
+            queue_time=queue_time,
         )

@@ -18,6 +18,8 @@ from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
 
 class LLM:
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        # offline, every request is known up front: none arrives to join a held step
+        kwargs.setdefault("hold_ahead_ms", 0.0)
         self.engine = AsyncEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-llm", daemon=True)

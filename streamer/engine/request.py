@@ -39,6 +39,8 @@ class Request:
     cached_tokens: int = 0
     """Prompt tokens served from the radix cache at first admission."""
     admitted_once: bool = False
+    queue_time: float | None = None
+    """Seconds from arrival at the scheduler to first admission into a batch."""
     preemptions: int = 0
     sent_prompt_info: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)

@@ -77,6 +77,13 @@ class EngineStats(msgspec.Struct):
     """Batches scheduled while the previous one was still running (overlap)."""
     masks_deferred: int = 0
     """Of those, batches whose grammar masks were filled while their forward ran."""
+    steps_held: int = 0
+    """Batches scheduled just before the running decode step's predicted end, not at once
+    (EngineConfig.hold_ahead_ms)."""
+    held_steps_joined: int = 0
+    """Of those, batches that took in a request which arrived during the hold."""
+    held_steps_late: int = 0
+    """Of those, batches scheduled only after the running step had ended (a GPU bubble)."""
 
 
 class Scheduler:
@@ -119,6 +126,7 @@ class Scheduler:
         self.masks_deferred = 0
         self.deferred_masks: dict[int, list[Request]] = {}
         """Sampling requests of batches sent with masks_deferred, by step."""
+        self.clock = AheadClock(config.hold_ahead_ms / 1e3)
 
     # ---- arrivals -------------------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -247,6 +255,7 @@ class Scheduler:
             req.status = Status.RUNNING
             if not req.admitted_once:
                 req.admitted_once = True
+                req.queue_time = time.monotonic() - req.arrival
                 req.cached_tokens = computed
                 self.cached_tokens_total += computed
                 self.prompt_tokens_total += req.prompt_len
@@ -476,6 +485,7 @@ class Scheduler:
         if not req.sent_prompt_info:
             req.sent_prompt_info = True
             d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
+            d.queue_time = req.queue_time
             if req.params.prompt_logprobs_from is not None:
                 d.prompt_logprobs = req.prompt_logprobs
         return d
@@ -571,6 +581,9 @@ class Scheduler:
             jump_forward_tokens=self.jump_forward_tokens,
             steps_ahead=self.steps_ahead,
             masks_deferred=self.masks_deferred,
+            steps_held=self.clock.held,
+            held_steps_joined=self.clock.joined,
+            held_steps_late=self.clock.late,
         )
 
     def check(self) -> None:
@@ -587,6 +600,58 @@ class Scheduler:
         assert expect == self.pool.refcount, "page refcounts do not match their holders"
 
 
+class AheadClock:
+    """When to schedule the batch after the running one (overlap).
+
+    Scheduled at once, it queues on the GPU behind the running step, and a request that
+    arrives meanwhile waits for both. While only decodes run and nobody waits, it is better
+    scheduled just before the running step ends: an arrival until then joins it. The end is
+    predicted from the device time of recent decode steps (StepOutput.device_time), counted
+    from when the step could start (the output before it, or its own sending); `margin`
+    covers the host's time to build and launch the next batch.
+    """
+
+    def __init__(self, margin_s: float) -> None:
+        self.margin = margin_s
+        self.decode_s: float | None = None
+        """Moving average of the device time of a decode-only step."""
+        self.sent: dict[int, float] = {}
+        self.last_out = 0.0
+        self.held = 0
+        """Batches scheduled after a hold."""
+        self.joined = 0
+        """Of those, batches that admitted a request arriving during the hold."""
+        self.late = 0
+        """Of those, batches scheduled after the running step had ended (a bubble)."""
+
+    def on_send(self, batch: Batch, now: float) -> None:
+        self.sent[batch.step] = now
+
+    def on_output(self, batch: Batch, out: StepOutput, now: float) -> None:
+        self.sent.pop(batch.step, None)
+        self.last_out = now
+        if out.error is None and out.device_time > 0 and _decode_only(batch):
+            d = out.device_time
+            self.decode_s = d if self.decode_s is None else 0.7 * self.decode_s + 0.3 * d
+
+    def hold_until(self, running: Batch, sched: Scheduler) -> float | None:
+        """When to schedule the batch after `running`; None: now."""
+        if self.margin <= 0 or self.decode_s is None or sched.waiting or not _decode_only(running):
+            return None
+        if self.decode_s < self.margin + 5e-4:
+            return None  # too short a step to be worth holding the next one
+        start = max(self.sent.get(running.step, 0.0), self.last_out)
+        return start + self.decode_s - self.margin
+
+
+def _decode_only(batch: Batch) -> bool:
+    return all(len(s.token_ids) == 1 for s in batch.seqs)
+
+
+_HOLD_OVER = object()
+"""The scheduler's wake-up when a held batch is due."""
+
+
 async def run(
     sched: Scheduler,
     inbox: asyncio.Queue,
@@ -597,14 +662,29 @@ async def run(
     """The actor loop: handle every message; keep a step in flight while there is work.
 
     With overlap, a second batch is scheduled while the first runs (its decodes read the
-    tokens the first one samples on the device), so the GPU never waits for the host.
+    tokens the first one samples on the device), so the GPU never waits for the host;
+    while only decodes run, not at once but shortly before the first ends (AheadClock).
     """
+    loop = asyncio.get_running_loop()
     in_flight: deque[Batch] = deque()
     depth = 2 if overlap else 1
+    clock = sched.clock
+    hold: float | None = None
+    holding = False  # the batch after in_flight[0] has been held at least once
     while True:
-        msg = await inbox.get()
+        msg: Any
+        if hold is None:
+            msg = await inbox.get()
+        else:
+            try:
+                async with asyncio.timeout_at(hold):
+                    msg = await inbox.get()
+            except TimeoutError:
+                msg = _HOLD_OVER
+        hold_over = msg is _HOLD_OVER
+        hold = None
         deltas: list[TokenDelta] = []
-        while True:  # drain what is already queued, so one step sees every arrival
+        while not hold_over:  # drain what is already queued, so one step sees every arrival
             if isinstance(msg, TokenizedRequest):
                 refused = sched.add(msg)
                 if refused is not None:
@@ -612,6 +692,7 @@ async def run(
             elif isinstance(msg, StepOutput):
                 done = in_flight.popleft()
                 assert msg.step == done.step, "step outputs arrive in order"
+                clock.on_output(done, msg, loop.time())
                 deltas.extend(sched.process(done, msg))
                 if in_flight and in_flight[0].masks_deferred:
                     # the next step's forward is running: its masks are filled now, on the CPU
@@ -634,8 +715,21 @@ async def run(
         while len(in_flight) < depth and sched.has_work:
             if in_flight and not sched.can_overlap():
                 break
+            if in_flight and not hold_over:
+                hold = clock.hold_until(in_flight[0], sched)
+                if hold is not None and hold > loop.time():
+                    holding = True
+                    break
+                hold = None
+            admitted = len(sched.waiting)
             batch = sched.schedule(ahead=bool(in_flight))
             if batch is None:
                 break
+            if holding:
+                holding = False
+                clock.held += 1
+                clock.joined += len(sched.waiting) < admitted
+                clock.late += len(in_flight) == 0
             in_flight.append(batch)
+            clock.on_send(batch, loop.time())
             to_executor.put_nowait(batch)

@@ -13,6 +13,7 @@ the event loop.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,17 +239,28 @@ class ModelRunner:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
         so the next batch can be launched before these values reach the host. A batch with
         masks_deferred only runs its forward: sample() finishes it once the masks are in."""
+        t0 = time.perf_counter()
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         logits, prompt_logprobs = self.forward(batch)
         if batch.masks_deferred:
-            return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch)
-        return self._sample(batch, logits, prompt_logprobs)
+            return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
+                            wall=time.perf_counter() - t0)
+        out = self._sample(batch, logits, prompt_logprobs)
+        out.start, out.wall = start, time.perf_counter() - t0
+        return out
 
     @torch.inference_mode()
     def sample(self, launched: Launched, masks: Any) -> Launched:
         """Finish a step launched with masks_deferred, now that its bitmask is filled."""
         assert launched.batch is not None and launched.logits is not None
+        t0 = time.perf_counter()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
-        return self._sample(batch, launched.logits, launched.prompt_logprobs)
+        out = self._sample(batch, launched.logits, launched.prompt_logprobs)
+        out.start, out.wall = launched.start, launched.wall + time.perf_counter() - t0
+        return out
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:
         rids = [s.request_id for s in batch.seqs if s.sample]
@@ -272,7 +284,7 @@ class ModelRunner:
             # would also wait for the step launched after this one.
             host = self.tokens_staging.take(tokens.numel())
             host.copy_(tokens, non_blocking=True)
-            done = self.tokens_staging.record()
+            done = self.tokens_staging.record(timing=True)
             tokens = host
         return Launched(batch.step, tokens, sampled, prompt_logprobs, done)
 
@@ -285,7 +297,12 @@ class ModelRunner:
                 launched.done.synchronize()
             assert launched.tokens is not None, "a step awaiting its masks cannot be collected"
             sampled = [SampledToken(t) for t in launched.tokens.tolist()]
-        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs)
+        if launched.start is not None and launched.done is not None:
+            device_time = launched.start.elapsed_time(launched.done) / 1e3
+        else:
+            device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
+        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
+                          device_time=device_time)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -305,6 +322,10 @@ class Launched:
     logits: torch.Tensor | None = None
     """Kept while the step awaits its grammar masks (masks_deferred)."""
     batch: Batch | None = None
+    start: torch.cuda.Event | None = None
+    """Recorded (with timing) before the step's first work on the device."""
+    wall: float = 0.0
+    """Host seconds launch() took (all of the step where it computed synchronously)."""
 
     @property
     def awaiting_masks(self) -> bool:

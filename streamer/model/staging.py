@@ -23,6 +23,7 @@ class PinnedRing:
         self.bufs: list[torch.Tensor | None] = [None] * slots
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self.i = -1
+        self.copy_stream: torch.cuda.Stream | None = None
 
     def take(self, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """A pinned tensor of n elements; call record() after queueing its copy."""
@@ -36,7 +37,21 @@ class PinnedRing:
             buf = self.bufs[self.i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return buf[:nbytes].view(dtype)
 
-    def record(self) -> torch.cuda.Event:
-        ev = self.events[self.i] = torch.cuda.Event()
+    def record(self, timing: bool = False) -> torch.cuda.Event:
+        ev = self.events[self.i] = torch.cuda.Event(enable_timing=timing)
         ev.record()
         return ev
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Copy host (from the buffer take() just gave) to the device on a side stream, so
+        that the copy runs while the current stream is still busy with earlier work (a
+        forward); the current stream waits for it only where it uses the result."""
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.copy_stream):
+            dev = host.to(device, non_blocking=True)
+            self.record()
+        current.wait_stream(self.copy_stream)
+        dev.record_stream(current)  # allocated on the side stream, freed after its use here
+        return dev

@@ -93,9 +93,8 @@ class Sampler:
         host need not wait for the step); with logprobs, the packaged tokens."""
         params = inp.params
         logits = logits[:, : self.vocab_size]
-        edits = (
-            inp.bitmask is not None or any(_has_penalty(p) or p.logit_bias for p in params) or any(inp.banned)
-        )
+        arithmetic = any(_has_penalty(p) or p.logit_bias for p in params)
+        edits = inp.bitmask is not None or arithmetic or any(inp.banned)
         if not edits and all(p.greedy and p.logprobs is None for p in params):
             return logits.argmax(-1)
         if logits.dtype != torch.float32:
@@ -104,8 +103,10 @@ class Sampler:
             logits = logits.clone()
         if edits:
             self._process(logits, inp)
+        if arithmetic:
             # Valid but extreme knobs (a repetition penalty of 1e-300 is 0 in float32) can
-            # overflow: keep every logit finite or -inf, so no row turns into NaN.
+            # overflow: keep every logit finite or -inf, so no row turns into NaN. (Masks and
+            # bans only write -inf: nothing to do for them.)
             logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
         chosen = self._draw(logits, inp)
         if all(p.logprobs is None for p in params):
@@ -158,7 +159,8 @@ class Sampler:
             bm = inp.bitmask
             grows = (bm[:n] != -1).any(-1).nonzero().flatten().tolist()
             if grows:
-                apply_bitmask(logits, bm, rows=grows, staging=self.staging)
+                every = len(grows) == n == bm.shape[0]  # no row index list to upload
+                apply_bitmask(logits, bm, rows=None if every else grows, staging=self.staging)
         # banned tokens; a ban that would empty a grammar row is dropped for that row
         ban_rows = [i for i in range(min(n, len(inp.banned))) if inp.banned[i]]
         if ban_rows:
@@ -360,8 +362,7 @@ def apply_bitmask(
     if staging is not None and logits.is_cuda and not bitmask.is_cuda:
         host = staging.take(bitmask.numel(), torch.int32).view(bitmask.shape)
         host.copy_(bitmask)
-        words = host.to(logits.device, non_blocking=True)
-        staging.record()
+        words = staging.upload(host, logits.device)
     else:
         words = bitmask.to(logits.device, non_blocking=True)
     if _xgr_apply_ok and words.shape[1] * 32 >= v and logits.dtype == torch.float32:

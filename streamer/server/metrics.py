@@ -49,6 +49,10 @@ class EngineCollector(Collector):
             "streamer_preemptions": ("requests preempted for lack of KV pages", s.preemptions),
             "streamer_engine_steps": ("model steps run", s.steps),
             "streamer_cached_prompt_tokens": ("prompt tokens served from the prefix cache", s.cached_tokens_total),
+            "streamer_steps_held": ("batches scheduled just before the running decode step's end", s.steps_held),
+            "streamer_held_steps_joined": ("held batches that took in a request arriving meanwhile",
+                                           s.held_steps_joined),
+            "streamer_held_steps_late": ("held batches scheduled after the running step ended", s.held_steps_late),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -64,6 +68,8 @@ class Metrics:
         self.generated_tokens = Counter("streamer_generated_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("streamer_time_to_first_token_seconds", "submit to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("streamer_request_queue_time_seconds",
+                                    "arrival at the scheduler to the first batch", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("streamer_inter_token_latency_seconds", "time between generated tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("streamer_request_latency_seconds", "submit to last output",
@@ -87,6 +93,8 @@ class RequestTimer:
 
     def observe(self, out: Any) -> None:
         now = time.perf_counter()
+        if out.queue_time is not None:
+            self.m.queue_time.observe(out.queue_time)
         if out.token_ids:
             if self.first:
                 self.m.ttft.observe(now - self.start)

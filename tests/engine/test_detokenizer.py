@@ -51,3 +51,16 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(tok):
 def test_earliest_of_several_stop_strings_wins(tok):
     text, reason = stream_text(tok, "alpha beta gamma delta", ["delta", "beta"], chunk=3)
     assert text == "alpha " and reason == "stop"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decode_fast_path_gives_transformers_text(tok, skip):
+    import random
+
+    inc = IncrementalText(tok, skip_special_tokens=skip)
+    assert inc.backend is not None, "the default model's tokenizer has no clean-up pass"
+    rng = random.Random(0)
+    special = sorted(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+        assert inc._decode(ids) == tok.decode(ids, skip_special_tokens=skip)

@@ -222,18 +222,22 @@ def test_apply_bitmask_matches_unpacked(v):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_apply_bitmask_through_pinned_staging_on_cuda():
-    """The GPU path copies the host bitmask through a pinned ring buffer: same result,
-    also when the ring comes round and a buffer is reused for a new mask."""
+    """The GPU path copies the host bitmask through a pinned ring buffer on a side stream
+    (so the copy overlaps the forward still running): same result, also while the stream
+    is busy and when the ring comes round and a buffer is reused for a new mask."""
     from streamer.model.staging import PinnedRing
 
     ring = PinnedRing(slots=2)
-    for seed in range(5):
+    busy = torch.randn(4096, 4096, device="cuda")
+    for seed in range(6):
         g = torch.Generator().manual_seed(seed)
         allowed = torch.rand(7, 1000, generator=g) < 0.3
         logits = torch.randn(7, 1000, generator=g).cuda()
         want = logits.masked_fill(~allowed.cuda(), float("-inf"))
-        got = logits.clone()
-        apply_bitmask(got, pack(allowed), rows=[0, 2, 3, 4, 5, 6, 1], staging=ring)
+        for _ in range(4):
+            busy = busy @ busy / 64  # the "forward" the mask's copy overlaps
+        got = logits + busy[:7, :1000] * 0
+        apply_bitmask(got, pack(allowed), rows=None if seed % 2 else [0, 2, 3, 4, 5, 6, 1], staging=ring)
         torch.testing.assert_close(got, want)
 
 

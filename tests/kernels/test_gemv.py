@@ -1,0 +1,214 @@
+"""kernels.gemv (decode GEMV, M <= 4) == torch references.
+
+Without a GPU these run on CPU tensors through the Triton interpreter (see
+conftest.py) with small, odd shapes; with a GPU the same tests run compiled,
+and the `cuda`-marked tests add model-sized shapes and CUDA-graph capture.
+
+The references are here rather than in kernels.reference because the engine's
+CPU path is F.linear itself: `linear` is F.linear, `silu_mul_linear` is the
+unfused down projection (silu(gate) * up rounded to x.dtype, as
+kernels.reference.silu_and_mul, then F.linear).
+
+Tolerances: the kernel accumulates in fp32 and rounds once, like the bf16
+reference, but in another order, so the two may differ by one output ulp
+(2^-7 relative in bf16); fp32 differs by summation order only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels import gemv as G
+
+CUDA = torch.cuda.is_available()
+if not CUDA and not isinstance(tl.sum, InterpretedFunction):
+    raise RuntimeError(
+        "no GPU and triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it "
+        "first): these kernels cannot be checked on CPU in this process"
+    )
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+# Small tiles so the interpreter runs several chunks, splits and row blocks on small shapes.
+CONFIGS = {
+    "default": None,
+    "split3": G.GemvConfig(block_n=4, block_k=32, unroll=2, split_k=3),
+    "acc1d_split2": G.GemvConfig(block_n=16, block_k=32, unroll=1, split_k=2, acc_1d=True),
+    "tiny_k": G.GemvConfig(block_n=8, block_k=16, unroll=3, split_k=5),
+}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def silu_mul_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w)
+
+
+def _close(out, ref, tol):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _rand(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+@DTYPES
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+def test_gemv_matches_linear(dtype, m, cfg):
+    gen = torch.Generator().manual_seed(m)
+    n, k = 37, 200  # neither a multiple of any block
+    x = _rand(m, k, dtype=dtype, gen=gen)
+    w = _rand(n, k, dtype=dtype, gen=gen, scale=k**-0.5)
+    _close(G.gemv(x, w, CONFIGS[cfg]), linear(x, w), TOL[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("cfg", ["default", "split3", "tiny_k"])
+def test_gemv_silu_mul_matches_reference(dtype, m, cfg):
+    gen = torch.Generator().manual_seed(10 + m)
+    n, inter = 37, 100
+    x = _rand(m, 2 * inter, dtype=dtype, gen=gen, scale=2.0)
+    w = _rand(n, inter, dtype=dtype, gen=gen, scale=inter**-0.5)
+    _close(G.gemv_silu_mul(x, w, CONFIGS[cfg]), silu_mul_linear(x, w), TOL[dtype])
+
+
+def test_gemv_more_rows_leading_dims_and_strides():
+    """M > 4 (row blocks of 4), x with leading dims, a strided x view and a strided W (row pitch > K)."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16
+    x = _rand(2, 3, 48, dtype=dtype, gen=gen)
+    w = _rand(19, 48, dtype=dtype, gen=gen, scale=48**-0.5)
+    _close(G.gemv(x, w), linear(x, w), TOL[dtype])
+    xs = _rand(3, 96, dtype=dtype, gen=gen)[:, ::2]
+    _close(G.gemv(xs, w), linear(xs, w), TOL[dtype])
+    wp = _rand(19, 64, dtype=dtype, gen=gen, scale=48**-0.5)[:, :48]
+    assert not wp.is_contiguous() and wp.stride(-1) == 1
+    _close(G.gemv(x[0], wp), linear(x[0], wp), TOL[dtype])
+    xg = _rand(5, 96, dtype=dtype, gen=gen)
+    _close(G.gemv_silu_mul(xg, w), silu_mul_linear(xg, w), TOL[dtype])
+
+
+def test_gemv_exact_multiples_and_empty():
+    """The unmasked (EVEN_K) path: K a multiple of block_k * unroll * split; and zero rows."""
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16
+    x = _rand(2, 128, dtype=dtype, gen=gen)
+    w = _rand(16, 128, dtype=dtype, gen=gen, scale=128**-0.5)
+    for cfg in (G.GemvConfig(block_n=8, block_k=32, unroll=2, split_k=2), G.GemvConfig(block_k=64, unroll=2)):
+        _close(G.gemv(x, w, cfg), linear(x, w), TOL[dtype])
+    assert G.gemv(x[:0], w).shape == (0, 16)
+
+
+def test_config_heuristic_and_use_gemv():
+    # 4096 x 4096: 1024 programs of 4 rows fill 132 SMs without splitting K.
+    assert G.gemv_config(1, 4096, 4096).split_k == 1
+    # Qwen3-0.6B o_proj (N 1024, K 2048): 256 programs, so K is split.
+    assert G.gemv_config(1, 1024, 2048).split_k == 2
+    assert G.gemv_config(4, 128256, 4096).split_k == 1
+    for m, n, k in [(1, 4096, 4096), (4, 1024, 3072), (2, 28672, 4096)]:
+        for silu in (False, True):
+            cfg = G.gemv_config(m, n, k, silu=silu)
+            assert cfg.block_n % cfg.num_warps == 0 and cfg.split_k >= 1
+    w = torch.empty(8, 16, dtype=torch.bfloat16)
+    x = torch.empty(2, 16, dtype=torch.bfloat16)
+    assert not G.use_gemv(x, w)  # CPU
+    if CUDA:
+        wc, xc = w.cuda(), x.cuda()
+        assert G.use_gemv(xc, wc) and G.use_gemv(xc[:1], wc)
+        assert not G.use_gemv(torch.empty(5, 16, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not G.use_gemv(xc.float(), wc.float())
+        assert not G.use_gemv(xc, torch.empty(16, 8, dtype=torch.bfloat16, device="cuda").t())  # K-strided W
+        assert G.use_gemv(torch.empty(3, 32, dtype=torch.bfloat16, device="cuda"), wc, silu_mul=True)
+        assert not G.use_gemv(xc, wc, silu_mul=True)
+
+
+# --------------------------------------------------------------------------- GPU, model sizes
+
+# (N, K): Llama-3.1-8B o, qkv, gate_up, down, lm_head; Qwen3-0.6B qkv, gate_up, o, down
+CUDA_SHAPES = [
+    (4096, 4096),
+    (6144, 4096),
+    (28672, 4096),
+    (4096, 14336),
+    (128256, 4096),
+    (4096, 1024),
+    (6144, 1024),
+    (1024, 2048),
+    (1024, 3072),
+]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("n,k", CUDA_SHAPES, ids=[f"{n}x{k}" for n, k in CUDA_SHAPES])
+def test_cuda_gemv_large(n, k):
+    gen = torch.Generator().manual_seed(0)
+    w = _rand(n, k, dtype=torch.bfloat16, gen=gen, scale=k**-0.5)
+    for m in (1, 2, 3, 4):
+        x = _rand(m, k, dtype=torch.bfloat16, gen=gen)
+        ref = F.linear(x.float(), w.float())  # exact-ish; both bf16 results are within an ulp of it
+        out = G.gemv(x, w)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2**-7)
+        _close(out, F.linear(x, w), 2**-6)
+        xh, wh = x.half(), w.half()
+        torch.testing.assert_close(G.gemv(xh, wh).float(), ref, atol=2e-2, rtol=2**-9)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("n,inter", [(4096, 14336), (1024, 3072)], ids=["llama_down", "qwen06_down"])
+def test_cuda_gemv_silu_mul_large(n, inter):
+    from kernels import activation
+
+    gen = torch.Generator().manual_seed(1)
+    w = _rand(n, inter, dtype=torch.bfloat16, gen=gen, scale=inter**-0.5)
+    for m in (1, 2, 3, 4):
+        x = _rand(m, 2 * inter, dtype=torch.bfloat16, gen=gen, scale=2.0)
+        # the unfused engine path: same activation kernel, then cuBLAS
+        _close(G.gemv_silu_mul(x, w), F.linear(activation.silu_and_mul(x), w), 2**-6)
+        _close(G.gemv_silu_mul(x, w), silu_mul_linear(x, w), 2**-6)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_gemv_graph_capture_replay():
+    """gemv and gemv_silu_mul (split-K and not) capture in a CUDA graph and replay with new inputs."""
+    gen = torch.Generator().manual_seed(2)
+    w = _rand(1024, 3072, dtype=torch.bfloat16, gen=gen, scale=3072**-0.5)
+    x = _rand(2, 3072, dtype=torch.bfloat16, gen=gen)
+    xg = _rand(2, 6144, dtype=torch.bfloat16, gen=gen)
+    w2 = _rand(4096, 4096, dtype=torch.bfloat16, gen=gen, scale=4096**-0.5)
+    x2 = _rand(3, 4096, dtype=torch.bfloat16, gen=gen)
+    assert G.gemv_config(2, 1024, 3072).split_k > 1  # the two-pass path is in the graph
+    calls = lambda: (G.gemv(x, w), G.gemv_silu_mul(xg, w), G.gemv(x2, w2))
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # compile outside the capture
+            calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = calls()
+    for _ in range(2):
+        for t in (x, xg, x2):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        _close(outs[0], F.linear(x, w), 2**-6)
+        _close(outs[1], silu_mul_linear(xg, w), 2**-6)
+        _close(outs[2], F.linear(x2, w2), 2**-6)
