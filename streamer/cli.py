@@ -30,6 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=2048,
                    help="longest prefill / mixed step replayed from a CUDA graph (0: decode graphs only)")
+    g.add_argument("--hold-ahead-ms", type=float, default=1.5,
+                   help="while only decodes run, schedule the next batch this long before the running step's "
+                        "predicted end, so that arrivals join it (0: schedule it at once)")
+    g.add_argument("--no-decode-gemv", action="store_true",
+                   help="linear layers of decode steps (batch <= 4) use cuBLAS, not the Triton GEMV")
     g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
 
 
@@ -38,6 +43,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["enable_prefix_caching"] = not args.no_prefix_caching
     kw["cuda_graphs"] = not args.no_cuda_graphs
+    kw["decode_gemv"] = not args.no_decode_gemv
     return EngineConfig(**kw)
 
 

@@ -165,6 +165,9 @@ class StepOutput(msgspec.Struct):
     device_time: float = 0.0
     """Seconds the step took on the device, from its first work to its tokens' copy (on
     the CPU: the launch's wall time). The scheduler predicts decode steps' ends from it."""
+    idle_before: float = 0.0
+    """Seconds the device sat idle between the step before and this one (CUDA only): the
+    host launched this one late."""
 
 
 class TokenDelta(msgspec.Struct):

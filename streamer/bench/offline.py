@@ -226,6 +226,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
+        decode_gemv=not args.no_decode_gemv,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -280,6 +281,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch <= 4")
     p.add_argument("--json", default=None, help="write results here")
 
 

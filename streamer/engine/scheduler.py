@@ -604,32 +604,49 @@ class AheadClock:
     """When to schedule the batch after the running one (overlap).
 
     Scheduled at once, it queues on the GPU behind the running step, and a request that
-    arrives meanwhile waits for both. While only decodes run and nobody waits, it is better
-    scheduled just before the running step ends: an arrival until then joins it. The end is
-    predicted from the device time of recent decode steps (StepOutput.device_time), counted
-    from when the step could start (the output before it, or its own sending); `margin`
-    covers the host's time to build and launch the next batch.
+    arrives meanwhile waits for both. While only decodes run, nobody waits and a new request
+    could be admitted, it is better scheduled just before the running step ends: an arrival
+    until then joins it. The end is predicted from the device time of recent decode steps
+    (StepOutput.device_time), counted from when the step could start (the output before it,
+    or its own sending). The margin covers the host's time to build and launch the next
+    batch; it grows whenever a held batch reached the device late (StepOutput.idle_before)
+    and shrinks back slowly while none does.
     """
+
+    MAX_EXTRA = 0.01
 
     def __init__(self, margin_s: float) -> None:
         self.margin = margin_s
+        self.extra = 0.0
+        """Learned on top of margin: how late held batches were."""
         self.decode_s: float | None = None
         """Moving average of the device time of a decode-only step."""
         self.sent: dict[int, float] = {}
+        self.held_steps: set[int] = set()
         self.last_out = 0.0
         self.held = 0
         """Batches scheduled after a hold."""
         self.joined = 0
         """Of those, batches that admitted a request arriving during the hold."""
         self.late = 0
-        """Of those, batches scheduled after the running step had ended (a bubble)."""
+        """Of those, batches that reached the device after it had gone idle."""
 
-    def on_send(self, batch: Batch, now: float) -> None:
+    def on_send(self, batch: Batch, now: float, held: bool = False) -> None:
         self.sent[batch.step] = now
+        if held:
+            self.held_steps.add(batch.step)
+            self.held += 1
 
     def on_output(self, batch: Batch, out: StepOutput, now: float) -> None:
         self.sent.pop(batch.step, None)
         self.last_out = now
+        if batch.step in self.held_steps:
+            self.held_steps.discard(batch.step)
+            if out.idle_before > 5e-5:
+                self.late += 1
+                self.extra = min(self.extra + out.idle_before + 2e-4, self.MAX_EXTRA)
+            else:
+                self.extra *= 0.99
         if out.error is None and out.device_time > 0 and _decode_only(batch):
             d = out.device_time
             self.decode_s = d if self.decode_s is None else 0.7 * self.decode_s + 0.3 * d
@@ -638,10 +655,13 @@ class AheadClock:
         """When to schedule the batch after `running`; None: now."""
         if self.margin <= 0 or self.decode_s is None or sched.waiting or not _decode_only(running):
             return None
-        if self.decode_s < self.margin + 5e-4:
+        if len(sched.running) >= sched.config.max_num_seqs:
+            return None  # a request arriving now could not join anyway
+        margin = self.margin + self.extra
+        if self.decode_s < margin + 5e-4:
             return None  # too short a step to be worth holding the next one
         start = max(self.sent.get(running.step, 0.0), self.last_out)
-        return start + self.decode_s - self.margin
+        return start + self.decode_s - margin
 
 
 def _decode_only(batch: Batch) -> bool:
@@ -665,7 +685,6 @@ async def run(
     tokens the first one samples on the device), so the GPU never waits for the host;
     while only decodes run, not at once but shortly before the first ends (AheadClock).
     """
-    loop = asyncio.get_running_loop()
     in_flight: deque[Batch] = deque()
     depth = 2 if overlap else 1
     clock = sched.clock
@@ -676,8 +695,8 @@ async def run(
         if hold is None:
             msg = await inbox.get()
         else:
-            try:
-                async with asyncio.timeout_at(hold):
+            try:  # (time.monotonic, not loop.time: uvloop's clock moves in whole milliseconds)
+                async with asyncio.timeout(max(0.0, hold - time.monotonic())):
                     msg = await inbox.get()
             except TimeoutError:
                 msg = _HOLD_OVER
@@ -692,7 +711,7 @@ async def run(
             elif isinstance(msg, StepOutput):
                 done = in_flight.popleft()
                 assert msg.step == done.step, "step outputs arrive in order"
-                clock.on_output(done, msg, loop.time())
+                clock.on_output(done, msg, time.monotonic())
                 deltas.extend(sched.process(done, msg))
                 if in_flight and in_flight[0].masks_deferred:
                     # the next step's forward is running: its masks are filled now, on the CPU
@@ -717,7 +736,7 @@ async def run(
                 break
             if in_flight and not hold_over:
                 hold = clock.hold_until(in_flight[0], sched)
-                if hold is not None and hold > loop.time():
+                if hold is not None and hold > time.monotonic():
                     holding = True
                     break
                 hold = None
@@ -726,10 +745,8 @@ async def run(
             if batch is None:
                 break
             if holding:
-                holding = False
-                clock.held += 1
                 clock.joined += len(sched.waiting) < admitted
-                clock.late += len(in_flight) == 0
             in_flight.append(batch)
-            clock.on_send(batch, loop.time())
+            clock.on_send(batch, time.monotonic(), held=holding)
+            holding = False
             to_executor.put_nowait(batch)

@@ -10,7 +10,21 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.gemv import gemv, gemv_silu_mul, use_gemv
 from streamer.model.context import get_context
+
+
+class Linear(nn.Linear):
+    """nn.Linear that streams its weight through the Triton GEMV for a few rows (decode
+    steps of at most 4 tokens) when `decode_gemv` is on (the runner sets it from EngineConfig)."""
+
+    decode_gemv = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode_gemv and use_gemv(x, self.weight):
+            y = gemv(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -66,8 +80,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.scale = 1.0 / math.sqrt(head_dim)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -95,8 +109,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.decode_gemv and use_gemv(h, self.down_proj.weight, silu_mul=True):
+            return gemv_silu_mul(h, self.down_proj.weight)  # SwiGLU fused into the weight stream
+        return self.down_proj(ops.silu_and_mul(h))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
-from streamer.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from streamer.model.layers import MLP, Attention, Linear, RMSNorm, rope_cos_sin
 
 # transformers name fragment -> (our fused parameter, shard index)
 STACKED = {
@@ -69,7 +69,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", rope_cos_sin(cfg, self.head_dim, max_positions), persistent=False)

@@ -27,6 +27,7 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.staging import PinnedRing
 from streamer.sampling.sampler import SampleInputs, Sampler
@@ -52,6 +53,10 @@ class ModelRunner:
             seed=config.seed,
         )
         cfg = self.hf_config
+        if self.device.type == "cuda" and config.decode_gemv:
+            for m in self.model.modules():
+                if isinstance(m, Linear):
+                    m.decode_gemv = True
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
         self.pool = self._make_pool()
@@ -60,6 +65,9 @@ class ModelRunner:
         self.last_rows: dict[str, int] = {}
         self.inputs_staging = PinnedRing()
         self.tokens_staging = PinnedRing()
+        self.last_done: torch.cuda.Event | None = None
+        """The newest step's `done` event (timing the device's idle time before the next)."""
+        self.step_start: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -202,6 +210,10 @@ class ModelRunner:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
         x = self.prepare(batch)
+        if self.device.type == "cuda":
+            # the step's device work starts here: its inputs are prepared, the kernels follow
+            self.step_start = torch.cuda.Event(enable_timing=True)
+            self.step_start.record()
         graph = x["graph"]
         if isinstance(graph, DecodeGraphs):
             return graph.replay(x), {}  # the LM head is in the graph
@@ -240,16 +252,15 @@ class ModelRunner:
         so the next batch can be launched before these values reach the host. A batch with
         masks_deferred only runs its forward: sample() finishes it once the masks are in."""
         t0 = time.perf_counter()
-        start = None
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        self.step_start = None
+        after = self.last_done
         logits, prompt_logprobs = self.forward(batch)
+        start = self.step_start
         if batch.masks_deferred:
             return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
-                            wall=time.perf_counter() - t0)
+                            wall=time.perf_counter() - t0, after=after)
         out = self._sample(batch, logits, prompt_logprobs)
-        out.start, out.wall = start, time.perf_counter() - t0
+        out.start, out.after, out.wall = start, after, time.perf_counter() - t0
         return out
 
     @torch.inference_mode()
@@ -259,7 +270,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
         out = self._sample(batch, launched.logits, launched.prompt_logprobs)
-        out.start, out.wall = launched.start, launched.wall + time.perf_counter() - t0
+        out.start, out.after = launched.start, launched.after
+        out.wall = launched.wall + time.perf_counter() - t0
         return out
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:
@@ -286,6 +298,7 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             done = self.tokens_staging.record(timing=True)
             tokens = host
+        self.last_done = done
         return Launched(batch.step, tokens, sampled, prompt_logprobs, done)
 
     @staticmethod
@@ -297,12 +310,15 @@ class ModelRunner:
                 launched.done.synchronize()
             assert launched.tokens is not None, "a step awaiting its masks cannot be collected"
             sampled = [SampledToken(t) for t in launched.tokens.tolist()]
+        idle = 0.0
         if launched.start is not None and launched.done is not None:
             device_time = launched.start.elapsed_time(launched.done) / 1e3
+            if launched.after is not None:
+                idle = max(0.0, launched.after.elapsed_time(launched.start) / 1e3)
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
-                          device_time=device_time)
+                          device_time=device_time, idle_before=idle)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -323,7 +339,9 @@ class Launched:
     """Kept while the step awaits its grammar masks (masks_deferred)."""
     batch: Batch | None = None
     start: torch.cuda.Event | None = None
-    """Recorded (with timing) before the step's first work on the device."""
+    """Recorded (with timing) once the inputs are prepared, before the step's kernels."""
+    after: torch.cuda.Event | None = None
+    """The `done` of the step launched before this one (the device's idle time between)."""
     wall: float = 0.0
     """Host seconds launch() took (all of the step where it computed synchronously)."""
 

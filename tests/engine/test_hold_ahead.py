@@ -48,13 +48,14 @@ async def scenario(hold_ms: float) -> tuple[int, int, Scheduler]:
             for s in batch.seqs:
                 first_step.setdefault(s.request_id, batch.step)
             start = max(loop.time(), free_at)
+            idle = start - free_at if started else 0.0
             started[batch.step] = start
             free_at = start + STEP
             n = sum(s.sample for s in batch.seqs)
 
-            async def finish(step: int = batch.step, at: float = free_at, n: int = n) -> None:
+            async def finish(step: int = batch.step, at: float = free_at, n: int = n, idle: float = idle) -> None:
                 await asyncio.sleep(at - loop.time())
-                inbox.put_nowait(StepOutput(step, [SampledToken(9)] * n, device_time=STEP))
+                inbox.put_nowait(StepOutput(step, [SampledToken(9)] * n, device_time=STEP, idle_before=idle))
 
             loop.create_task(finish())
 
@@ -107,3 +108,37 @@ def test_no_hold_while_requests_wait_or_prefills_run():
     assert clock.hold_until(decode, sched) is None, "someone waits: schedule at once"
     assert clock.hold_until(prefill, sched) is None
     assert sched_mod.AheadClock(0.0).hold_until(decode, sched) is None, "hold_ahead_ms=0 turns it off"
+
+
+def test_the_margin_grows_when_a_held_batch_reaches_the_device_late():
+    pool = PagePool(1, 64, 16, 1, 4, torch.float32, "cpu")
+    sched = Scheduler(EngineConfig(num_pages=64, max_num_seqs=2), pool, max_model_len=4096)
+    clock = sched.clock
+    sched.add(request("a", 50))
+    b = sched.schedule()
+    sched.process(b, StepOutput(b.step, [SampledToken(9)]))
+    d1 = sched.schedule()
+    clock.on_send(d1, 0.0)
+    clock.on_output(d1, StepOutput(d1.step, [SampledToken(9)], device_time=0.02), 0.02)
+    sched.process(d1, StepOutput(d1.step, [SampledToken(9)]))
+    d2 = sched.schedule()
+    clock.on_send(d2, 0.02)
+    before = clock.hold_until(d2, sched)
+    assert before == pytest.approx(0.02 + 0.02 - clock.margin)
+    d3 = sched.schedule(ahead=True)
+    clock.on_send(d3, before, held=True)
+    clock.on_output(d2, StepOutput(d2.step, [SampledToken(9)], device_time=0.02), 0.04)
+    clock.on_output(d3, StepOutput(d3.step, [SampledToken(9)], device_time=0.02, idle_before=0.003), 0.063)
+    assert clock.held == 1 and clock.late == 1
+    assert clock.extra == pytest.approx(0.0032)
+    d4 = sched.schedule()
+    clock.on_send(d4, 0.063)
+    assert clock.hold_until(d4, sched) == pytest.approx(0.063 + 0.02 - clock.margin - 0.0032), "held earlier now"
+    sched.add(request("b", 5))
+    sched.process(d4, StepOutput(d4.step, [SampledToken(9)]))
+    both = sched.schedule()
+    assert len(both.seqs) == 2 and not sched.waiting
+    sched.process(both, StepOutput(both.step, [SampledToken(9)] * 2))
+    decodes = sched.schedule()
+    assert [len(c.token_ids) for c in decodes.seqs] == [1, 1]
+    assert clock.hold_until(decodes, sched) is None, "at max_num_seqs (2) nobody could join: no hold"

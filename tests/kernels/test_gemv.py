@@ -86,7 +86,7 @@ def test_gemv_silu_mul_matches_reference(dtype, m, cfg):
 
 
 def test_gemv_more_rows_leading_dims_and_strides():
-    """M > 4 (row blocks of 4), x with leading dims, a strided x view and a strided W (row pitch > K)."""
+    """M > 4 (row blocks of 4), leading dims, strided x and W (row pitch > K), fp32 x with a bf16 W."""
     gen = torch.Generator().manual_seed(3)
     dtype = torch.bfloat16
     x = _rand(2, 3, 48, dtype=dtype, gen=gen)
@@ -99,6 +99,8 @@ def test_gemv_more_rows_leading_dims_and_strides():
     _close(G.gemv(x[0], wp), linear(x[0], wp), TOL[dtype])
     xg = _rand(5, 96, dtype=dtype, gen=gen)
     _close(G.gemv_silu_mul(xg, w), silu_mul_linear(xg, w), TOL[dtype])
+    x32 = _rand(2, 48, dtype=torch.float32, gen=gen)  # fp32 activations, bf16 weight: fp32 out
+    _close(G.gemv(x32, w), linear(x32, w.float()), TOL[torch.float32])
 
 
 def test_gemv_exact_multiples_and_empty():

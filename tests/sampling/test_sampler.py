@@ -235,7 +235,7 @@ def test_apply_bitmask_through_pinned_staging_on_cuda():
         logits = torch.randn(7, 1000, generator=g).cuda()
         want = logits.masked_fill(~allowed.cuda(), float("-inf"))
         for _ in range(4):
-            busy = busy @ busy / 64  # the "forward" the mask's copy overlaps
+            busy = torch.tanh(busy @ busy)  # the "forward" the mask's copy overlaps (bounded: no inf)
         got = logits + busy[:7, :1000] * 0
         apply_bitmask(got, pack(allowed), rows=None if seed % 2 else [0, 2, 3, 4, 5, 6, 1], staging=ring)
         torch.testing.assert_close(got, want)

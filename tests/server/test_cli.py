@@ -43,10 +43,13 @@ def test_every_serve_flag_has_help():
 def test_engine_flags_reach_the_engine_config():
     from streamer.cli import engine_config
 
-    args = serve_parser().parse_args(["--max-num-seqs", "8", "--cuda-graph-max-tokens", "0", "--no-prefix-caching"])
+    args = serve_parser().parse_args(["--max-num-seqs", "8", "--cuda-graph-max-tokens", "0", "--no-prefix-caching",
+                                      "--hold-ahead-ms", "0", "--no-decode-gemv"])
     cfg = engine_config(args)
     assert (cfg.max_num_seqs, cfg.cuda_graph_max_tokens, cfg.enable_prefix_caching) == (8, 0, False)
-    assert engine_config(serve_parser().parse_args([])).cuda_graph_max_tokens == 2048
+    assert (cfg.hold_ahead_ms, cfg.decode_gemv) == (0.0, False)
+    default = engine_config(serve_parser().parse_args([]))
+    assert (default.cuda_graph_max_tokens, default.hold_ahead_ms, default.decode_gemv) == (2048, 1.5, True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,380 @@
+"""Triton GEMV for decode: y[M, N] = x[M, K] @ W[N, K]^T with M <= 4 (a few tokens).
+
+Why not cuBLAS: at M = 1..4 a linear layer is a pure stream of W, and cuBLAS
+picks GEMM tilings that leave most of the H200's bandwidth unused on mid-size
+weights (1.8 TB/s on 4096x4096 where a copy reaches 4.25 TB/s). Decode time is
+the sum of these streams, so each layer should read W once, as fast as the
+memory allows.
+
+Layout of the work: one program owns BLOCK_N rows of W (row-major [N, K], an
+nn.Linear weight) and walks K in BLOCK_K chunks, loads coalesced along K.
+All M rows of x are handled in the same program (one fp32 accumulator per row),
+so W is read exactly once whatever M. The accumulators are [BLOCK_N, BLOCK_K]
+tiles (elementwise FMAs, no tl.dot: at M <= 4 tensor cores buy nothing and the
+interpreter gets bf16 dots wrong) reduced along K once at the end; UNROLL
+chunks are loaded per iteration so more bytes are in flight per warp without
+growing the accumulators.
+
+When N / BLOCK_N programs are too few to keep every SM streaming (small N * K,
+e.g. Qwen3-0.6B's o and down projections, N = 1024), K is split over a second grid axis: each split writes
+fp32 partial sums to a workspace and a tiny second kernel adds the splits in a
+fixed order, so results are deterministic (no atomics) and CUDA-graph safe.
+
+Configs are fixed per (M, N, K) by `gemv_config` (no autotuning at run time: the
+engine captures CUDA graphs, and benchmarking inside a capture is not
+possible); benchmarks/gemv_bench.py sweeps alternatives to tune it.
+
+`gemv_silu_mul` fuses SwiGLU into the down projection: x holds [gate | up] and
+the kernel computes silu(gate) * up while loading x, rounded like
+`kernels.reference.silu_and_mul` (silu to x.dtype, then the product to
+x.dtype), which saves the silu_and_mul launch and its round trip at decode.
+
+Rows past N or M are clamped to the last valid row for loads (no masks in the
+hot loop) and masked at the store; K is masked only when a split's range is not
+a multiple of BLOCK_K * UNROLL. Under TRITON_INTERPRET (CPU tensors, tests)
+bf16 roundings are done by hand because the interpreter truncates casts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
+
+MAX_M = 4  # rows of x per program; larger M is split over a third grid axis
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters. split_k is an upper bound: K is cut in chunks that are
+    multiples of block_k * unroll, so fewer splits may run."""
+
+    block_n: int = 4
+    block_k: int = 256
+    unroll: int = 4
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    acc_1d: bool = False  # reduce along K every chunk (small accumulators) instead of once at the end
+
+    def __str__(self) -> str:
+        s = f"n{self.block_n}k{self.block_k}u{self.unroll}s{self.split_k}w{self.num_warps}"
+        return s + (f"st{self.num_stages}" if self.num_stages != 1 else "") + ("r" if self.acc_1d else "")
+
+    def with_(self, **kw) -> GemvConfig:
+        return replace(self, **kw)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # H200: keeps the CPU (interpreter) choice equal to the GPU one
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> GemvConfig:
+    """The config used when none is given.
+
+    Plain: 4 rows x 256 columns per chunk with 4 warps, so a warp holds one W
+    row and each thread 8 consecutive elements (one 16-byte load) per chunk;
+    with a thread on a single row, its x loads are not duplicated across rows.
+    Four chunks are loaded per iteration (2 KB in flight per warp) while the
+    accumulators stay at 8 fp32 per x row (~40 registers at M = 1, ~90 at 4).
+    With SILU, 8 rows (8 warps): every program recomputes the activations of
+    its K range, M / block_n of them per W element, and each costs two SFU ops
+    (exp, reciprocal), so rows per program must grow to keep the SFU below the
+    memory rate. K is split (power of two, each split at least 1024 long)
+    until there are 4 programs per SM, the occupancy that keeps enough loads
+    in flight.
+    """
+    cfg = GemvConfig(block_n=8, num_warps=8) if silu else GemvConfig()
+    blocks = triton.cdiv(n, cfg.block_n)
+    split = 1
+    while blocks * split < 4 * sms and k // (2 * split) >= 1024:
+        split *= 2
+    return cfg.with_(split_k=split)
+
+
+@triton.jit
+def _x_chunk(
+    row_ptr,
+    offs_n,
+    offs_k,
+    up_off,
+    k_left,
+    EVEN_K: tl.constexpr,
+    SILU: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """x[m, k : k + BLOCK_K] as fp32, broadcastable against the [BLOCK_N, BLOCK_K] W tile.
+
+    Plain x is loaded straight into W's register layout, as a [BLOCK_N, BLOCK_K]
+    tile whose rows share addresses (L1 hits): a 1-D load would be re-laid out
+    through shared memory, with a barrier, every chunk. With SILU the chunk is
+    loaded 1-D instead, so each activation (exp + divide, the SFU's work) is
+    computed once per program rather than once per W row a warp holds; the
+    rounded bf16 result is then broadcast through shared memory.
+    """
+    if SILU:
+        ptrs = row_ptr + offs_k
+        if EVEN_K:
+            g = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
+            u = tl.load(ptrs + up_off, eviction_policy="evict_last").to(tl.float32)
+        else:
+            g = tl.load(ptrs, mask=offs_k < k_left, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            u = tl.load(ptrs + up_off, mask=offs_k < k_left, other=0.0, eviction_policy="evict_last")
+            u = u.to(tl.float32)
+        s = _round_to(g / (1.0 + tl.exp(-g)), X_DTYPE, INTERP).to(tl.float32)
+        v = _round_to(s * u, X_DTYPE, INTERP).to(tl.float32)[None, :]
+    else:
+        ptrs = row_ptr + offs_k[None, :] + (offs_n * 0)[:, None]
+        if EVEN_K:
+            v = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
+        else:
+            v = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0, eviction_policy="evict_last")
+            v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _fma(acc, w, xv, ACC_1D: tl.constexpr):
+    if ACC_1D:
+        acc = acc + tl.sum(w * xv, axis=1)
+    else:
+        acc = acc + w * xv
+    return acc
+
+
+@triton.jit
+def _finish_row(
+    acc,
+    m,
+    M,
+    N,
+    offs_n,
+    out_ptr,
+    stride_om,
+    ws_ptr,
+    pid_k,
+    ACC_1D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    if ACC_1D:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=1)
+    mask = offs_n < tl.where(m < M, N, 0)  # (scalar & vector masks upset the interpreter)
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=mask)
+    else:
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n, _round_to(y, OUT_DTYPE, INTERP), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    k_split,
+    up_off,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SILU: tl.constexpr,
+    ACC_1D: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_k * k_split
+    k_len = tl.minimum(K - k0, k_split)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k0
+    x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k0
+    x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + k0
+    x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + k0
+    if ACC_1D:
+        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for k in range(0, k_split, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            kk = k + u * BLOCK_K
+            if EVEN_K:
+                w = tl.load(w_ptrs + kk, eviction_policy="evict_first")
+            else:
+                kmask = (offs_k < k_len - kk)[None, :]
+                w = tl.load(w_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
+            w = w.to(tl.float32)
+            xa = _x_chunk(x0 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+            acc0 = _fma(acc0, w, xa, ACC_1D)
+            if BLOCK_M > 1:
+                xa = _x_chunk(x1 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                acc1 = _fma(acc1, w, xa, ACC_1D)
+            if BLOCK_M > 2:
+                xa = _x_chunk(x2 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                acc2 = _fma(acc2, w, xa, ACC_1D)
+            if BLOCK_M > 3:
+                xa = _x_chunk(x3 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                acc3 = _fma(acc3, w, xa, ACC_1D)
+    _finish_row(acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP)
+    if BLOCK_M > 1:
+        _finish_row(
+            acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+        )
+    if BLOCK_M > 2:
+        _finish_row(
+            acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+        )
+    if BLOCK_M > 3:
+        _finish_row(
+            acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+        )
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr,
+    out_ptr,
+    total,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """out.flat[i] = sum over s (in order) of ws[s].flat[i]; ws [SPLITS, M*N] fp32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ws_ptr + s * total + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, _round_to(acc, OUT_DTYPE, INTERP), mask=mask)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfig | None) -> torch.Tensor:
+    k_in = x.shape[-1]
+    if silu:
+        assert k_in % 2 == 0, "gemv_silu_mul: x must hold [gate | up]"
+    k = k_in // 2 if silu else k_in
+    assert weight.dim() == 2 and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
+    assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k_in)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    if k == 0:
+        return out.zero_().view(*x.shape[:-1], n)
+    cfg = config or gemv_config(m, n, k, _num_sms(x.device), silu)
+    block_m = min(m, MAX_M)
+    step = cfg.block_k * cfg.unroll
+    k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
+    splits = triton.cdiv(k, k_split)
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    dtype = _TL_DTYPES[x.dtype]
+    interp = _interpreting()
+    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
+    _gemv_kernel[grid](
+        x2,
+        weight,
+        out,
+        ws,
+        m,
+        n,
+        k,
+        k_split,
+        k if silu else 0,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UNROLL=cfg.unroll,
+        EVEN_K=k % k_split == 0,
+        SPLIT=splits > 1,
+        SILU=silu,
+        ACC_1D=cfg.acc_1d,
+        X_DTYPE=dtype,
+        OUT_DTYPE=dtype,
+        INTERP=interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        total = m * n
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(total, block),)](
+            ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, num_warps=4
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in x.dtype.
+
+    x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32.
+
+    Meant for M = prod(x.shape[:-1]) <= 4 (see `use_gemv`); larger M works but
+    re-reads W once per 4 rows. One or two launches, no host synchronisation.
+    """
+    return _launch(x, weight, False, config)
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight) with x [..., 2I] = [gate | up], weight [N, I] -> [..., N]."""
+    return _launch(x, weight, True, config)
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    """True when `gemv` (or `gemv_silu_mul` with silu_mul) should replace F.linear for these tensors:
+    CUDA, 1 <= M <= 4, bf16/fp16 on both sides, W an nn.Linear weight contiguous along K."""
+    if not (x.is_cuda and weight.is_cuda) or x.dim() < 1 or weight.dim() != 2:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+    if (silu_mul and x.shape[-1] % 2) or k == 0 or weight.shape[1] != k or weight.shape[0] == 0:
+        return False
+    if weight.stride(-1) != 1:
+        return False
+    m = x.numel() // x.shape[-1]
+    return 1 <= m <= MAX_M
