@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv | trace
 #                                        | record | probe)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -60,6 +60,10 @@ if [ "$part" = record ]; then
 fi
 if [ "$part" = w6 ]; then
   python3 benchmarks/w6_select.py -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
+fi
+if [ "$part" = trace ]; then
+  python3 benchmarks/ttft_trace.py --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy -n 40 --background 2 \
+      2>&1 | grep -v Warning | tail -11
 fi
 if [ "$part" = probe ]; then
   python3 benchmarks/ttft_probe.py 2>&1 | grep -v Warning | tail -40

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while only decodes run, schedule the next batch this long before the running step's "
                         "predicted end, so that arrivals join it (0: schedule it at once)")
     g.add_argument("--no-decode-gemv", action="store_true",
-                   help="linear layers of decode steps (batch <= 4) use cuBLAS, not the Triton GEMV")
+                   help="linear layers of batch-1 decode steps use cuBLAS, not the Triton GEMV")
     g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
 
 

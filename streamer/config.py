@@ -55,8 +55,8 @@ class EngineConfig:
     one is scheduled this long before the running one is expected to end (not at once), so
     that a request arriving meanwhile joins it instead of queueing behind it. 0: off."""
     decode_gemv: bool = True
-    """On CUDA, linear layers of steps of at most 4 tokens use the Triton GEMV of
-    kernels/gemv.py (cuBLAS leaves bandwidth unused on mid-size weights at batch 1)."""
+    """On CUDA, linear layers of one-token steps use the Triton GEMV of kernels/gemv.py
+    (cuBLAS leaves bandwidth unused on mid-size weights at batch 1)."""
     cuda_graph_max_bs: int = 256
     """Largest decode batch replayed from a CUDA graph."""
     cuda_graph_max_tokens: int = 2048

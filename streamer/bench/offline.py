@@ -281,7 +281,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch <= 4")
+    p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
     p.add_argument("--json", default=None, help="write results here")
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -46,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamer.bench.http import HTTPStatusError, StreamingClient
 from streamer.sse import DONE, aiter_lines, parse_line
 
 JSON_SCHEMA: dict[str, Any] = {
@@ -147,26 +149,22 @@ class Outcome:
     text: str = ""
 
 
-async def send(client: Any, body: dict[str, Any], keep_text: bool) -> Outcome:
-    import httpx
-
+async def send(client: StreamingClient, body: dict[str, Any], keep_text: bool) -> Outcome:
     o = Outcome()
     t0 = time.perf_counter()
     last: float | None = None
     text: list[str] = []
     done = False
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                o.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return o
-            async for line in aiter_lines(r.aiter_bytes()):
+        async with asyncio.timeout(client.timeout), \
+                contextlib.aclosing(client.post_stream("/v1/completions", body)) as pieces:
+            async for line in aiter_lines(pieces):
                 chunk = parse_line(line)
-                if chunk is None:
-                    continue
+                if chunk is None or done:
+                    continue  # (read on to the end of the body: the connection is reused)
                 if chunk == DONE:
                     done = True
-                    break
+                    continue
                 assert isinstance(chunk, dict)
                 if "error" in chunk:
                     o.error = f"error event: {chunk['error'].get('message', chunk['error'])}"[:300]
@@ -186,7 +184,11 @@ async def send(client: Any, body: dict[str, Any], keep_text: bool) -> Outcome:
                         if keep_text:
                             text.append(c["text"])
                     o.finish_reason = c.get("finish_reason") or o.finish_reason
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+    except HTTPStatusError as e:
+        o.error = str(e)
+        return o
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+            KeyError) as e:
         o.error = f"{type(e).__name__}: {e}"[:300]
         return o
     finally:
@@ -305,11 +307,12 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def run_point(client: Any, args: argparse.Namespace, rate: float, point: int, model: str | None) -> Result:
+async def run_point(client: Any, streams: StreamingClient, args: argparse.Namespace, rate: float, point: int,
+                    model: str | None) -> Result:
     reqs = make_requests(args, args.seed + point)
     keep_text = args.workload == "json-schema"
     for i in range(args.warmup):  # a prompt of its own, so that it puts nothing the run could reuse in the cache
-        await send(client, request_body(args, Request(f"Warm-up {point}.{i}: say hello.", 8), model), False)
+        await send(streams, request_body(args, Request(f"Warm-up {point}.{i}: say hello.", 8), model), False)
     label = f"rate {'inf' if math.isinf(rate) else f'{rate:g}'} req/s"
     prog = Progress(label, len(reqs))
     ticker = asyncio.create_task(prog.run())
@@ -320,9 +323,9 @@ async def run_point(client: Any, args: argparse.Namespace, rate: float, point: i
     async def one(req: Request) -> Outcome:
         if sem is not None:
             async with sem:
-                o = await send(client, request_body(args, req, model), keep_text)
+                o = await send(streams, request_body(args, req, model), keep_text)
         else:
-            o = await send(client, request_body(args, req, model), keep_text)
+            o = await send(streams, request_body(args, req, model), keep_text)
         prog.done += 1
         prog.errors += not o.ok
         return o
@@ -488,11 +491,15 @@ async def amain(args: argparse.Namespace) -> list[Result]:
         print(f"bench serve: {args.workload} against {card['id']!r} at {args.base_url} (seed {args.seed})",
               file=sys.stderr)
         results = []
-        for point, rate in enumerate(parse_rates(args.request_rate)):
-            res = await run_point(client, args, rate, point, args.model)
-            results.append(res)
-            if args.json:
-                write_json(args, results)
+        streams = StreamingClient(args.base_url, headers, timeout=args.timeout)
+        try:
+            for point, rate in enumerate(parse_rates(args.request_rate)):
+                res = await run_point(client, streams, args, rate, point, args.model)
+                results.append(res)
+                if args.json:
+                    write_json(args, results)
+        finally:
+            await streams.aclose()
         return results
 
 

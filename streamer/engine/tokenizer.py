@@ -4,7 +4,9 @@ Inbox:  GenerateRequest, None to stop.
 Outbox: TokenizedRequest -> scheduler; TokenDelta(error) -> detokenizer for a
         request that cannot be served (too long, bad parameters, bad grammar).
 Invariants: tokenization and grammar compilation run in a worker thread, never
-on the event loop; requests leave in the order they arrived.
+on the event loop (a request that is already token ids, short and without a
+grammar, is only validated, in place: the thread hop cost more than that); requests
+leave in the order they arrived.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class Tokenizer:
         )
 
 
+INLINE_MAX_TOKENS = 4096
+
+
+def inline(req: GenerateRequest) -> bool:
+    """Nothing to tokenize or compile: validating the ids takes microseconds."""
+    ids = req.prompt_token_ids
+    return ids is not None and len(ids) <= INLINE_MAX_TOKENS and req.params.grammar is None
+
+
 async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue, to_detok: asyncio.Queue) -> None:
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-tok") as thread:
@@ -87,7 +98,10 @@ async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue,
                 return
             req, arrival = item
             try:
-                out = await loop.run_in_executor(thread, tok, req, arrival)
+                if inline(req):
+                    out = tok(req, arrival)
+                else:
+                    out = await loop.run_in_executor(thread, tok, req, arrival)
             except RequestError as e:
                 to_detok.put_nowait([TokenDelta(req.request_id, [], finish_reason="error", error=str(e))])
                 continue
