@@ -170,6 +170,7 @@ def main() -> None:
     res = subprocess.run([sys.executable, __file__, "--client", url, "-n", str(a.n), "--prompt-len",
                           str(a.prompt_len), "--background", str(a.background)],
                          capture_output=True, text=True, check=True)
+    st = engine.stats()
     server.should_exit = True
     th.join(timeout=30)
     rows = []
@@ -177,7 +178,8 @@ def main() -> None:
         m = {**marks.get(rec.pop("rid"), {}), **rec}
         if all(s in m for s in STAGES):
             rows.append([1e3 * (m[b] - m[s]) for s, b in zip(STAGES, STAGES[1:])])
-    print(f"{len(rows)} probes of {a.prompt_len} tokens, {a.background} generations in the background")
+    print(f"{len(rows)} probes of {a.prompt_len} tokens, {a.background} generations in the background; "
+          f"steps {st.steps}, held {st.steps_held} (joined {st.held_steps_joined}, late {st.held_steps_late})")
     print(f"{'stage':10} {'mean ms':>8} {'p50 ms':>8}")
     for j, name in enumerate(NAMES + ["total"]):
         vals = sorted(sum(r) if name == "total" else r[j] for r in rows)

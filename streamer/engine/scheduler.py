@@ -610,10 +610,8 @@ class AheadClock:
     (StepOutput.device_time), counted from when the step could start (the output before it,
     or its own sending). The margin covers the host's time to build and launch the next
     batch; it grows whenever a held batch reached the device late (StepOutput.idle_before)
-    and shrinks back slowly while none does.
+    and decays with every decode step. A margin past half the step is not worth holding for.
     """
-
-    MAX_EXTRA = 0.01
 
     def __init__(self, margin_s: float) -> None:
         self.margin = margin_s
@@ -644,10 +642,9 @@ class AheadClock:
             self.held_steps.discard(batch.step)
             if out.idle_before > 5e-5:
                 self.late += 1
-                self.extra = min(self.extra + out.idle_before + 2e-4, self.MAX_EXTRA)
-            else:
-                self.extra *= 0.99
+                self.extra += out.idle_before + 2e-4
         if out.error is None and out.device_time > 0 and _decode_only(batch):
+            self.extra *= 0.98  # (so a slow patch, such as the warm-up's, is forgotten in ~100 steps)
             d = out.device_time
             self.decode_s = d if self.decode_s is None else 0.7 * self.decode_s + 0.3 * d
 
@@ -658,8 +655,8 @@ class AheadClock:
         if len(sched.running) >= sched.config.max_num_seqs:
             return None  # a request arriving now could not join anyway
         margin = self.margin + self.extra
-        if self.decode_s < margin + 5e-4:
-            return None  # too short a step to be worth holding the next one
+        if margin > self.decode_s / 2:
+            return None  # too short a step (or too slow a host) to be worth holding the next one
         start = max(self.sent.get(running.step, 0.0), self.last_out)
         return start + self.decode_s - margin
 
