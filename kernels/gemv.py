@@ -99,7 +99,7 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> G
     in flight.
     """
     cfg = GemvConfig(block_n=8, num_warps=8) if silu else GemvConfig()
-    if m == 1 and n >= 4096 and not silu:
+    if m == 1 and 4096 <= n <= 32768 and not silu:
         # measured on the H200 (benchmarks/gemv_bench.py): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
         return cfg.with_(block_n=16, num_warps=8)

@@ -61,6 +61,27 @@ def store_kv(
     reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary(q, k), then store_kv of the rotated k and v; returns the rotated q (one Triton
+    launch when the caches hold q's dtype)."""
+    if _triton(q) and k_cache.dtype == q.dtype:
+        from kernels import rope
+
+        return rope.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

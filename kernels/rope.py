@@ -1,4 +1,5 @@
-"""Triton neox-style (rotate-half) rotary embedding for q and k in one launch.
+"""Triton neox-style (rotate-half) rotary embedding for q and k in one launch; and
+`rotary_store`, which also writes the rotated k and v into the paged KV cache.
 
 Matches `kernels.reference.rotary`: cos/sin are rounded to q.dtype, and
 `x * cos` and `rotate_half(x) * sin` are each rounded to q.dtype before the add,
@@ -28,6 +29,7 @@ def _rotate(
     stride_oh,
     cos,
     sin,
+    sel,
     NH: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -35,6 +37,7 @@ def _rotate(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """Rotate the NH heads of token t of x into o (o row t); nothing is stored if sel < 0."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NH) & (offs_d[None, :] < HALF)
@@ -46,6 +49,7 @@ def _rotate(
     a2 = _round_to(x2 * cos, DTYPE, INTERP).to(tl.float32)
     b2 = _round_to(x1 * sin, DTYPE, INTERP).to(tl.float32)
     obase = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    mask = mask & ((offs_h * 0 + sel) >= 0)[:, None]  # (a scalar mask trips the interpreter)
     tl.store(obase, _round_to(a1 + b1, DTYPE, INTERP), mask=mask)
     tl.store(obase + HALF, _round_to(a2 + b2, DTYPE, INTERP), mask=mask)
 
@@ -94,6 +98,7 @@ def _rotary_kernel(
         stride_qoh,
         cos,
         sin,
+        t,
         H,
         HALF,
         BLOCK_H,
@@ -111,6 +116,7 @@ def _rotary_kernel(
         stride_koh,
         cos,
         sin,
+        t,
         KVH,
         HALF,
         BLOCK_KVH,
@@ -166,3 +172,104 @@ def rotary(
             num_warps=4,
         )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    pos_ptr,
+    slot_ptr,
+    cs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_cos,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dmask = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cos + HALF + offs_d, mask=dmask, other=0.0)
+    cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
+            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP)
+    # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    safe = tl.maximum(slot, 0)
+    row = (safe // PAGE_SIZE) * stride_cp + (safe % PAGE_SIZE) * stride_cs
+    _rotate(k_ptr + t * stride_kt, kc_ptr + row, 0, 0, stride_kh, 0, stride_ch, cos, sin, slot,
+            KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP)
+    offs_h = tl.arange(0, BLOCK_KVH)
+    offs_f = tl.arange(0, 2 * BLOCK_HALF)
+    ok = (offs_h * 0 + slot) >= 0
+    vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
+    tl.store(vc_ptr + row + offs_h[:, None] * stride_ch + offs_f[None, :], v, mask=vmask)
+
+
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary` then `kv_store.store_kv` of the rotated k and of v, in one launch: returns
+    the rotated q; k and v go only to their cache slots (a decode step is a chain of
+    small launches, so one fewer per layer is time saved). Caches in q's dtype."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and k.dtype == q.dtype == v.dtype
+    assert k_cache.shape[-2:] == (kvh, d) and v_cache.shape == k_cache.shape
+    assert k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if cos_sin.stride(-1) != 1:
+        cos_sin = cos_sin.contiguous()
+    q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    half = d // 2
+    if t > 0:
+        _rotary_store_kernel[(t,)](
+            q, k, v, q_out, k_cache, v_cache, positions.reshape(-1), slot_mapping, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin.stride(0),
+            H=h,
+            KVH=kvh,
+            HALF=half,
+            PAGE_SIZE=k_cache.shape[1],
+            BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_KVH=triton.next_power_of_2(kvh),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            DTYPE=_TL_DTYPES[q.dtype],
+            INTERP=_interpreting(),
+            num_warps=4,
+        )
+    return q_out

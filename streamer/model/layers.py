@@ -96,9 +96,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, cos_sin)
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
-        ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping)
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m,

@@ -263,6 +263,32 @@ def test_store_kv_matches_reference(page_size, dtype, cache_dtype):
     assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("d,kvh", [(64, 2), (80, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_equals_rotary_then_store_kv(page_size, d, kvh, dtype):
+    """The fused kernel: q rotated, k rotated into its slot, v copied into its slot; padding
+    slots (-1) write nothing; inputs are strided views of one qkv projection."""
+    gen = torch.Generator().manual_seed(1)
+    t, h = 7, 4
+    pages = (2 * t) // page_size + 2
+    qkv = torch.randn(t, h + 2 * kvh, d, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    positions = torch.randint(0, 50, (t,), generator=gen).to(DEVICE)
+    cs = _cos_sin(64, d).to(DEVICE)
+    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
+    slots[[1, 4]] = -1
+    slots = slots.to(DEVICE)
+    caches = [torch.randn(pages, page_size, kvh, d, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    q_ref, k_rot = reference.rotary(q, k, positions, cs)
+    reference.store_kv(k_rot, v, ref_k, ref_v, slots)
+    q_out = rope.rotary_store(q, k, v, positions, cs, caches[0], caches[1], slots)
+    _close(q_out, q_ref, ELEM_TOL[dtype])
+    _close(caches[0], ref_k, ELEM_TOL[dtype])
+    assert torch.equal(caches[1], ref_v)
+
+
 # --------------------------------------------------------------------------- rms_norm
 
 
@@ -443,3 +469,9 @@ def test_cuda_elementwise_large(dtype):
     reference.store_kv(k, v, rk, rv, slots)
     kv_store.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    fk, fv = torch.zeros_like(kc), torch.zeros_like(vc)
+    q_rot, k_rot = reference.rotary(q, k, pos, cs)
+    reference.store_kv(k_rot, v, rk, rv, slots)
+    _close(rope.rotary_store(q, k, v, pos, cs, fk, fv, slots), q_rot, ELEM_TOL[dtype])
+    _close(fk, rk, ELEM_TOL[dtype])
+    assert torch.equal(fv, rv)
