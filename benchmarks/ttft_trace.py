@@ -122,7 +122,9 @@ async def client(url: str, n: int, prompt_len: int, background: int) -> list[dic
                     rec["rid"] = chunk["id"]  # type: ignore[assignment]
         return rec
 
-    bg = [asyncio.create_task(one([rng.randrange(1000, 30000) for _ in range(64)], 100000 // 8))
+    # (within the server's 4096-token context: a longer request is refused, and then nothing
+    # runs in the background; the first GPU traces of 2026-11-30 had that mistake)
+    bg = [asyncio.create_task(one([rng.randrange(1000, 30000) for _ in range(64)], 3000))
           for _ in range(background)]
     await asyncio.sleep(1.0 if background else 0.0)
     out = []
