@@ -55,6 +55,20 @@ def _rotate(
 
 
 @triton.jit
+def _cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """cos and sin rows [1, BLOCK_HALF] of token t's position, rounded to DTYPE."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dmask = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0)
+    cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -81,13 +95,7 @@ def _rotary_kernel(
     INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    dmask = offs_d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0)
-    cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
-    sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(
         q_ptr,
         qo_ptr,
@@ -208,13 +216,7 @@ def _rotary_store_kernel(
     INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    dmask = offs_d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cos + HALF + offs_d, mask=dmask, other=0.0)
-    cos = _round_to(cos.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
-    sin = _round_to(sin.to(tl.float32), DTYPE, INTERP).to(tl.float32)[None, :]
+    cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
             H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
