@@ -740,6 +740,7 @@ async def run(
             admitted = len(sched.waiting)
             batch = sched.schedule(ahead=bool(in_flight))
             if batch is None:
+                holding = False
                 break
             if holding:
                 clock.joined += len(sched.waiting) < admitted
