@@ -16,6 +16,10 @@ METRICS = [
     "streamer_kv_pages_cached",
     "streamer_prefix_cache_hit_rate",
     "streamer_preemptions_total",
+    "streamer_request_queue_time_seconds_bucket",
+    "streamer_steps_held_total",
+    "streamer_held_steps_joined_total",
+    "streamer_held_steps_late_total",
 ]
 
 
@@ -34,6 +38,7 @@ def test_metrics_names_and_values(http):
     assert values['streamer_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert values["streamer_generated_tokens_total"] >= 3
     assert values["streamer_time_to_first_token_seconds_count"] >= 1
+    assert values["streamer_request_queue_time_seconds_count"] >= 1  # the wait for a first batch
     assert values["streamer_kv_pages_free"] + values["streamer_kv_pages_used"] == values["streamer_kv_pages_total"]
 
 
