@@ -19,19 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import gemv as G
-
-CUDA = torch.cuda.is_available()
-if not CUDA and not isinstance(tl.sum, InterpretedFunction):
-    raise RuntimeError(
-        "no GPU and triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it "
-        "first): these kernels cannot be checked on CPU in this process"
-    )
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+from tests.kernels.device import CUDA, DEVICE, cuda
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

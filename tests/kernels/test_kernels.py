@@ -17,19 +17,9 @@ import math
 
 import pytest
 import torch
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import activation, attention, kv_store, norm, reference, rope
-
-CUDA = torch.cuda.is_available()
-if not CUDA and not isinstance(tl.sum, InterpretedFunction):
-    raise RuntimeError(
-        "no GPU and triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it "
-        "first): these kernels cannot be checked on CPU in this process"
-    )
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+from tests.kernels.device import CUDA, DEVICE, cuda
 
 ATTN_TOL = {torch.float32: 1e-4 if CUDA else 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # one-ish ulp of the output dtype for kernels that replicate the reference's roundings
