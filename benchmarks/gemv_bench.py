@@ -10,7 +10,7 @@ least 20), replayed; us per call = replay time / calls. Weights that L2
 200 MB in all, so every call streams W from HBM as in a real forward pass.
 TB/s counts W + x + y bytes once; spd = cuBLAS time / gemv time (silu:
 silu_and_mul + cuBLAS over the fused kernel; act+gemv is the unfused Triton
-pair). err: max |gemv - F.linear| (outputs are
+pair; glu: the unfused Triton pair gemv + silu_and_mul over gemv_glu). err: max |gemv - F.linear| (outputs are
 ~N(0, 1)); e32: max error of gemv / of cuBLAS against an fp32 reference, to
 show the kernel is as accurate as cuBLAS. For each (shape, M) the sweep varies
 one knob of the heuristic's config at a time (tile, unroll, split-K, per-chunk
@@ -246,10 +246,58 @@ def bench_silu(args, budget: Budget, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
+GLU_SHAPES = [("gate_up", 28672, 4096), ("q06.gate_up", 6144, 1024)]  # (name, 2I, K): W is [gate; up]
+GLU_TILES = [(4, 4), (8, 8), (8, 4), (16, 8), (4, 8), (16, 16)]  # (block_n per half, num_warps)
+
+
+def bench_glu(args, budget: Budget, gen: torch.Generator) -> None:
+    """M = 1: gate_up projection + silu_and_mul, unfused (cuBLAS or gemv, then the activation
+    kernel) against gemv_glu (activation in the epilogue), and a sweep of gemv_glu tiles."""
+    print(
+        f"\n{'gate_up+act':12} {'2I':>6} {'K':>6} | {'cuBLAS+act':>10} | {'gemv+act':>8} | "
+        f"{'glu':>6} {'TB/s':>4} {'spd':>4} {'config':14} | {'best':>6} {'config':16} | {'err':>7}"
+    )
+    for name, n2, k in GLU_SHAPES:
+        ws = _weights(n2, k, gen)
+        x = torch.randn(1, k, device=DEVICE, generator=gen).to(DTYPE)
+        nbytes = (n2 * k + k + n2 // 2) * 2
+        ref32 = activation.silu_and_mul(F.linear(x, ws[0])).float()
+        err = (G.gemv_glu(x, ws[0]).float() - ref32).abs().max().item()
+        h = G.glu_config(n2 // 2, k)
+        base = time_graph(lambda a, w: activation.silu_and_mul(F.linear(a, w)), ws, x)
+        unfused = time_graph(lambda a, w: activation.silu_and_mul(G.gemv(a, w)), ws, x)
+        us = time_graph(lambda a, w: G.gemv_glu(a, w), ws, x)
+        results = {str(h): (us, h)}
+        if args.sweep:
+            cands = [h.with_(block_n=bn, num_warps=nw) for bn, nw in GLU_TILES]
+            cands += [h.with_(unroll=u) for u in UNROLLS] + [h.with_(block_k=512, unroll=2)]
+            for c in cands:
+                if str(c) in results or not budget.left():
+                    continue
+                try:
+                    bad = (G.gemv_glu(x, ws[0], c).float() - ref32).abs().max().item() > 0.1
+                    results[str(c)] = (
+                        float("inf") if bad else time_graph(lambda a, w, c=c: G.gemv_glu(a, w, c), ws, x),
+                        c,
+                    )
+                except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                    print(f"    {c}: failed ({type(e).__name__})", flush=True)
+        best_us, best = min(results.values(), key=lambda v: v[0])
+        print(
+            f"{name:12} {n2:6d} {k:6d} | {base:10.1f} | {unfused:8.1f} | {us:6.1f} "
+            f"{nbytes / us / 1e6:4.2f} {unfused / us:4.2f} {str(h):14} | {best_us:6.1f} {str(best):16} | "
+            f"{err:7.1e}",
+            flush=True,
+        )
+        del ws
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="heuristic configs only")
     p.add_argument("--full", action="store_true", help="sweep every tile x unroll x split x acc_1d")
+    p.add_argument("--only", choices=("gemv", "silu", "glu"), help="one table only")
     p.add_argument("--budget", type=float, default=None, help="seconds after which sweeping stops")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -264,8 +312,12 @@ def main() -> None:
         f"graph copy {copy_tbs():.2f} TB/s; times in us per call"
     )
     best_table: dict = {}
-    bench_gemv(args, budget, gen, best_table)
-    bench_silu(args, budget, gen)
+    if args.only in (None, "gemv"):
+        bench_gemv(args, budget, gen, best_table)
+    if args.only in (None, "silu"):
+        bench_silu(args, budget, gen)
+    if args.only in (None, "glu"):
+        bench_glu(args, budget, gen)
     changed = [(k, v) for k, v in best_table.items() if str(v[1]) != str(v[3]) and v[0] < 0.97 * v[2]]
     if changed:
         print("\nconfigs >3% faster than the heuristic's (shape, M: best [heuristic]):")

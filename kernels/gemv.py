@@ -288,6 +288,54 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + offs, _round_to(acc, OUT_DTYPE, INTERP), mask=mask)
 
 
+@triton.jit
+def _gemv_glu_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """out[n] = silu(x . W[n]) * (x . W[N + n]) for one row x: W holds [gate; up] ([2N, K]).
+
+    Each program streams BLOCK_N gate rows and the BLOCK_N up rows that pair with them,
+    so the activation is applied in the epilogue, on values already in registers.
+    Rounding follows the unfused path (gate_up output, silu, product: each to the
+    activation dtype), so the result is what silu_and_mul(gemv(x, W)) gives."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
+    g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            kk = k + u * BLOCK_K
+            if EVEN_K:
+                wg = tl.load(g_ptrs + kk, eviction_policy="evict_first")
+                wu = tl.load(u_ptrs + kk, eviction_policy="evict_first")
+            else:
+                kmask = (offs_k < K - kk)[None, :]
+                wg = tl.load(g_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
+                wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
+            xv = _x_chunk(x_ptr + kk, offs_n, offs_k, 0, K - kk, EVEN_K, False, X_DTYPE, INTERP)
+            acc_g += wg.to(tl.float32) * xv
+            acc_u += wu.to(tl.float32) * xv
+    g = _round_to(tl.sum(acc_g, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
+    up = _round_to(tl.sum(acc_u, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
+    s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
+    tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfig | None) -> torch.Tensor:
     k_in = x.shape[-1]
     if silu:
@@ -366,6 +414,54 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight) with x [..., 2I] = [gate | up], weight [N, I] -> [..., N]."""
     return _launch(x, weight, True, config)
+
+
+def glu_config(n: int, k: int) -> GemvConfig:
+    """`gemv_glu`'s launch: block_n gate rows and as many up rows per program (so 2 * block_n
+    rows in flight, like the plain kernel's 16-row tiles), 8 warps, K unsplit (N = I is
+    large for every supported model)."""
+    return GemvConfig(block_n=8, num_warps=8)
+
+
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] with one row, weight [2I, K]
+    holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in x.dtype.
+
+    At decode this saves the activation kernel's launch and its round trip through memory."""
+    k = x.shape[-1]
+    assert x.numel() == k, "gemv_glu: one row of x"
+    assert weight.dim() == 2 and weight.shape[1] == k and weight.shape[0] % 2 == 0, (
+        tuple(x.shape),
+        tuple(weight.shape),
+    )
+    assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
+    n = weight.shape[0] // 2
+    x1 = x.reshape(k).contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return (out.zero_() if n else out).view(*x.shape[:-1], n)
+    cfg = config or glu_config(n, k)
+    dtype = _TL_DTYPES[x.dtype]
+    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x1,
+        weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UNROLL=cfg.unroll,
+        EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
+        X_DTYPE=dtype,
+        OUT_DTYPE=dtype,
+        INTERP=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out.view(*x.shape[:-1], n)
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:

@@ -75,6 +75,33 @@ def test_gemv_silu_mul_matches_reference(dtype, m, cfg):
     _close(G.gemv_silu_mul(x, w, CONFIGS[cfg]), silu_mul_linear(x, w), TOL[dtype])
 
 
+def glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The unfused decode MLP's first half: gate_up projection, then kernels.reference.silu_and_mul."""
+    from kernels import reference
+
+    return reference.silu_and_mul(F.linear(x, w))
+
+
+GLU_CONFIGS = {
+    "default": None,
+    "small_tiles": G.GemvConfig(block_n=4, block_k=32, unroll=2, num_warps=4),
+    "one_chunk": G.GemvConfig(block_n=16, block_k=16, unroll=1, num_warps=4),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("cfg", list(GLU_CONFIGS), ids=list(GLU_CONFIGS))
+@pytest.mark.parametrize("k", [200, 128], ids=["ragged_k", "even_k"])
+def test_gemv_glu_matches_silu_and_mul_of_linear(dtype, cfg, k):
+    gen = torch.Generator().manual_seed(k)
+    inter = 37  # W is [gate; up] = [74, K]; 37 rows is no multiple of any tile
+    x = _rand(1, k, dtype=dtype, gen=gen)
+    w = _rand(2 * inter, k, dtype=dtype, gen=gen, scale=2 * k**-0.5)
+    out = G.gemv_glu(x, w, GLU_CONFIGS[cfg])
+    _close(out, glu(x, w), 2 * TOL[dtype])  # one ulp in gate or up may move the product by two
+    assert G.gemv_glu(x[0], w).shape == (inter,)
+
+
 def test_gemv_more_rows_leading_dims_and_strides():
     """M > 4 (row blocks of 4), leading dims, strided x and W (row pitch > K), fp32 x with a bf16 W."""
     gen = torch.Generator().manual_seed(3)
@@ -176,8 +203,23 @@ def test_cuda_gemv_silu_mul_large(n, inter):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("n,k", [(28672, 4096), (6144, 1024)], ids=["llama_gate_up", "qwen06_gate_up"])
+def test_cuda_gemv_glu_large(n, k):
+    from kernels import activation
+
+    gen = torch.Generator().manual_seed(5)
+    w = _rand(n, k, dtype=torch.bfloat16, gen=gen, scale=2 * k**-0.5)
+    x = _rand(1, k, dtype=torch.bfloat16, gen=gen)
+    out = G.gemv_glu(x, w)
+    # the unfused engine path (cuBLAS, then the activation kernel), and an fp32 reference
+    _close(out, activation.silu_and_mul(F.linear(x, w)), 2**-5)
+    torch.testing.assert_close(out.float(), glu(x.float(), w.float()), atol=4e-2, rtol=2**-6)
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_gemv_graph_capture_replay():
-    """gemv and gemv_silu_mul (split-K and not) capture in a CUDA graph and replay with new inputs."""
+    """gemv, gemv_silu_mul (split-K and not) and gemv_glu capture in a CUDA graph and replay with new inputs."""
     gen = torch.Generator().manual_seed(2)
     w = _rand(1024, 3072, dtype=torch.bfloat16, gen=gen, scale=3072**-0.5)
     x = _rand(2, 3072, dtype=torch.bfloat16, gen=gen)
@@ -185,7 +227,7 @@ def test_cuda_gemv_graph_capture_replay():
     w2 = _rand(4096, 4096, dtype=torch.bfloat16, gen=gen, scale=4096**-0.5)
     x2 = _rand(3, 4096, dtype=torch.bfloat16, gen=gen)
     assert G.gemv_config(2, 1024, 3072).split_k > 1  # the two-pass path is in the graph
-    calls = lambda: (G.gemv(x, w), G.gemv_silu_mul(xg, w), G.gemv(x2, w2))
+    calls = lambda: (G.gemv(x, w), G.gemv_silu_mul(xg, w), G.gemv(x2, w2), G.gemv_glu(x2[:1], w2))
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -204,3 +246,4 @@ def test_cuda_gemv_graph_capture_replay():
         _close(outs[0], F.linear(x, w), 2**-6)
         _close(outs[1], silu_mul_linear(xg, w), 2**-6)
         _close(outs[2], F.linear(x2, w2), 2**-6)
+        _close(outs[3], glu(x2[:1], w2), 2**-5)
