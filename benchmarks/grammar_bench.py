@@ -83,6 +83,10 @@ def run(llm: LLM, n: int, params: SamplingParams | list[SamplingParams]) -> dict
         "ms_per_step": 1e3 * wall / max(steps, 1),
         "tokens_per_s": toks / wall,
         "jump_forward_tokens": s1.jump_forward_tokens - s0.jump_forward_tokens,
+        # per step: the device computing, and the device waiting for the host (between steps or
+        # for grammar masks) while work was in flight
+        "device_busy_ms_per_step": 1e3 * (s1.device_busy_s - s0.device_busy_s) / max(steps, 1),
+        "device_idle_ms_per_step": 1e3 * (s1.device_idle_s - s0.device_idle_s) / max(steps, 1),
         "finish_reasons": reasons,
         "outputs": outs,
     }
@@ -236,12 +240,14 @@ def main() -> None:
         rows = [("unconstrained", base), ("json (jf on)", jf_on), ("json (jf off)", jf_off)]
         print(f"model={args.model} device={device} batch={n} max_tokens={mt} vocab={vocab}")
         print(
-            f"{'run':15s} {'tokens':>7s} {'steps':>6s} {'ms/tok':>8s} {'ms/step':>8s} {'tok/s':>8s} {'jumped':>7s}  finish"
+            f"{'run':15s} {'tokens':>7s} {'steps':>6s} {'ms/tok':>8s} {'ms/step':>8s} {'busy':>6s} {'idle':>6s} "
+            f"{'tok/s':>8s} {'jumped':>7s}  finish"
         )
         for name, r in rows:
             print(
                 f"{name:15s} {r['output_tokens']:7d} {r['steps']:6d} {r['ms_per_token']:8.3f} "
-                f"{r['ms_per_step']:8.2f} {r['tokens_per_s']:8.1f} {r['jump_forward_tokens']:7d}  {r['finish_reasons']}"
+                f"{r['ms_per_step']:8.2f} {r['device_busy_ms_per_step']:6.2f} {r['device_idle_ms_per_step']:6.2f} "
+                f"{r['tokens_per_s']:8.1f} {r['jump_forward_tokens']:7d}  {r['finish_reasons']}"
             )
         each = ", ".join(f"{100 * (o['ms_per_token'] / b['ms_per_token'] - 1):+.1f}%" for b, o in zip(bases, offs))
         print(f"JSON (jf off) against unconstrained, medians of {len(bases)} alternated runs: "

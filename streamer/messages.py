@@ -168,6 +168,9 @@ class StepOutput(msgspec.Struct):
     idle_before: float = 0.0
     """Seconds the device sat idle between the step before and this one (CUDA only): the
     host launched this one late."""
+    mask_wait: float = 0.0
+    """Of device_time, seconds the device sat idle between this step's forward and its
+    sampling, waiting for grammar masks filled on the CPU (masks_deferred, CUDA only)."""
 
 
 class TokenDelta(msgspec.Struct):

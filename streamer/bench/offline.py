@@ -231,6 +231,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
     llm = LLM(str(model_dir), **common)
     try:
         warm_up(llm, cfg["vocab_size"])
+        s0 = llm.stats()
         dt, first, last = run_engine(llm, w, name)
         stats = llm.stats()
         total = sum(w.outputs)
@@ -245,6 +246,9 @@ def bench(args: argparse.Namespace, name: str) -> Result:
             res.extra["floor_ms_per_token"] = 1e3 * wbytes / BANDWIDTH
             res.floor_fraction = res.extra["floor_ms_per_token"] / res.ms_per_output_token
         res.extra["engine_stats"] = {k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")}
+        # where the wall time went: device computing, device waiting for the host with work in flight
+        for k in ("device_busy_s", "device_idle_s"):
+            res.extra["engine_stats"][k] = getattr(stats, k) - getattr(s0, k)
     finally:
         llm.close()
         del llm

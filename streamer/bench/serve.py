@@ -233,6 +233,7 @@ SCRAPED = (
     "streamer_time_to_first_token_seconds_sum", "streamer_time_to_first_token_seconds_count",
     "streamer_request_queue_time_seconds_sum", "streamer_request_queue_time_seconds_count",
     "streamer_steps_held_total", "streamer_held_steps_joined_total", "streamer_held_steps_late_total",
+    "streamer_device_busy_seconds_total", "streamer_device_idle_seconds_total",
 )
 
 
@@ -266,6 +267,9 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
                       ("held_late", "streamer_held_steps_late_total")):
         if name in d:
             out[key] = d[name]
+    busy, idle = d.get("streamer_device_busy_seconds_total"), d.get("streamer_device_idle_seconds_total")
+    if busy is not None and idle is not None:
+        out["device_busy_s"], out["device_idle_s"] = busy, idle
     return out
 
 

@@ -84,6 +84,11 @@ class EngineStats(msgspec.Struct):
     """Of those, batches that took in a request which arrived during the hold."""
     held_steps_late: int = 0
     """Of those, batches scheduled only after the running step had ended (a GPU bubble)."""
+    device_busy_s: float = 0.0
+    """Seconds the device spent computing steps (CUDA; on the CPU, the steps' wall time)."""
+    device_idle_s: float = 0.0
+    """Seconds the device sat idle between steps, or inside one waiting for its grammar masks,
+    while work was in flight (CUDA): host time the device waited for."""
 
 
 class Scheduler:
@@ -124,6 +129,10 @@ class Scheduler:
         self.jump_forward_tokens = 0
         self.steps_ahead = 0
         self.masks_deferred = 0
+        self.device_busy_s = 0.0
+        self.device_idle_s = 0.0
+        self.built_ahead: set[int] = set()
+        """Steps built while the one before was in flight (their idle_before is host lateness)."""
         self.deferred_masks: dict[int, list[Request]] = {}
         """Sampling requests of batches sent with masks_deferred, by step."""
         self.clock = AheadClock(config.hold_ahead_ms / 1e3)
@@ -295,6 +304,8 @@ class Scheduler:
 
     def _build(self, chunks: list[tuple[Request, int]], ahead: bool = False) -> Batch:
         self.step_id += 1
+        if ahead:
+            self.built_ahead.add(self.step_id)
         seqs, params, hist, banned = [], [], [], []
         for req, n in chunks:
             start = req.num_computed
@@ -362,6 +373,11 @@ class Scheduler:
     # ---- results --------------------------------------------------------
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []
+        self.device_busy_s += out.device_time - out.mask_wait
+        if batch.step in self.built_ahead:  # (before a batch built with none in flight, the
+            self.built_ahead.discard(batch.step)  # device may just have had no work)
+            self.device_idle_s += out.idle_before
+        self.device_idle_s += out.mask_wait
         sampled = iter(out.sampled)
         isolate = False
         if out.error is not None:
@@ -584,6 +600,8 @@ class Scheduler:
             steps_held=self.clock.held,
             held_steps_joined=self.clock.joined,
             held_steps_late=self.clock.late,
+            device_busy_s=self.device_busy_s,
+            device_idle_s=self.device_idle_s,
         )
 
     def check(self) -> None:

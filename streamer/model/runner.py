@@ -257,8 +257,12 @@ class ModelRunner:
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
+            paused = None
+            if start is not None:
+                paused = torch.cuda.Event(enable_timing=True)
+                paused.record()
             return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
-                            wall=time.perf_counter() - t0, after=after)
+                            wall=time.perf_counter() - t0, after=after, paused=paused)
         out = self._sample(batch, logits, prompt_logprobs)
         out.start, out.after, out.wall = start, after, time.perf_counter() - t0
         return out
@@ -268,9 +272,14 @@ class ModelRunner:
         """Finish a step launched with masks_deferred, now that its bitmask is filled."""
         assert launched.batch is not None and launched.logits is not None
         t0 = time.perf_counter()
+        resumed = None
+        if launched.paused is not None:
+            resumed = torch.cuda.Event(enable_timing=True)
+            resumed.record()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
         out = self._sample(batch, launched.logits, launched.prompt_logprobs)
         out.start, out.after = launched.start, launched.after
+        out.paused, out.resumed = launched.paused, resumed
         out.wall = launched.wall + time.perf_counter() - t0
         return out
 
@@ -310,15 +319,17 @@ class ModelRunner:
                 launched.done.synchronize()
             assert launched.tokens is not None, "a step awaiting its masks cannot be collected"
             sampled = [SampledToken(t) for t in launched.tokens.tolist()]
-        idle = 0.0
+        idle = mask_wait = 0.0
         if launched.start is not None and launched.done is not None:
             device_time = launched.start.elapsed_time(launched.done) / 1e3
             if launched.after is not None:
                 idle = max(0.0, launched.after.elapsed_time(launched.start) / 1e3)
+            if launched.paused is not None and launched.resumed is not None:
+                mask_wait = max(0.0, launched.paused.elapsed_time(launched.resumed) / 1e3)
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
-                          device_time=device_time, idle_before=idle)
+                          device_time=device_time, idle_before=idle, mask_wait=mask_wait)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -344,6 +355,10 @@ class Launched:
     """The `done` of the step launched before this one (the device's idle time between)."""
     wall: float = 0.0
     """Host seconds launch() took (all of the step where it computed synchronously)."""
+    paused: torch.cuda.Event | None = None
+    """masks_deferred on CUDA: recorded after the forward; the sampling follows once the masks
+    are in, behind `resumed` (the gap is the device's wait for the masks)."""
+    resumed: torch.cuda.Event | None = None
 
     @property
     def awaiting_masks(self) -> bool:

@@ -53,6 +53,9 @@ class EngineCollector(Collector):
             "streamer_held_steps_joined": ("held batches that took in a request arriving meanwhile",
                                            s.held_steps_joined),
             "streamer_held_steps_late": ("held batches scheduled after the running step ended", s.held_steps_late),
+            "streamer_device_busy_seconds": ("seconds the device spent computing steps", s.device_busy_s),
+            "streamer_device_idle_seconds": ("seconds the device waited for the host with steps in flight",
+                                             s.device_idle_s),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

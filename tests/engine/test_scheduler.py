@@ -56,3 +56,19 @@ def test_scheduling_ahead_never_preempts_but_a_plain_schedule_does():
     assert s.preemptions > 0
     assert not s.running and not s.waiting
     s.check()
+
+
+def test_device_time_is_split_into_busy_and_time_spent_waiting_for_the_host():
+    """busy: each step's device time less its wait for grammar masks; idle: the gap before a
+    step built while another was in flight (the host was late), plus mask waits. The gap
+    before a step built with nothing in flight is not counted: the device had no work."""
+    s = scheduler()
+    submit(s, "a", [5] * 20, max_tokens=8)
+    first = s.schedule()
+    ahead = s.schedule(ahead=True)
+    tok = lambda b: [SampledToken(7) for c in b.seqs if c.sample]  # noqa: E731
+    s.process(first, StepOutput(first.step, tok(first), device_time=0.010, idle_before=0.5))
+    s.process(ahead, StepOutput(ahead.step, tok(ahead), device_time=0.004, idle_before=0.001, mask_wait=0.002))
+    stats = s.stats()
+    assert abs(stats.device_busy_s - (0.010 + 0.002)) < 1e-9
+    assert abs(stats.device_idle_s - (0.001 + 0.002)) < 1e-9

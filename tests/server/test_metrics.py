@@ -20,6 +20,8 @@ METRICS = [
     "streamer_steps_held_total",
     "streamer_held_steps_joined_total",
     "streamer_held_steps_late_total",
+    "streamer_device_busy_seconds_total",
+    "streamer_device_idle_seconds_total",
 ]
 
 
