@@ -181,6 +181,8 @@ def main() -> None:
                     help="unconstrained and JSON (jf off) runs, alternated; the median of each is reported "
                          "(one run of ~0.6 s is at the mercy of host noise: +2%% to +22%% seen on the H200)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for a CPU check")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="then one more JSON (jf off) run under a stack sampler: where each thread's time goes")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.smoke:
@@ -261,6 +263,15 @@ def main() -> None:
             f"({fill['fill_ms_per_step_mean']:.3f} ms/step mean, {fill['fill_ms_per_step_max']:.3f} max, "
             f"batch {n}); apply_bitmask {apply['apply_ms_per_step']:.3f} ms/step [{n}x{vocab}] on {device.type}"
         )
+        if args.profile_host:
+            from benchmarks.profile_gpu import StackSampler
+
+            sched.jump_forward = False
+            with StackSampler() as sampler:
+                r = run(llm, n, grammar_params)
+            sched.jump_forward = engine_default
+            print(f"\nprofiled JSON (jf off) run: {r['ms_per_step']:.2f} ms/step")
+            sampler.report(top=18)
         if args.json:
             result = {
                 "model": args.model,

@@ -353,9 +353,10 @@ def apply_bitmask(
     """Set to -inf every token whose bit is 0 in the packed int32 bitmask (in place).
 
     Bit t % 32 of word t // 32 of a row stands for token t; tokens past the mask's width
-    are disallowed. rows: only these rows (default all). Uses xgrammar's kernel (CPU
-    C++ / Triton on CUDA) when it can, a torch version otherwise. staging: pinned buffers
-    for a host bitmask going to the GPU, so that the copy does not wait for the stream.
+    are disallowed. rows: only these rows (default all). On CUDA, kernels.bitmask's
+    kernel; on the CPU xgrammar's C++ kernel when it can, a torch version otherwise.
+    staging: pinned buffers for a host bitmask going to the GPU, so that the copy does not
+    wait for the stream.
     """
     global _xgr_apply_ok
     v = logits.shape[1]
@@ -365,6 +366,11 @@ def apply_bitmask(
         words = staging.upload(host, logits.device)
     else:
         words = bitmask.to(logits.device, non_blocking=True)
+    if logits.is_cuda and words.shape[0] >= logits.shape[0]:
+        from kernels.bitmask import apply_bitmask_
+
+        apply_bitmask_(logits, words.contiguous(), None if rows is None else _t(rows, logits.device))
+        return
     if _xgr_apply_ok and words.shape[1] * 32 >= v and logits.dtype == torch.float32:
         try:
             import xgrammar as xgr
