@@ -19,6 +19,18 @@ from typing import Any
 from streamer.messages import Finish, Register, RequestOutput, SamplingParams, TokenDelta
 
 
+def _no_clean_up(hf_tokenizer: Any) -> bool:
+    """True when transformers' decode is the Rust decode alone: no clean-up pass is asked
+    for, or transformers skips it because the model is BPE (Llama 3, Qwen: the pass would
+    strip real spaces before punctuation) and the override flag of the versions that skip
+    it is off. Older versions without that flag clean up BPE too: the slow path stays."""
+    if not getattr(hf_tokenizer, "clean_up_tokenization_spaces", True):
+        return True
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    override = getattr(hf_tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
+    return backend is not None and type(backend.model).__name__ == "BPE" and override is False
+
+
 class IncrementalText:
     """Decode a growing list of token ids, emitting only complete characters."""
 
@@ -31,8 +43,7 @@ class IncrementalText:
         # The Rust tokenizer's own decode gives the same text as transformers' decode when
         # no clean-up pass follows, at a quarter of the cost (two decodes per token per
         # stream run on the event loop: 256 streams at saturation).
-        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        self.backend = None if getattr(hf_tokenizer, "clean_up_tokenization_spaces", True) else backend
+        self.backend = getattr(hf_tokenizer, "backend_tokenizer", None) if _no_clean_up(hf_tokenizer) else None
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

@@ -64,3 +64,22 @@ def test_the_rust_decode_fast_path_gives_transformers_text(tok, skip):
     for _ in range(200):
         ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
         assert inc._decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_bpe_tokenizer_asking_for_clean_up_decodes_as_transformers_does(tok):
+    """Llama 3's tokenizer asks for the clean-up pass, which transformers skips for BPE: the
+    Rust decode is then used, and its text is still transformers' (spaces before punctuation
+    kept)."""
+    import copy
+
+    bpe = copy.deepcopy(tok)
+    bpe.clean_up_tokenization_spaces = True
+    inc = IncrementalText(bpe, skip_special_tokens=True)
+    ids = bpe.encode("Hello , world . It 's fine ! isn 't it ?")
+    assert inc._decode(ids) == bpe.decode(ids, skip_special_tokens=True)
+    flag = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    if hasattr(bpe, flag):
+        assert inc.backend is not None
+        setattr(bpe, flag, True)  # clean-up forced: the slow path, and its cleaned text
+        forced = IncrementalText(bpe, skip_special_tokens=True)
+        assert forced.backend is None and forced._decode(ids) == bpe.decode(ids, skip_special_tokens=True)
