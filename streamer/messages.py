@@ -171,6 +171,10 @@ class StepOutput(msgspec.Struct):
     mask_wait: float = 0.0
     """Of device_time, seconds the device sat idle between this step's forward and its
     sampling, waiting for grammar masks filled on the CPU (masks_deferred, CUDA only)."""
+    host_times: dict[str, float] = msgspec.field(default_factory=dict)
+    """time.perf_counter() of the step's host milestones in the executor: launch_begin,
+    launch_end, sample_end (a deferred step's sampling queued), ready (its tokens reached
+    the host). Read by the step trace (STREAMER_STEP_TRACE)."""
 
 
 class TokenDelta(msgspec.Struct):

@@ -133,6 +133,8 @@ class Scheduler:
         self.device_idle_s = 0.0
         self.built_ahead: set[int] = set()
         """Steps built while the one before was in flight (their idle_before is host lateness)."""
+        self.trace = StepTrace.from_env()
+        """One JSON line per step when STREAMER_STEP_TRACE names a file (diagnostics)."""
         self.deferred_masks: dict[int, list[Request]] = {}
         """Sampling requests of batches sent with masks_deferred, by step."""
         self.clock = AheadClock(config.hold_ahead_ms / 1e3)
@@ -368,16 +370,21 @@ class Scheduler:
     def fill_deferred(self, step: int) -> MaskFill:
         """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they
         are now: the step before it has been processed."""
-        return MaskFill(step, self._grammar_masks(self.deferred_masks.pop(step)))
+        fill = MaskFill(step, self._grammar_masks(self.deferred_masks.pop(step)))
+        if self.trace is not None:
+            self.trace.filled[step] = time.perf_counter()
+        return fill
 
     # ---- results --------------------------------------------------------
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []
         self.device_busy_s += out.device_time - out.mask_wait
-        if batch.step in self.built_ahead:  # (before a batch built with none in flight, the
-            self.built_ahead.discard(batch.step)  # device may just have had no work)
+        ahead = batch.step in self.built_ahead
+        if ahead:  # (before a batch built with none in flight, the device may just have had no work)
+            self.built_ahead.discard(batch.step)
             self.device_idle_s += out.idle_before
         self.device_idle_s += out.mask_wait
+        t_begin = time.perf_counter()
         sampled = iter(out.sampled)
         isolate = False
         if out.error is not None:
@@ -435,6 +442,8 @@ class Scheduler:
             self._release(self.zombies.pop(rid))
         for rid in [r for r in self.retrying if r not in self.in_flight]:
             self._requeue(self.retrying.pop(rid))
+        if self.trace is not None:
+            self.trace.write(batch, out, ahead, t_begin)
         return deltas
 
     def _retry_later(self, req: Request, valid: int) -> None:
@@ -766,3 +775,48 @@ async def run(
             clock.on_send(batch, time.monotonic(), held=holding)
             holding = False
             to_executor.put_nowait(batch)
+
+
+class StepTrace:
+    """STREAMER_STEP_TRACE=path: one JSON line per step as its output is processed, to see
+    where a run's time goes (benchmarks/step_trace.py summarizes a file). Times are
+    time.perf_counter() seconds; device times are CUDA event measurements.
+
+    Fields: step, seqs, tokens (computed this step), decodes (one-token chunks), ahead
+    (built while the step before was in flight), device, idle_before, mask_wait, the
+    executor's host milestones (launch_begin, launch_end, sample_begin, sample_end, ready),
+    filled (its grammar masks were sent, masks_deferred), process_begin and processed (the
+    scheduler's handling of its output).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered, open for the engine's life
+        self.filled: dict[int, float] = {}
+        self.encoder = msgspec.json.Encoder()
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        import os
+
+        path = os.environ.get("STREAMER_STEP_TRACE")
+        return cls(path) if path else None
+
+    def write(self, batch: Batch, out: StepOutput, ahead: bool, process_begin: float) -> None:
+        rec: dict[str, Any] = {
+            "step": batch.step,
+            "seqs": len(batch.seqs),
+            "tokens": sum(len(s.token_ids) for s in batch.seqs),
+            "decodes": sum(len(s.token_ids) == 1 for s in batch.seqs),
+            "ahead": ahead,
+            "device": out.device_time,
+            "idle_before": out.idle_before,
+            "mask_wait": out.mask_wait,
+            **out.host_times,
+            "process_begin": process_begin,
+            "processed": time.perf_counter(),
+        }
+        filled = self.filled.pop(batch.step, None)
+        if filled is not None:
+            rec["filled"] = filled
+        self.file.write(self.encoder.encode(rec).decode() + "\n")
+

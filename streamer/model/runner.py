@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -261,10 +261,13 @@ class ModelRunner:
             if start is not None:
                 paused = torch.cuda.Event(enable_timing=True)
                 paused.record()
+            t1 = time.perf_counter()
             return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
-                            wall=time.perf_counter() - t0, after=after, paused=paused)
+                            wall=t1 - t0, after=after, paused=paused, times={"launch_begin": t0, "launch_end": t1})
         out = self._sample(batch, logits, prompt_logprobs)
-        out.start, out.after, out.wall = start, after, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        out.start, out.after, out.wall = start, after, t1 - t0
+        out.times = {"launch_begin": t0, "launch_end": t1}
         return out
 
     @torch.inference_mode()
@@ -280,7 +283,9 @@ class ModelRunner:
         out = self._sample(batch, launched.logits, launched.prompt_logprobs)
         out.start, out.after = launched.start, launched.after
         out.paused, out.resumed = launched.paused, resumed
-        out.wall = launched.wall + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        out.wall = launched.wall + t1 - t0
+        out.times = {**launched.times, "sample_begin": t0, "sample_end": t1}
         return out
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:
@@ -328,8 +333,9 @@ class ModelRunner:
                 mask_wait = max(0.0, launched.paused.elapsed_time(launched.resumed) / 1e3)
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
+        launched.times["ready"] = time.perf_counter()
         return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
-                          device_time=device_time, idle_before=idle, mask_wait=mask_wait)
+                          device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -359,6 +365,8 @@ class Launched:
     """masks_deferred on CUDA: recorded after the forward; the sampling follows once the masks
     are in, behind `resumed` (the gap is the device's wait for the masks)."""
     resumed: torch.cuda.Event | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    """Host milestones (StepOutput.host_times)."""
 
     @property
     def awaiting_masks(self) -> bool:

@@ -72,3 +72,21 @@ def test_device_time_is_split_into_busy_and_time_spent_waiting_for_the_host():
     stats = s.stats()
     assert abs(stats.device_busy_s - (0.010 + 0.002)) < 1e-9
     assert abs(stats.device_idle_s - (0.001 + 0.002)) < 1e-9
+
+
+def test_step_trace_writes_one_line_per_processed_step(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("STREAMER_STEP_TRACE", str(path))
+    s = scheduler()
+    submit(s, "a", [5] * 20, max_tokens=3)
+    first = s.schedule()
+    ahead = s.schedule(ahead=True)
+    s.process(first, StepOutput(first.step, [SampledToken(7)], device_time=0.01, host_times={"ready": 1.0}))
+    s.process(ahead, StepOutput(ahead.step, [SampledToken(7)], idle_before=0.002))
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [first.step, ahead.step]
+    assert recs[0]["tokens"] == 20 and recs[0]["decodes"] == 0 and recs[0]["ready"] == 1.0
+    assert recs[1]["ahead"] and recs[1]["decodes"] == 1 and recs[1]["idle_before"] == 0.002
+    assert recs[1]["processed"] >= recs[1]["process_begin"]

@@ -1,0 +1,101 @@
+"""Summarize a step trace: where a run's time went, step by step.
+
+    STREAMER_STEP_TRACE=/tmp/steps.jsonl python3 -m streamer serve ...   (or any engine run)
+    python3 benchmarks/step_trace.py /tmp/steps.jsonl [--skip 20]
+
+Device side: per kind of step (decode-only, mixed, prefill-only), how many, their mean
+device time, and the device's idle time before them (only for steps built while the one
+before was in flight: then an idle device waited for the host) and waiting for grammar masks.
+
+Host side, for steps built ahead (overlap: step s is built once step s-2's output has been
+processed, and must be launched before step s-1 ends on the device):
+  loop lag   ready(s-2) -> process_begin(s-2): tokens on the host until the scheduler runs
+  process    the scheduler's handling of that output
+  to launch  processed(s-2) -> launch_begin(s): building batch s, the hop to the executor
+  launch     launch_begin(s) -> launch_end(s): inputs prepared and the step queued
+and, for steps whose grammar masks were deferred, the chain from step s-1's tokens to
+step s's sampling: ready(s-1) -> processed(s-1) -> filled(s) -> sample_begin(s) -> sample_end(s).
+Each is shown as its mean over all such steps and over the late ones (idle before > 0.2 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def kind(r: dict) -> str:
+    if r["decodes"] == r["seqs"]:
+        return "decode"
+    return "mixed" if r["decodes"] else "prefill"
+
+
+def mean_ms(values: list[float]) -> str:
+    return f"{1e3 * statistics.mean(values):7.2f}" if values else "      -"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--skip", type=int, default=0, help="ignore the first N steps (warm-up)")
+    p.add_argument("--last", type=int, default=0, help="only the last N steps")
+    a = p.parse_args()
+    recs = [json.loads(line) for line in open(a.trace) if line.strip()]
+    recs = [r for r in recs if r["step"] > a.skip][-a.last if a.last else 0 :]
+    if not recs:
+        raise SystemExit("no steps in the trace")
+    by = {r["step"]: r for r in recs}
+    wall = recs[-1]["ready"] - recs[0].get("launch_begin", recs[0]["ready"])
+    dev = sum(r["device"] - r["mask_wait"] for r in recs)
+    idle = sum(r["idle_before"] for r in recs if r["ahead"])
+    wait = sum(r["mask_wait"] for r in recs)
+    print(f"{len(recs)} steps over {wall:.3f} s: device busy {dev:.3f} s ({100 * dev / wall:.1f}%), idle with work "
+          f"queued {idle:.3f} s, waiting for masks {wait:.3f} s")
+    print(f"\n{'kind':8} {'steps':>6} {'seqs':>6} {'tokens':>7} {'device ms':>9} {'idle ms':>8} {'late':>5} {'mask ms':>8}")
+    for k in ("decode", "mixed", "prefill"):
+        rs = [r for r in recs if kind(r) == k]
+        if not rs:
+            continue
+        ahead = [r for r in rs if r["ahead"]]
+        print(f"{k:8} {len(rs):6d} {statistics.mean(r['seqs'] for r in rs):6.0f} "
+              f"{statistics.mean(r['tokens'] for r in rs):7.0f} {mean_ms([r['device'] for r in rs]):>9} "
+              f"{mean_ms([r['idle_before'] for r in ahead]):>8} "
+              f"{sum(r['idle_before'] > 2e-4 for r in ahead):5d} {mean_ms([r['mask_wait'] for r in rs]):>8}")
+
+    def host_rows(rows: list[dict], label: str) -> None:
+        parts: dict[str, list[float]] = {"loop lag": [], "process": [], "to launch": [], "launch": []}
+        for r in rows:
+            prev = by.get(r["step"] - 2)
+            if prev is None or "launch_begin" not in r:
+                continue
+            parts["loop lag"].append(prev["process_begin"] - prev["ready"])
+            parts["process"].append(prev["processed"] - prev["process_begin"])
+            parts["to launch"].append(r["launch_begin"] - prev["processed"])
+            parts["launch"].append(r["launch_end"] - r["launch_begin"])
+        if parts["launch"]:
+            print(f"  {label:22} {len(parts['launch']):5d} " + " ".join(mean_ms(v) for v in parts.values()))
+
+    ahead = [r for r in recs if r["ahead"]]
+    print("\nhost, steps built ahead (ms)  n  loop lag process to launch  launch")
+    host_rows(ahead, "all")
+    host_rows([r for r in ahead if r["idle_before"] > 2e-4], "late (idle > 0.2 ms)")
+    deferred = [r for r in recs if "filled" in r and "sample_begin" in r and r["step"] - 1 in by]
+    if deferred:
+        print("\ngrammar chain (ms)          n  loop lag process    fill   to sample sample")
+        for label, rows in (("all", deferred), ("late (wait > 0.2 ms)", [r for r in deferred if r["mask_wait"] > 2e-4])):
+            if not rows:
+                continue
+            prev = [by[r["step"] - 1] for r in rows]
+            cols = [
+                [p["process_begin"] - p["ready"] for p in prev],
+                [p["processed"] - p["process_begin"] for p in prev],
+                [r["filled"] - p["processed"] for r, p in zip(rows, prev)],
+                [r["sample_begin"] - r["filled"] for r in rows],
+                [r["sample_end"] - r["sample_begin"] for r in rows],
+            ]
+            print(f"  {label:22} {len(rows):5d} " + " ".join(mean_ms(c) for c in cols))
+
+
+if __name__ == "__main__":
+    main()
