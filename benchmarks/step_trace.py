@@ -13,6 +13,7 @@ processed, and must be launched before step s-1 ends on the device):
   process    the scheduler's handling of that output
   to launch  processed(s-2) -> launch_begin(s): building batch s, the hop to the executor
   launch     launch_begin(s) -> launch_end(s): inputs prepared and the step queued
+  l.cpu, p.cpu  the CPU time of launch and of process (wall minus CPU: waiting for the GIL)
 and, for steps whose grammar masks were deferred, the chain from step s-1's tokens to
 step s's sampling: ready(s-1) -> processed(s-1) -> filled(s) -> sample_begin(s) -> sample_end(s).
 Each is shown as its mean over all such steps and over the late ones (idle before > 0.2 ms).
@@ -52,6 +53,14 @@ def main() -> None:
     wait = sum(r["mask_wait"] for r in recs)
     print(f"{len(recs)} steps over {wall:.3f} s: device busy {dev:.3f} s ({100 * dev / wall:.1f}%), idle with work "
           f"queued {idle:.3f} s, waiting for masks {wait:.3f} s")
+    if "loop_cpu" in recs[0]:
+        # the event loop thread (scheduler, detokenizer, HTTP and SSE) and the executor's launches
+        loop = recs[-1]["loop_cpu"] - recs[0]["loop_cpu"]
+        launches = sum(r.get("launch_cpu", 0.0) + r.get("sample_cpu", 0.0) for r in recs[1:])
+        span = recs[-1]["process_begin"] - recs[0]["process_begin"]
+        print(f"CPU: event loop thread {loop:.3f} s ({100 * loop / span:.0f}% of the span), launch thread "
+              f"{launches:.3f} s ({100 * launches / span:.0f}%); per step {1e3 * loop / (len(recs) - 1):.2f} + "
+              f"{1e3 * launches / (len(recs) - 1):.2f} ms")
     print(f"\n{'kind':8} {'steps':>6} {'seqs':>6} {'tokens':>7} {'device ms':>9} {'idle ms':>8} {'late':>5} {'mask ms':>8}")
     for k in ("decode", "mixed", "prefill"):
         rs = [r for r in recs if kind(r) == k]
@@ -64,7 +73,8 @@ def main() -> None:
               f"{sum(r['idle_before'] > 2e-4 for r in ahead):5d} {mean_ms([r['mask_wait'] for r in rs]):>8}")
 
     def host_rows(rows: list[dict], label: str) -> None:
-        parts: dict[str, list[float]] = {"loop lag": [], "process": [], "to launch": [], "launch": []}
+        parts: dict[str, list[float]] = {"loop lag": [], "process": [], "to launch": [], "launch": [],
+                                         "launch cpu": [], "process cpu": []}
         for r in rows:
             prev = by.get(r["step"] - 2)
             if prev is None or "launch_begin" not in r:
@@ -73,16 +83,18 @@ def main() -> None:
             parts["process"].append(prev["processed"] - prev["process_begin"])
             parts["to launch"].append(r["launch_begin"] - prev["processed"])
             parts["launch"].append(r["launch_end"] - r["launch_begin"])
+            parts["launch cpu"].append(r.get("launch_cpu", 0.0))
+            parts["process cpu"].append(prev.get("process_cpu", 0.0))
         if parts["launch"]:
             print(f"  {label:22} {len(parts['launch']):5d} " + " ".join(mean_ms(v) for v in parts.values()))
 
     ahead = [r for r in recs if r["ahead"]]
-    print("\nhost, steps built ahead (ms)  n  loop lag process to launch  launch")
+    print("\nhost, steps built ahead (ms)  n  loop lag process to launch  launch  l.cpu  p.cpu")
     host_rows(ahead, "all")
     host_rows([r for r in ahead if r["idle_before"] > 2e-4], "late (idle > 0.2 ms)")
     deferred = [r for r in recs if "filled" in r and "sample_begin" in r and r["step"] - 1 in by]
     if deferred:
-        print("\ngrammar chain (ms)          n  loop lag process    fill   to sample sample")
+        print("\ngrammar chain (ms)          n  loop lag process    fill   to sample sample  s.cpu")
         for label, rows in (("all", deferred), ("late (wait > 0.2 ms)", [r for r in deferred if r["mask_wait"] > 2e-4])):
             if not rows:
                 continue
@@ -93,6 +105,7 @@ def main() -> None:
                 [r["filled"] - p["processed"] for r, p in zip(rows, prev)],
                 [r["sample_begin"] - r["filled"] for r in rows],
                 [r["sample_end"] - r["sample_begin"] for r in rows],
+                [r.get("sample_cpu", 0.0) for r in rows],
             ]
             print(f"  {label:22} {len(rows):5d} " + " ".join(mean_ms(c) for c in cols))
 

@@ -173,8 +173,10 @@ class StepOutput(msgspec.Struct):
     sampling, waiting for grammar masks filled on the CPU (masks_deferred, CUDA only)."""
     host_times: dict[str, float] = msgspec.field(default_factory=dict)
     """time.perf_counter() of the step's host milestones in the executor: launch_begin,
-    launch_end, sample_end (a deferred step's sampling queued), ready (its tokens reached
-    the host). Read by the step trace (STREAMER_STEP_TRACE)."""
+    launch_end, sample_begin and sample_end (a deferred step's sampling), ready (its tokens
+    reached the host); launch_cpu and sample_cpu: the CPU seconds of those calls (the rest
+    of their wall time is waiting, mostly for the GIL). Read by the step trace
+    (STREAMER_STEP_TRACE)."""
 
 
 class TokenDelta(msgspec.Struct):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from streamer.sse import DONE, aiter_lines, encode_data, iter_lines, parse_line
+from streamer.sse import DONE, DONE_EVENT, aiter_lines, data_event, encode_data, iter_lines, parse_line
 
 # characters str.splitlines (and so httpx's / requests' iter_lines) breaks lines at
 TRICKY = "a\u2028b\u2029c\x85d\x0be\x1cf\nline\r\n\"q\" é 漢"
@@ -29,6 +29,12 @@ def test_encoded_data_is_one_line_for_every_reader_and_decodes_to_the_text():
     data = encode_data({"text": TRICKY})
     assert len(data.splitlines()) == 1
     assert json.loads(data) == {"text": TRICKY}
+
+
+def test_a_data_event_is_the_encoded_data_framed_as_bytes():
+    body = {"text": TRICKY, "n": 1}
+    assert data_event(body) == f"data: {encode_data(body)}\n\n".encode()
+    assert parsed(iter_lines([data_event(body), DONE_EVENT])) == [body, DONE]
 
 
 def test_lines_are_split_at_cr_and_lf_only_however_the_bytes_are_cut():

@@ -384,7 +384,7 @@ class Scheduler:
             self.built_ahead.discard(batch.step)
             self.device_idle_s += out.idle_before
         self.device_idle_s += out.mask_wait
-        t_begin = time.perf_counter()
+        t_begin, c_begin = time.perf_counter(), time.thread_time()
         sampled = iter(out.sampled)
         isolate = False
         if out.error is not None:
@@ -443,7 +443,7 @@ class Scheduler:
         for rid in [r for r in self.retrying if r not in self.in_flight]:
             self._requeue(self.retrying.pop(rid))
         if self.trace is not None:
-            self.trace.write(batch, out, ahead, t_begin)
+            self.trace.write(batch, out, ahead, t_begin, c_begin)
         return deltas
 
     def _retry_later(self, req: Request, valid: int) -> None:
@@ -786,7 +786,8 @@ class StepTrace:
     (built while the step before was in flight), device, idle_before, mask_wait, the
     executor's host milestones (launch_begin, launch_end, sample_begin, sample_end, ready),
     filled (its grammar masks were sent, masks_deferred), process_begin and processed (the
-    scheduler's handling of its output).
+    scheduler's handling of its output); *_cpu: CPU seconds of launch, sample and process;
+    loop_cpu: the event loop thread's CPU clock (time.thread_time) as process began.
     """
 
     def __init__(self, path: str) -> None:
@@ -801,7 +802,7 @@ class StepTrace:
         path = os.environ.get("STREAMER_STEP_TRACE")
         return cls(path) if path else None
 
-    def write(self, batch: Batch, out: StepOutput, ahead: bool, process_begin: float) -> None:
+    def write(self, batch: Batch, out: StepOutput, ahead: bool, process_begin: float, loop_cpu: float) -> None:
         rec: dict[str, Any] = {
             "step": batch.step,
             "seqs": len(batch.seqs),
@@ -813,6 +814,8 @@ class StepTrace:
             "mask_wait": out.mask_wait,
             **out.host_times,
             "process_begin": process_begin,
+            "process_cpu": time.thread_time() - loop_cpu,
+            "loop_cpu": loop_cpu,
             "processed": time.perf_counter(),
         }
         filled = self.filled.pop(batch.step, None)

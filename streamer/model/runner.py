@@ -251,7 +251,7 @@ class ModelRunner:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
         so the next batch can be launched before these values reach the host. A batch with
         masks_deferred only runs its forward: sample() finishes it once the masks are in."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.step_start = None
         after = self.last_done
         logits, prompt_logprobs = self.forward(batch)
@@ -262,19 +262,20 @@ class ModelRunner:
                 paused = torch.cuda.Event(enable_timing=True)
                 paused.record()
             t1 = time.perf_counter()
+            times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
             return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
-                            wall=t1 - t0, after=after, paused=paused, times={"launch_begin": t0, "launch_end": t1})
+                            wall=t1 - t0, after=after, paused=paused, times=times)
         out = self._sample(batch, logits, prompt_logprobs)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
-        out.times = {"launch_begin": t0, "launch_end": t1}
+        out.times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
         return out
 
     @torch.inference_mode()
     def sample(self, launched: Launched, masks: Any) -> Launched:
         """Finish a step launched with masks_deferred, now that its bitmask is filled."""
         assert launched.batch is not None and launched.logits is not None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         resumed = None
         if launched.paused is not None:
             resumed = torch.cuda.Event(enable_timing=True)
@@ -285,7 +286,7 @@ class ModelRunner:
         out.paused, out.resumed = launched.paused, resumed
         t1 = time.perf_counter()
         out.wall = launched.wall + t1 - t0
-        out.times = {**launched.times, "sample_begin": t0, "sample_end": t1}
+        out.times = {**launched.times, "sample_begin": t0, "sample_end": t1, "sample_cpu": time.thread_time() - c0}
         return out
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
 from streamer.messages import GenerateRequest, RequestOutput, SampledToken
 from streamer.server import protocol as p
 from streamer.server.protocol import ApiError
-from streamer.sse import encode_data
+from streamer.server.sse_response import EventStream
+from streamer.sse import DONE_EVENT, data_event
 
 if TYPE_CHECKING:
     from streamer.server.app import ServerState
@@ -231,8 +231,8 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
         chunks = ChatChunks(fmt, rid, created, st.model_name) if chat else \
             CompletionChunks(fmt, rid, created, st.model_name)
         usage_wanted = bool(options and options.include_usage)
-        return EventSourceResponse(events(gen, buffered, chunks, n, len(reqs), usage_wanted), sep="\n",
-                                   shutdown_grace_period=20)
+        return EventStream(events(gen, buffered, chunks, n, len(reqs), usage_wanted), sep="\n",
+                           shutdown_grace_period=20)
     choices = await until_disconnect(request, collect(gen, buffered, len(reqs)))
     if choices is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
@@ -287,16 +287,16 @@ class CompletionChunks:
     def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
         self.fmt, self.head = fmt, (rid, "text_completion", created, model)
 
-    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> str:
-        return encode_data(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
+    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> bytes:
+        return data_event(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
 
-    def opening(self, count: int) -> list[str]:
+    def opening(self, count: int) -> list[bytes]:
         return []
 
-    def content(self, i: int, out: RequestOutput, c: Choice) -> str:
+    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
         return self.encode(p.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
 
-    def finish(self, i: int, reason: str | None) -> str:
+    def finish(self, i: int, reason: str | None) -> bytes:
         return self.encode(p.CompletionChoice(i, "", None, reason))
 
 
@@ -304,21 +304,21 @@ class ChatChunks:
     def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
         self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
 
-    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> str:
-        return encode_data(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
+    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> bytes:
+        return data_event(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
 
-    def opening(self, count: int) -> list[str]:
+    def opening(self, count: int) -> list[bytes]:
         return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in range(count)]
 
-    def content(self, i: int, out: RequestOutput, c: Choice) -> str:
+    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
         return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), self.fmt.chat_logprobs(out.logprobs or [])))
 
-    def finish(self, i: int, reason: str | None) -> str:
+    def finish(self, i: int, reason: str | None) -> bytes:
         return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
 
 
 async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
-                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[str]:
+                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[bytes]:
     """OpenAI's chunk order: [role], content deltas, a finish chunk per choice, [usage], [DONE].
 
     A failure after the stream began cannot change the status any more: it is
@@ -331,7 +331,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         async for i, out in chain(buffered, gen):
             choices[i].add(out)
             if out.error:
-                yield encode_data(p.ErrorResponse(p.ErrorInfo(out.error, "server_error")))
+                yield data_event(p.ErrorResponse(p.ErrorInfo(out.error, "server_error")))
                 break
             if out.text or out.logprobs:
                 yield chunks.content(i, out, choices[i])
@@ -340,7 +340,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         else:
             if usage_wanted:
                 yield chunks.encode(use=usage(choices, n))
-        yield "[DONE]"
+        yield DONE_EVENT
     finally:
         await gen.aclose()
 
