@@ -30,7 +30,7 @@ from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.staging import PinnedRing
-from streamer.sampling.sampler import SampleInputs, Sampler
+from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 
 
 def pick_device(name: str) -> torch.device:
@@ -257,13 +257,15 @@ class ModelRunner:
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
+            # everything of the sampling that the masks do not change is queued now
+            plan = self.sampler.plan(logits, self._sample_inputs(batch), masked=True)
             paused = None
             if start is not None:
                 paused = torch.cuda.Event(enable_timing=True)
                 paused.record()
             t1 = time.perf_counter()
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
-            return Launched(batch.step, None, None, prompt_logprobs, logits=logits, batch=batch, start=start,
+            return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
                             wall=t1 - t0, after=after, paused=paused, times=times)
         out = self._sample(batch, logits, prompt_logprobs)
         t1 = time.perf_counter()
@@ -274,14 +276,14 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, launched: Launched, masks: Any) -> Launched:
         """Finish a step launched with masks_deferred, now that its bitmask is filled."""
-        assert launched.batch is not None and launched.logits is not None
+        assert launched.batch is not None and launched.plan is not None
         t0, c0 = time.perf_counter(), time.thread_time()
         resumed = None
         if launched.paused is not None:
             resumed = torch.cuda.Event(enable_timing=True)
             resumed.record()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
-        out = self._sample(batch, launched.logits, launched.prompt_logprobs)
+        out = self._sample(batch, launched.plan.logits, launched.prompt_logprobs, launched.plan)
         out.start, out.after = launched.start, launched.after
         out.paused, out.resumed = launched.paused, resumed
         t1 = time.perf_counter()
@@ -289,16 +291,27 @@ class ModelRunner:
         out.times = {**launched.times, "sample_begin": t0, "sample_end": t1, "sample_cpu": time.thread_time() - c0}
         return out
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]]) -> Launched:
+    @staticmethod
+    def _sample_inputs(batch: Batch) -> SampleInputs:
+        rids = [s.request_id for s in batch.seqs if s.sample]
+        return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
+
+    def _sample(
+        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]], plan: Plan | None = None
+    ) -> Launched:
+        """Sample a step (its plan made at launch when the masks were deferred) and queue the
+        copy of its tokens to the host."""
         rids = [s.request_id for s in batch.seqs if s.sample]
         sampled: list[SampledToken] | None = None
-        if _plain_greedy(batch):
+        if plan is None and _plain_greedy(batch):
             tokens = logits.argmax(-1)
         elif not rids:
             sampled, tokens = [], torch.zeros(0, dtype=torch.long, device=self.device)
         else:
-            inp = SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
-            out = self.sampler.sample(logits, inp)
+            if plan is not None:
+                out = self.sampler.finish(plan, batch.masks)
+            else:
+                out = self.sampler.sample(logits, self._sample_inputs(batch))
             if isinstance(out, torch.Tensor):
                 tokens = out  # still on the device, like the greedy fast path
             else:
@@ -353,8 +366,8 @@ class Launched:
     prompt_logprobs: dict[str, list[float]]
     done: torch.cuda.Event | None = None
     """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
-    logits: torch.Tensor | None = None
-    """Kept while the step awaits its grammar masks (masks_deferred)."""
+    plan: Plan | None = None
+    """Kept while the step awaits its grammar masks (masks_deferred): its sampling so far."""
     batch: Batch | None = None
     start: torch.cuda.Event | None = None
     """Recorded (with timing) once the inputs are prepared, before the step's kernels."""

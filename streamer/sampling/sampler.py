@@ -31,7 +31,9 @@ CPU generator (seeded from EngineConfig.seed by the runner).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from streamer.messages import SampledToken, SamplingParams
@@ -43,6 +45,40 @@ MIN_TEMPERATURE = 1e-6
 """A positive temperature below this is treated as this (1e-300 is 0 in float32)."""
 TOP_CANDIDATES = 256
 """Candidate set of top-k / top-p rows (more only when a row's top_k is larger)."""
+
+
+@dataclass
+class DrawInputs:
+    """The draw's per-row inputs, uploaded before the logits are final (Sampler.plan)."""
+
+    n: int
+    rows: list[int]
+    """Rows that draw (temperature > 0); the others take the argmax."""
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    min_p: list[float] = field(default_factory=list)
+    plain: list[int] = field(default_factory=list)
+    """Positions in `rows` without top-k / top-p (a draw from the whole distribution)."""
+    filt: list[int] = field(default_factory=list)
+    plain_min_p: bool = False
+    u: Any = None
+    """float64 [len(rows)]: the uniforms of the draws."""
+    temp: Any = None
+    min_p_plain: Any = None
+    rows_t: Any = None
+    plain_t: Any = None
+    filt_t: Any = None
+
+
+@dataclass
+class Plan:
+    """A step's sampling up to the grammar bitmask (Sampler.plan -> Sampler.finish)."""
+
+    logits: torch.Tensor
+    inp: SampleInputs
+    done: torch.Tensor | None = None
+    """Set when nothing is left to do: the pure argmax fast path."""
+    draw: DrawInputs | None = None
 
 
 @dataclass
@@ -91,31 +127,47 @@ class Sampler:
     def sample(self, logits: torch.Tensor, inp: SampleInputs) -> torch.Tensor | list[SampledToken]:
         """The chosen token ids, left on the device when no row asks for logprobs (so the
         host need not wait for the step); with logprobs, the packaged tokens."""
+        return self.finish(self.plan(logits, inp, masked=inp.bitmask is not None), inp.bitmask)
+
+    def plan(self, logits: torch.Tensor, inp: SampleInputs, masked: bool) -> Plan:
+        """Everything of `sample` that does not depend on the grammar bitmask: bias and
+        penalties applied, the draw's per-row inputs on the device. masked: a bitmask will be
+        given to `finish`. A step whose masks are filled while its forward runs (the
+        scheduler's masks_deferred) plans at once and finishes when they arrive, so little
+        is left to queue on the device once the masks are in."""
         params = inp.params
         logits = logits[:, : self.vocab_size]
         arithmetic = any(_has_penalty(p) or p.logit_bias for p in params)
-        edits = inp.bitmask is not None or arithmetic or any(inp.banned)
+        edits = masked or arithmetic or any(inp.banned)
         if not edits and all(p.greedy and p.logprobs is None for p in params):
-            return logits.argmax(-1)
+            return Plan(logits, inp, done=logits.argmax(-1))
         if logits.dtype != torch.float32:
             logits = logits.float()
         elif edits:
             logits = logits.clone()
-        if edits:
-            self._process(logits, inp)
         if arithmetic:
+            self._bias_and_penalties(logits, inp)
             # Valid but extreme knobs (a repetition penalty of 1e-300 is 0 in float32) can
             # overflow: keep every logit finite or -inf, so no row turns into NaN. (Masks and
-            # bans only write -inf: nothing to do for them.)
+            # bans, applied later, only write -inf: nothing to do for them.)
             logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
-        chosen = self._draw(logits, inp)
-        if all(p.logprobs is None for p in params):
+        return Plan(logits, inp, draw=self._draw_inputs(logits, inp))
+
+    def finish(self, plan: Plan, bitmask: torch.Tensor | None) -> torch.Tensor | list[SampledToken]:
+        """`sample` of a plan, given its bitmask (or None)."""
+        if plan.done is not None:
+            return plan.done
+        logits, inp = plan.logits, plan.inp
+        self._mask_and_ban(logits, inp, bitmask)
+        assert plan.draw is not None
+        chosen = self._draw(logits, plan.draw)
+        if all(p.logprobs is None for p in inp.params):
             return chosen
-        return self._package(logits, chosen, params)
+        return self._package(logits, chosen, inp.params)
 
     # ---- processed distribution -------------------------------------------
-    def _process(self, logits: torch.Tensor, inp: SampleInputs) -> None:
-        """Apply bias, penalties, bitmask and bans to logits in place."""
+    def _bias_and_penalties(self, logits: torch.Tensor, inp: SampleInputs) -> None:
+        """Apply logit_bias and the penalties to logits in place."""
         params = inp.params
         n, v = logits.shape
         dev = logits.device
@@ -153,11 +205,19 @@ class Sampler:
             x = logits[rr, tt]
             x = torch.where(x > 0, x / rep, x * rep) - freq * count - pres
             logits[rr, tt] = x
+
+    def _mask_and_ban(self, logits: torch.Tensor, inp: SampleInputs, bitmask: torch.Tensor | None) -> None:
+        """Apply the grammar bitmask and the bans to logits in place."""
+        n, v = logits.shape
+        dev = logits.device
         # grammar bitmask, on the constrained rows only
         grows: list[int] = []
-        if inp.bitmask is not None:
-            bm = inp.bitmask
-            grows = (bm[:n] != -1).any(-1).nonzero().flatten().tolist()
+        if bitmask is not None:
+            bm = bitmask
+            if bm.is_cuda:
+                grows = (bm[:n] != -1).any(-1).nonzero().flatten().tolist()
+            else:  # (numpy: torch's CPU kernels would wake their thread pool for this)
+                grows = np.flatnonzero((bm[:n].numpy() != -1).any(1)).tolist()
             if grows:
                 every = len(grows) == n == bm.shape[0]  # no row index list to upload
                 apply_bitmask(logits, bm, rows=None if every else grows, staging=self.staging)
@@ -182,53 +242,77 @@ class Sampler:
                 logits[bidx] = torch.where(dead, keep, now)
 
     # ---- draw -------------------------------------------------------------
-    def _draw(self, logits: torch.Tensor, inp: SampleInputs) -> torch.Tensor:
+    def _draw_inputs(self, logits: torch.Tensor, inp: SampleInputs) -> DrawInputs:
+        """The per-row inputs of the draw, on the device (they do not depend on the logits'
+        values: only on the parameters, the histories and the random numbers)."""
         params = inp.params
         n, v = logits.shape
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(rows) < n:
-            chosen = logits.argmax(-1)
-        else:
-            chosen = torch.empty(n, dtype=torch.long, device=dev)
+        d = DrawInputs(n, rows)
         if not rows:
-            return chosen
+            return d
         hist = inp.histories
         u = torch.rand(len(rows), dtype=torch.float64).tolist()
         for j, i in enumerate(rows):
             seed = params[i].seed
             if seed is not None:
                 u[j] = draw_uniform(seed, len(hist[i]) if i < len(hist) else 0)
-        u_t = _up(u, dev, torch.float64)
         top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
-        top_p = [params[i].top_p for i in rows]
-        min_p = [params[i].min_p for i in rows]
-        temp = _up([max(params[i].temperature, MIN_TEMPERATURE) for i in rows], dev)[:, None]
-        sub = logits if len(rows) == n else logits[_t(rows, dev)]
-        probs = (sub / temp).softmax(-1)
-        filt = [j for j in range(len(rows)) if top_k[j] < v or top_p[j] < 1.0]
-        plain = [j for j in range(len(rows)) if top_k[j] == v and top_p[j] >= 1.0]
+        d.top_p = [params[i].top_p for i in rows]
+        d.min_p = [params[i].min_p for i in rows]
+        d.top_k = top_k
+        d.filt = [j for j in range(len(rows)) if top_k[j] < v or d.top_p[j] < 1.0]
+        d.plain = [j for j in range(len(rows)) if top_k[j] == v and d.top_p[j] >= 1.0]
+        # one upload for every float input (uniforms, temperatures, min-p of plain rows) and
+        # one for every index list: each host-to-device copy costs the host ~20 us
+        mp = [d.min_p[j] for j in d.plain]
+        d.plain_min_p = any(m > 0 for m in mp)
+        floats = u + [max(params[i].temperature, MIN_TEMPERATURE) for i in rows] + (mp if d.plain_min_p else [])
+        f = _up(floats, dev, torch.float64)
+        k = len(rows)
+        d.u = f[:k]
+        d.temp = f[k : 2 * k].float()[:, None]
+        if d.plain_min_p:
+            d.min_p_plain = f[2 * k :].float()[:, None]
+        idx = _t(rows + d.plain + d.filt, dev)
+        d.rows_t, d.plain_t, d.filt_t = idx[:k], idx[k : k + len(d.plain)], idx[k + len(d.plain) :]
+        return d
+
+    def _draw(self, logits: torch.Tensor, d: DrawInputs) -> torch.Tensor:
+        n, rows = d.n, d.rows
+        dev = logits.device
+        if len(rows) < n:
+            chosen = logits.argmax(-1)
+        else:
+            chosen = torch.empty(n, dtype=torch.long, device=dev)
+        if not rows:
+            return chosen
+        sub = logits if len(rows) == n else logits[d.rows_t]
+        probs = (sub / d.temp).softmax(-1)
         pick = torch.empty(len(rows), dtype=torch.long, device=dev)
-        if plain:
-            jj = _t(plain, dev)
-            pp = probs if len(plain) == len(rows) else probs[jj]
-            mp = [min_p[j] for j in plain]
-            if any(m > 0 for m in mp):
-                m = _up(mp, dev)[:, None]
-                pp = pp.masked_fill(pp < m * pp.amax(-1, keepdim=True), 0.0)
-            pick[jj] = inverse_cdf(pp, u_t[jj])
-        if filt:
-            jj = _t(filt, dev)
+        if d.plain:
+            whole = len(d.plain) == len(rows)
+            pp = probs if whole else probs[d.plain_t]
+            if d.plain_min_p:
+                pp = pp.masked_fill(pp < d.min_p_plain * pp.amax(-1, keepdim=True), 0.0)
+            drawn = inverse_cdf(pp, d.u if whole else d.u[d.plain_t])
+            if whole:
+                pick = drawn
+            else:
+                pick[d.plain_t] = drawn
+        if d.filt:
+            jj = d.filt_t
             pick[jj] = top_filtered_draw(
-                probs if len(filt) == len(rows) else probs[jj],
-                [top_k[j] for j in filt],
-                [top_p[j] for j in filt],
-                [min_p[j] for j in filt],
-                u_t[jj],
+                probs if len(d.filt) == len(rows) else probs[jj],
+                [d.top_k[j] for j in d.filt],
+                [d.top_p[j] for j in d.filt],
+                [d.min_p[j] for j in d.filt],
+                d.u[jj],
             )
         if len(rows) == n:
             return pick
-        chosen[_t(rows, dev)] = pick
+        chosen[d.rows_t] = pick
         return chosen
 
     # ---- logprobs ---------------------------------------------------------

@@ -34,7 +34,7 @@ class ScriptedRunner:
         if batch.step in self.fail:
             raise RuntimeError(f"boom in step {batch.step}")
         if batch.masks_deferred:
-            return Launched(batch.step, None, None, {}, logits=torch.zeros(1), batch=batch)
+            return Launched(batch.step, None, None, {}, batch=batch)  # awaiting its masks
         return Launched(batch.step, torch.tensor([batch.step]), None, {})
 
     def sample(self, launched: Launched, masks) -> Launched:

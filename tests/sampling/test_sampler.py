@@ -367,3 +367,35 @@ def test_extreme_valid_knobs_give_tokens_in_the_vocabulary():
         assert all(0 <= t.token_id < v for t in out), [t.token_id for t in out]
     # the temperature 1e-300 row is as good as greedy
     assert out[1].token_id == int(logits[1].argmax())
+
+
+def test_a_plan_finished_with_its_bitmask_later_samples_as_sample_does():
+    """Sampler.plan (before the grammar masks exist) + Sampler.finish (once they do) is the
+    same computation as sample(): same tokens and logprobs, on a mixed batch of greedy,
+    plain, top-k, top-p and min-p rows, penalties, a bias, bans and a partial bitmask."""
+    g = torch.Generator().manual_seed(7)
+    v, n = 50, 12
+    logits = torch.randn(n, v, generator=g) * 3
+    allowed = torch.rand(n, v, generator=g) < 0.4
+    allowed[[1, 5, 9]] = True  # unconstrained rows
+    allowed[4] = False
+    allowed[4, [3, 7]] = True  # a grammar that only allows tokens that are banned: grammar wins
+    mask = pack(allowed)
+    knobs = [
+        dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=1.2, top_k=5, seed=2),
+        dict(temperature=0.9, top_p=0.7, seed=3), dict(temperature=1.0, min_p=0.2, seed=4),
+        dict(temperature=0.7, repetition_penalty=1.3, seed=5), dict(temperature=1.0, frequency_penalty=0.5),
+        dict(temperature=0.6, logit_bias={2: 5.0}, seed=6), dict(temperature=0, presence_penalty=1.0),
+        dict(temperature=1.0, seed=8, logprobs=2), dict(temperature=0.5), dict(temperature=0.3, seed=9),
+    ]
+    params = [SamplingParams(**k) for k in knobs]
+    hist = [[(3 * i + j) % v for j in range(i % 4)] for i in range(n)]
+    banned = [[3, 7] if i in (4, 6) else [] for i in range(n)]
+    s = sampler(v)
+    torch.manual_seed(11)
+    direct = s.sample(logits.clone(), SampleInputs(params, hist, banned, bitmask=mask))
+    torch.manual_seed(11)
+    plan = s.plan(logits.clone(), SampleInputs(params, hist, banned), masked=True)
+    later = s.finish(plan, mask)
+    assert later == direct
+    assert all(allowed[i, t.token_id] for i, t in enumerate(direct)), "every token is one the bitmask allows"
