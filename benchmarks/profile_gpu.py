@@ -97,15 +97,15 @@ def bench_gemm() -> None:
             print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f}")
 
 
-def profile_step() -> None:
+def profile_step(only: int | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from streamer import LLM
     from streamer.messages import SamplingParams
 
     cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8)]
-    for model, bs, ctx, steps in cases:
-        llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=4096,
+    for model, bs, ctx, steps in cases if only is None else [cases[only]]:
+        llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=2048 if bs == 1 else 4096,
                   max_num_seqs=bs, max_num_batched_tokens=16384)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, 30000, (ctx,), generator=g).tolist() for _ in range(bs)]
@@ -248,13 +248,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu", "serve"])
     p.add_argument("-n", type=int, default=256)
+    p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B)")
     a = p.parse_args()
     if a.part == "gemm":
         bench_gemm()
     elif a.part == "attn":
         bench_attn()
     elif a.part == "step":
-        profile_step()
+        profile_step(a.case)
     elif a.part == "serve":
         profile_serve_host(a.n)
     else:
