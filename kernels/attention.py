@@ -298,9 +298,11 @@ def _choose_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int, de
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4
-    # about 4 programs per SM (one resident wave), but each split keeps >= 4 key blocks
+    # about 4 programs per SM (one resident wave), but each split keeps >= 2 key blocks
+    # (benchmarks/decode_attn_bench.py, batch 1, 1024 tokens of a 2048-token graph: 16
+    # splits 6.9 us against 8.3 for 8; shorter contexts use fewer splits either way)
     want = (4 * sms) // max(1, batch * kv_heads)
-    most = max(1, triton.cdiv(max_seq_len, 4 * block_n))
+    most = max(1, triton.cdiv(max_seq_len, 2 * block_n))
     return int(max(1, min(want, most, 64)))
 
 
