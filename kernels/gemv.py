@@ -103,10 +103,8 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> G
         # measured on the H200 (benchmarks/gemv_bench.py): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
         return cfg.with_(block_n=16, num_warps=8)
-    if m == 1 and n > 65536 and k >= 2048 and not silu:
-        # an LM head (Llama-3.1-8B: 128256 x 4096): K in 4 splits of 2-chunk iterations,
-        # 229 against 237 us unsplit (gemv_bench.py sweep on the H200)
-        return cfg.with_(unroll=2, split_k=4)
+    # (an LM head in 4 K-splits streamed 229 against 237 us alone in gemv_bench.py, but W2
+    # went from 4.205 to 4.216 ms/token with it: the LM head stays unsplit)
     blocks = triton.cdiv(n, cfg.block_n)
     split = 1
     while blocks * split < 4 * sms and k // (2 * split) >= 1024:
