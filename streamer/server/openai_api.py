@@ -323,30 +323,53 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
 
     A failure after the stream began cannot change the status any more: it is
     sent as an {"error": ...} event before [DONE].
+
+    The events of one engine output leave in one write (one send, one syscall): the role
+    chunk with the first content, the last content with its finish chunk, the usage and
+    [DONE].
     """
     choices = {i: Choice() for i in range(count)}
+    pending: list[bytes] = chunks.opening(count)
+    left = count
+    failed = False
+
+    def take(i: int, out: RequestOutput) -> bool:
+        """Queue the events of one output; True once nothing more is to be sent before the end."""
+        nonlocal left, failed
+        choices[i].add(out)
+        if out.error:
+            pending.append(data_event(p.ErrorResponse(p.ErrorInfo(out.error, "server_error"))))
+            failed = True
+            return True
+        if out.text or out.logprobs:
+            pending.append(chunks.content(i, out, choices[i]))
+        if out.finished:
+            pending.append(chunks.finish(i, out.finish_reason))
+            left -= 1
+        return left == 0
+
+    def flush() -> bytes:
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
+        return data
+
     try:
-        for opening in chunks.opening(count):
-            yield opening
-        async for i, out in chain(buffered, gen):
-            choices[i].add(out)
-            if out.error:
-                yield data_event(p.ErrorResponse(p.ErrorInfo(out.error, "server_error")))
-                break
-            if out.text or out.logprobs:
-                yield chunks.content(i, out, choices[i])
-            if out.finished:
-                yield chunks.finish(i, out.finish_reason)
-        else:
-            if usage_wanted:
-                yield chunks.encode(use=usage(choices, n))
-        yield DONE_EVENT
+        done = any(take(i, out) for i, out in buffered)  # (the first outputs, already here)
+        if not done and pending:
+            yield flush()
+        if not failed:
+            async for i, out in gen:
+                # once every choice has finished nothing more comes: the loop only waits for
+                # the generator's end, and the last events leave with [DONE]
+                if not done:
+                    done = take(i, out)
+                    if failed:
+                        break
+                    if not done and pending:
+                        yield flush()
+        if not failed and usage_wanted:
+            pending.append(chunks.encode(use=usage(choices, n)))
+        pending.append(DONE_EVENT)
+        yield b"".join(pending)
     finally:
         await gen.aclose()
-
-
-async def chain(buffered: list[tuple[int, RequestOutput]], gen: Merged) -> Merged:
-    for item in buffered:
-        yield item
-    async for item in gen:
-        yield item

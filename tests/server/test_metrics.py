@@ -59,3 +59,21 @@ def test_chat_page_is_served(http):
     r = http.get("/")
     assert r.status_code == 200 and "/static/app.js" in r.text
     assert http.get("/static/app.js").status_code == 200
+
+
+def test_the_event_loop_histogram_renders_as_prometheus_client_does():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from streamer.server.metrics import LATENCY_BUCKETS, LoopHistogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = LoopHistogram("x_seconds", "doc", LATENCY_BUCKETS, ours)
+    ref = Histogram("x_seconds", "doc", buckets=LATENCY_BUCKETS, registry=theirs)
+    for v, n in [(0.004, 1), (0.005, 3), (0.0051, 1), (0.2, 2), (31.0, 1), (0.0, 1)]:
+        fast.observe(v, n)
+        for _ in range(n):
+            ref.observe(v)
+    lines = lambda reg: sorted(  # noqa: E731 - (prometheus_client adds a _created sample)
+        line for line in generate_latest(reg).decode().splitlines() if "_created" not in line
+    )
+    assert lines(ours) == lines(theirs)
