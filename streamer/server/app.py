@@ -103,10 +103,32 @@ class ServerState:
         Closing this iterator (or cancelling its consumer) cancels the pumps,
         which closes each engine iterator and so aborts its request.
         """
-        if len(reqs) == 1:  # (the usual case: no pump task and queue hop per token)
-            async for out in self._stream_one(reqs[0]):
-                yield 0, out
-            return
+        if len(reqs) == 1:
+            # the usual case: the engine's iterator runs in the consumer's task, with no pump
+            # task and queue hop per token
+            req = reqs[0]
+            timer, waiting = RequestTimer(self.metrics), True
+            self.pending += 1
+            self.inflight.add(req.request_id)
+            outputs = self.engine.submit(req)
+            try:
+                while True:
+                    try:
+                        out = await anext(outputs)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as e:  # noqa: BLE001 - the engine's failure, as the pumps report it
+                        raise ApiError(f"the engine failed: {e}", 503, type="server_error", code="engine_error") from e
+                    if waiting:
+                        self.pending, waiting = self.pending - 1, False
+                    timer.observe(out)
+                    yield 0, out
+            finally:
+                await outputs.aclose()  # before the end: aborts the engine request
+                if waiting:
+                    self.pending -= 1
+                timer.abandoned()
+                self.inflight.discard(req.request_id)
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self.pending += len(reqs)
         self.inflight.update(r.request_id for r in reqs)
@@ -142,31 +164,6 @@ class ServerState:
         finally:
             for t in tasks:
                 t.cancel()
-
-    async def _stream_one(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
-        """`stream` of one request, iterating the engine's iterator in the consumer's task."""
-        timer, waiting = RequestTimer(self.metrics), True
-        self.pending += 1
-        self.inflight.add(req.request_id)
-        outputs = self.engine.submit(req)
-        try:
-            while True:
-                try:
-                    out = await anext(outputs)
-                except StopAsyncIteration:
-                    return
-                except Exception as e:  # noqa: BLE001 - the engine's failure, as the pumps report it
-                    raise ApiError(f"the engine failed: {e}", 503, type="server_error", code="engine_error") from e
-                if waiting:
-                    self.pending, waiting = self.pending - 1, False
-                timer.observe(out)
-                yield out
-        finally:
-            await outputs.aclose()  # before the end: aborts the engine request
-            if waiting:
-                self.pending -= 1
-            timer.abandoned()
-            self.inflight.discard(req.request_id)
 
     def abort_all(self) -> None:
         for rid in list(self.inflight):
