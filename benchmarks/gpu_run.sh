@@ -6,6 +6,8 @@
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
 # w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
+# Pass test files explicitly to check (KERNEL_TESTS): tests/sampling/test_structured.py needs
+# jsonschema, which the GPU machine lacks, and a collection error stops the whole run.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,8 +30,11 @@ fi
 if [ "$part" = w5 ]; then
   # online figures: the server with the Llama-3.1-8B shape, bench serve at four rates, then the
   # same workload offline (throughput at saturation vs offline)
+  # TRACE=1: the server writes a step trace, summarized for the saturation run at the end
+  [ -n "${TRACE:-}" ] && export STREAMER_STEP_TRACE="$OUT/w5_steps.jsonl"
   python3 -m streamer serve --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy \
       --max-model-len 4096 --max-num-batched-tokens 8192 --port 8100 > "$OUT/w5_server.log" 2>&1 &
+  unset STREAMER_STEP_TRACE
   srv=$!
   for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
   serve() { python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
@@ -38,6 +43,7 @@ if [ "$part" = w5 ]; then
   # saturation: enough requests that the ramp (all prefills at once) does not dominate
   serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json" 2>&1 | grep -v "^rate "
   kill -TERM $srv; wait $srv
+  [ -n "${TRACE:-}" ] && python3 benchmarks/step_trace.py "$OUT/w5_steps.jsonl" --last 150 | head -12
   bench --workload W5 --num-requests "${W5_SAT_N:-256}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
       --json "$OUT/w5_offline.json"
 fi
