@@ -8,9 +8,8 @@ Timing is what a decode step sees: a CUDA graph of back-to-back calls (at
 least 20), replayed; us per call = replay time / calls. Weights that L2
 (50 MB) could keep between calls are rotated over distinct copies, at least
 200 MB in all, so every call streams W from HBM as in a real forward pass.
-TB/s counts W + x + y bytes once; spd = cuBLAS time / gemv time (silu:
-silu_and_mul + cuBLAS over the fused kernel; act+gemv is the unfused Triton
-pair; glu: the unfused Triton pair gemv + silu_and_mul over gemv_glu). err: max |gemv - F.linear| (outputs are
+TB/s counts W + x + y bytes once; spd = cuBLAS time / gemv time (glu:
+the unfused Triton pair gemv + silu_and_mul over gemv_glu). err: max |gemv - F.linear| (outputs are
 ~N(0, 1)); e32: max error of gemv / of cuBLAS against an fp32 reference, to
 show the kernel is as accurate as cuBLAS. For each (shape, M) the sweep varies
 one knob of the heuristic's config at a time (tile, unroll, split-K, per-chunk
@@ -54,7 +53,6 @@ SHAPES = [
     ("q06.o", 1024, 2048),
     ("q06.down", 1024, 3072),
 ]
-SILU_SHAPES = [("down", 4096, 14336), ("q06.down", 1024, 3072)]  # (name, N, I): x is [M, 2I]
 TILES = [(4, 4), (8, 8), (8, 4), (2, 2), (16, 8)]  # (block_n, num_warps)
 UNROLLS = (2, 4, 8)
 SPLITS = (1, 2, 4, 8)
@@ -213,39 +211,6 @@ def bench_gemv(args, budget: Budget, gen: torch.Generator, best_table: dict) -> 
         torch.cuda.empty_cache()
 
 
-def bench_silu(args, budget: Budget, gen: torch.Generator) -> None:
-    print(
-        f"\n{'silu+down':12} {'N':>6} {'I':>6} {'M':>1} | {'act+cuBLAS':>10} | {'act+gemv':>8} | "
-        f"{'fused':>6} {'TB/s':>4} {'spd':>4} {'config':14} | {'best':>6} {'config':16} | {'err':>7}"
-    )
-    for name, n, inter in SILU_SHAPES:
-        ws = _weights(n, inter, gen)
-        for m in MS:
-            x = (torch.randn(m, 2 * inter, device=DEVICE, generator=gen) * 2).to(DTYPE)
-            nbytes = (n * inter + m * 2 * inter + m * n) * 2
-            ref = F.linear(activation.silu_and_mul(x), ws[0])
-            ref32 = ref.float()
-            out = G.gemv_silu_mul(x, ws[0])
-            err = (out.float() - ref32).abs().max().item()
-            h = G.gemv_config(m, n, inter, G._num_sms(x.device), silu=True)
-            base = time_graph(lambda a, w: F.linear(activation.silu_and_mul(a), w), ws, x)
-            unfused = time_graph(lambda a, w: G.gemv(activation.silu_and_mul(a), w), ws, x)
-            us = time_graph(lambda a, w: G.gemv_silu_mul(a, w), ws, x)
-            best_us, best = us, h
-            if args.sweep and budget.left():
-                best_us, best = run_sweep(
-                    lambda a, w, c: G.gemv_silu_mul(a, w, c), ws, x, ref32, h, inter, False, budget, us
-                )
-            print(
-                f"{name:12} {n:6d} {inter:6d} {m:1d} | {base:10.1f} | {unfused:8.1f} | {us:6.1f} "
-                f"{nbytes / us / 1e6:4.2f} {base / us:4.2f} {str(h):14} | {best_us:6.1f} {str(best):16} | "
-                f"{err:7.1e}",
-                flush=True,
-            )
-        del ws
-        torch.cuda.empty_cache()
-
-
 GLU_SHAPES = [("gate_up", 28672, 4096), ("q06.gate_up", 6144, 1024)]  # (name, 2I, K): W is [gate; up]
 GLU_TILES = [(4, 4), (8, 8), (8, 4), (16, 8), (4, 8), (16, 16)]  # (block_n per half, num_warps)
 
@@ -297,7 +262,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="heuristic configs only")
     p.add_argument("--full", action="store_true", help="sweep every tile x unroll x split x acc_1d")
-    p.add_argument("--only", choices=("gemv", "silu", "glu"), help="one table only")
+    p.add_argument("--only", choices=("gemv", "glu"), help="one table only")
     p.add_argument("--budget", type=float, default=None, help="seconds after which sweeping stops")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -314,8 +279,6 @@ def main() -> None:
     best_table: dict = {}
     if args.only in (None, "gemv"):
         bench_gemv(args, budget, gen, best_table)
-    if args.only in (None, "silu"):
-        bench_silu(args, budget, gen)
     if args.only in (None, "glu"):
         bench_glu(args, budget, gen)
     changed = [(k, v) for k, v in best_table.items() if str(v[1]) != str(v[3]) and v[0] < 0.97 * v[2]]

@@ -24,10 +24,12 @@ Configs are fixed per (M, N, K) by `gemv_config` (no autotuning at run time: the
 engine captures CUDA graphs, and benchmarking inside a capture is not
 possible); benchmarks/gemv_bench.py sweeps alternatives to tune it.
 
-`gemv_silu_mul` fuses SwiGLU into the down projection: x holds [gate | up] and
-the kernel computes silu(gate) * up while loading x, rounded like
-`kernels.reference.silu_and_mul` (silu to x.dtype, then the product to
-x.dtype), which saves the silu_and_mul launch and its round trip at decode.
+`gemv_glu` fuses SwiGLU into the gate_up projection at M = 1: each program
+streams gate rows and the up rows that pair with them and applies silu(gate) *
+up in its epilogue, which saves the silu_and_mul launch and its round trip. (The
+activation fused into the down projection's x loads instead was slower on the
+H200, 38.0 against 30.1 us: every program recomputed the activations of its K
+range; it was removed.)
 
 Rows past N or M are clamped to the last valid row for loads (no masks in the
 hot loop) and masked at the store; K is masked only when a split's range is not
@@ -83,7 +85,7 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> GemvConfig:
+def gemv_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     """The config used when none is given.
 
     Plain: 4 rows x 256 columns per chunk with 4 warps, so a warp holds one W
@@ -91,15 +93,12 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> G
     with a thread on a single row, its x loads are not duplicated across rows.
     Four chunks are loaded per iteration (2 KB in flight per warp) while the
     accumulators stay at 8 fp32 per x row (~40 registers at M = 1, ~90 at 4).
-    With SILU, 8 rows (8 warps): every program recomputes the activations of
-    its K range, M / block_n of them per W element, and each costs two SFU ops
-    (exp, reciprocal), so rows per program must grow to keep the SFU below the
-    memory rate. K is split (power of two, each split at least 1024 long)
+    K is split (power of two, each split at least 1024 long)
     until there are 4 programs per SM, the occupancy that keeps enough loads
     in flight.
     """
-    cfg = GemvConfig(block_n=8, num_warps=8) if silu else GemvConfig()
-    if m == 1 and 4096 <= n <= 32768 and not silu:
+    cfg = GemvConfig()
+    if m == 1 and 4096 <= n <= 32768:
         # measured on the H200 (benchmarks/gemv_bench.py): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
         return cfg.with_(block_n=16, num_warps=8)
@@ -113,44 +112,19 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, silu: bool = False) -> G
 
 
 @triton.jit
-def _x_chunk(
-    row_ptr,
-    offs_n,
-    offs_k,
-    up_off,
-    k_left,
-    EVEN_K: tl.constexpr,
-    SILU: tl.constexpr,
-    X_DTYPE: tl.constexpr,
-    INTERP: tl.constexpr,
-):
+def _x_chunk(row_ptr, offs_n, offs_k, k_left, EVEN_K: tl.constexpr):
     """x[m, k : k + BLOCK_K] as fp32, broadcastable against the [BLOCK_N, BLOCK_K] W tile.
 
-    Plain x is loaded straight into W's register layout, as a [BLOCK_N, BLOCK_K]
-    tile whose rows share addresses (L1 hits): a 1-D load would be re-laid out
-    through shared memory, with a barrier, every chunk. With SILU the chunk is
-    loaded 1-D instead, so each activation (exp + divide, the SFU's work) is
-    computed once per program rather than once per W row a warp holds; the
-    rounded bf16 result is then broadcast through shared memory.
+    x is loaded straight into W's register layout, as a [BLOCK_N, BLOCK_K] tile whose
+    rows share addresses (L1 hits): a 1-D load would be re-laid out through shared
+    memory, with a barrier, every chunk.
     """
-    if SILU:
-        ptrs = row_ptr + offs_k
-        if EVEN_K:
-            g = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
-            u = tl.load(ptrs + up_off, eviction_policy="evict_last").to(tl.float32)
-        else:
-            g = tl.load(ptrs, mask=offs_k < k_left, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            u = tl.load(ptrs + up_off, mask=offs_k < k_left, other=0.0, eviction_policy="evict_last")
-            u = u.to(tl.float32)
-        s = _round_to(g / (1.0 + tl.exp(-g)), X_DTYPE, INTERP).to(tl.float32)
-        v = _round_to(s * u, X_DTYPE, INTERP).to(tl.float32)[None, :]
+    ptrs = row_ptr + offs_k[None, :] + (offs_n * 0)[:, None]
+    if EVEN_K:
+        v = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
     else:
-        ptrs = row_ptr + offs_k[None, :] + (offs_n * 0)[:, None]
-        if EVEN_K:
-            v = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
-        else:
-            v = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0, eviction_policy="evict_last")
-            v = v.to(tl.float32)
+        v = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0, eviction_policy="evict_last")
+        v = v.to(tl.float32)
     return v
 
 
@@ -200,7 +174,6 @@ def _gemv_kernel(
     N,
     K,
     k_split,
-    up_off,
     stride_xm,
     stride_wn,
     stride_om,
@@ -210,9 +183,7 @@ def _gemv_kernel(
     UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
-    SILU: tl.constexpr,
     ACC_1D: tl.constexpr,
-    X_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -245,16 +216,16 @@ def _gemv_kernel(
                 kmask = (offs_k < k_len - kk)[None, :]
                 w = tl.load(w_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            xa = _x_chunk(x0 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+            xa = _x_chunk(x0 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
             acc0 = _fma(acc0, w, xa, ACC_1D)
             if BLOCK_M > 1:
-                xa = _x_chunk(x1 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                xa = _x_chunk(x1 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
                 acc1 = _fma(acc1, w, xa, ACC_1D)
             if BLOCK_M > 2:
-                xa = _x_chunk(x2 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                xa = _x_chunk(x2 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
                 acc2 = _fma(acc2, w, xa, ACC_1D)
             if BLOCK_M > 3:
-                xa = _x_chunk(x3 + kk, offs_n, offs_k, up_off, k_len - kk, EVEN_K, SILU, X_DTYPE, INTERP)
+                xa = _x_chunk(x3 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
                 acc3 = _fma(acc3, w, xa, ACC_1D)
     _finish_row(acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP)
     if BLOCK_M > 1:
@@ -302,7 +273,6 @@ def _gemv_glu_kernel(
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
-    X_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -329,7 +299,7 @@ def _gemv_glu_kernel(
                 kmask = (offs_k < K - kk)[None, :]
                 wg = tl.load(g_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
                 wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
-            xv = _x_chunk(x_ptr + kk, offs_n, offs_k, 0, K - kk, EVEN_K, False, X_DTYPE, INTERP)
+            xv = _x_chunk(x_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
             acc_g += wg.to(tl.float32) * xv
             acc_u += wu.to(tl.float32) * xv
     g = _round_to(tl.sum(acc_g, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
@@ -338,15 +308,19 @@ def _gemv_glu_kernel(
     tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfig | None) -> torch.Tensor:
-    k_in = x.shape[-1]
-    if silu:
-        assert k_in % 2 == 0, "gemv_silu_mul: x must hold [gate | up]"
-    k = k_in // 2 if silu else k_in
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in x.dtype.
+
+    x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32.
+
+    Meant for M = prod(x.shape[:-1]) <= 4 (see `use_gemv`); larger M works but
+    re-reads W once per 4 rows. One or two launches, no host synchronisation.
+    """
+    k = x.shape[-1]
     assert weight.dim() == 2 and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
     assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
     n = weight.shape[0]
-    x2 = x.reshape(-1, k_in)
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
@@ -357,7 +331,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfi
         return out.view(*x.shape[:-1], n)
     if k == 0:
         return out.zero_().view(*x.shape[:-1], n)
-    cfg = config or gemv_config(m, n, k, _num_sms(x.device), silu)
+    cfg = config or gemv_config(m, n, k, _num_sms(x.device))
     block_m = min(m, MAX_M)
     step = cfg.block_k * cfg.unroll
     k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
@@ -375,7 +349,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfi
         n,
         k,
         k_split,
-        k if silu else 0,
         x2.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -385,9 +358,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfi
         UNROLL=cfg.unroll,
         EVEN_K=k % k_split == 0,
         SPLIT=splits > 1,
-        SILU=silu,
         ACC_1D=cfg.acc_1d,
-        X_DTYPE=dtype,
         OUT_DTYPE=dtype,
         INTERP=interp,
         num_warps=cfg.num_warps,
@@ -400,22 +371,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config: GemvConfi
             ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, num_warps=4
         )
     return out.view(*x.shape[:-1], n)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in x.dtype.
-
-    x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32.
-
-    Meant for M = prod(x.shape[:-1]) <= 4 (see `use_gemv`); larger M works but
-    re-reads W once per 4 rows. One or two launches, no host synchronisation.
-    """
-    return _launch(x, weight, False, config)
-
-
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight) with x [..., 2I] = [gate | up], weight [N, I] -> [..., N]."""
-    return _launch(x, weight, True, config)
 
 
 def glu_config(n: int, k: int) -> GemvConfig:
@@ -457,7 +412,6 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
         BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll,
         EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
-        X_DTYPE=dtype,
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
         num_warps=cfg.num_warps,
@@ -466,8 +420,8 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
     return out.view(*x.shape[:-1], n)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """True when `gemv` (or `gemv_silu_mul` with silu_mul) should replace F.linear for these tensors:
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when `gemv` (or, for a fused gate_up weight, `gemv_glu`) should replace F.linear for these tensors:
     CUDA, M = 1, bf16/fp16 on both sides, W an nn.Linear weight contiguous along K.
 
     Only M = 1: on the H200 the GEMV beats cuBLAS there (Llama-3.1-8B o 11.0 against 12.5 us,
@@ -477,8 +431,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> b
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return False
-    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
-    if (silu_mul and x.shape[-1] % 2) or k == 0 or weight.shape[1] != k or weight.shape[0] == 0:
+    k = x.shape[-1]
+    if k == 0 or weight.shape[1] != k or weight.shape[0] == 0:
         return False
     if weight.stride(-1) != 1:
         return False

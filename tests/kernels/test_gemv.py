@@ -5,9 +5,8 @@ conftest.py) with small, odd shapes; with a GPU the same tests run compiled,
 and the `cuda`-marked tests add model-sized shapes and CUDA-graph capture.
 
 The references are here rather than in kernels.reference because the engine's
-CPU path is F.linear itself: `linear` is F.linear, `silu_mul_linear` is the
-unfused down projection (silu(gate) * up rounded to x.dtype, as
-kernels.reference.silu_and_mul, then F.linear).
+CPU path is F.linear itself: `linear` is F.linear, `glu` the unfused gate_up
+projection and activation (F.linear, then kernels.reference.silu_and_mul).
 
 Tolerances: the kernel accumulates in fp32 and rounds once, like the bf16
 reference, but in another order, so the two may differ by one output ulp
@@ -39,11 +38,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def silu_mul_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w)
-
-
 def _close(out, ref, tol):
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -62,17 +56,6 @@ def test_gemv_matches_linear(dtype, m, cfg):
     x = _rand(m, k, dtype=dtype, gen=gen)
     w = _rand(n, k, dtype=dtype, gen=gen, scale=k**-0.5)
     _close(G.gemv(x, w, CONFIGS[cfg]), linear(x, w), TOL[dtype])
-
-
-@DTYPES
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("cfg", ["default", "split3", "tiny_k"])
-def test_gemv_silu_mul_matches_reference(dtype, m, cfg):
-    gen = torch.Generator().manual_seed(10 + m)
-    n, inter = 37, 100
-    x = _rand(m, 2 * inter, dtype=dtype, gen=gen, scale=2.0)
-    w = _rand(n, inter, dtype=dtype, gen=gen, scale=inter**-0.5)
-    _close(G.gemv_silu_mul(x, w, CONFIGS[cfg]), silu_mul_linear(x, w), TOL[dtype])
 
 
 def glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -114,8 +97,6 @@ def test_gemv_more_rows_leading_dims_and_strides():
     wp = _rand(19, 64, dtype=dtype, gen=gen, scale=48**-0.5)[:, :48]
     assert not wp.is_contiguous() and wp.stride(-1) == 1
     _close(G.gemv(x[0], wp), linear(x[0], wp), TOL[dtype])
-    xg = _rand(5, 96, dtype=dtype, gen=gen)
-    _close(G.gemv_silu_mul(xg, w), silu_mul_linear(xg, w), TOL[dtype])
     x32 = _rand(2, 48, dtype=torch.float32, gen=gen)  # fp32 activations, bf16 weight: fp32 out
     _close(G.gemv(x32, w), linear(x32, w.float()), TOL[torch.float32])
 
@@ -139,9 +120,8 @@ def test_config_heuristic_and_use_gemv():
     assert G.gemv_config(4, 128256, 4096).split_k == 1
     assert G.gemv_config(1, 128256, 4096).split_k == 1  # an LM head: no split (measured slower in W2)
     for m, n, k in [(1, 4096, 4096), (4, 1024, 3072), (2, 28672, 4096)]:
-        for silu in (False, True):
-            cfg = G.gemv_config(m, n, k, silu=silu)
-            assert cfg.block_n % cfg.num_warps == 0 and cfg.split_k >= 1
+        cfg = G.gemv_config(m, n, k)
+        assert cfg.block_n % cfg.num_warps == 0 and cfg.split_k >= 1
     w = torch.empty(8, 16, dtype=torch.bfloat16)
     x = torch.empty(2, 16, dtype=torch.bfloat16)
     assert not G.use_gemv(x, w)  # CPU
@@ -151,8 +131,6 @@ def test_config_heuristic_and_use_gemv():
         assert not G.use_gemv(torch.empty(5, 16, dtype=torch.bfloat16, device="cuda"), wc)
         assert not G.use_gemv(xc.float(), wc.float())
         assert not G.use_gemv(xc, torch.empty(16, 8, dtype=torch.bfloat16, device="cuda").t())  # K-strided W
-        assert G.use_gemv(torch.empty(1, 32, dtype=torch.bfloat16, device="cuda"), wc, silu_mul=True)
-        assert not G.use_gemv(xc, wc, silu_mul=True)
 
 
 # --------------------------------------------------------------------------- GPU, model sizes
@@ -189,21 +167,6 @@ def test_cuda_gemv_large(n, k):
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("n,inter", [(4096, 14336), (1024, 3072)], ids=["llama_down", "qwen06_down"])
-def test_cuda_gemv_silu_mul_large(n, inter):
-    from kernels import activation
-
-    gen = torch.Generator().manual_seed(1)
-    w = _rand(n, inter, dtype=torch.bfloat16, gen=gen, scale=inter**-0.5)
-    for m in (1, 2, 3, 4):
-        x = _rand(m, 2 * inter, dtype=torch.bfloat16, gen=gen, scale=2.0)
-        # the unfused engine path: same activation kernel, then cuBLAS
-        _close(G.gemv_silu_mul(x, w), F.linear(activation.silu_and_mul(x), w), 2**-6)
-        _close(G.gemv_silu_mul(x, w), silu_mul_linear(x, w), 2**-6)
-
-
-@pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize("n,k", [(28672, 4096), (6144, 1024)], ids=["llama_gate_up", "qwen06_gate_up"])
 def test_cuda_gemv_glu_large(n, k):
     from kernels import activation
@@ -220,15 +183,14 @@ def test_cuda_gemv_glu_large(n, k):
 @pytest.mark.cuda
 @cuda
 def test_cuda_gemv_graph_capture_replay():
-    """gemv, gemv_silu_mul (split-K and not) and gemv_glu capture in a CUDA graph and replay with new inputs."""
+    """gemv (split-K and not) and gemv_glu capture in a CUDA graph and replay with new inputs."""
     gen = torch.Generator().manual_seed(2)
     w = _rand(1024, 3072, dtype=torch.bfloat16, gen=gen, scale=3072**-0.5)
     x = _rand(2, 3072, dtype=torch.bfloat16, gen=gen)
-    xg = _rand(2, 6144, dtype=torch.bfloat16, gen=gen)
     w2 = _rand(4096, 4096, dtype=torch.bfloat16, gen=gen, scale=4096**-0.5)
     x2 = _rand(3, 4096, dtype=torch.bfloat16, gen=gen)
     assert G.gemv_config(2, 1024, 3072).split_k > 1  # the two-pass path is in the graph
-    calls = lambda: (G.gemv(x, w), G.gemv_silu_mul(xg, w), G.gemv(x2, w2), G.gemv_glu(x2[:1], w2))
+    calls = lambda: (G.gemv(x, w), G.gemv(x2, w2), G.gemv_glu(x2[:1], w2))
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -240,11 +202,10 @@ def test_cuda_gemv_graph_capture_replay():
     with torch.cuda.graph(g):
         outs = calls()
     for _ in range(2):
-        for t in (x, xg, x2):
+        for t in (x, x2):
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
         g.replay()
         torch.cuda.synchronize()
         _close(outs[0], F.linear(x, w), 2**-6)
-        _close(outs[1], silu_mul_linear(xg, w), 2**-6)
-        _close(outs[2], F.linear(x2, w2), 2**-6)
-        _close(outs[3], glu(x2[:1], w2), 2**-5)
+        _close(outs[1], F.linear(x2, w2), 2**-6)
+        _close(outs[2], glu(x2[:1], w2), 2**-5)
