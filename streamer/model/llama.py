@@ -87,6 +87,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, self.cos_sin)
+        if residual is None:  # the one-token GEMV path: x is the residual stream
+            return self.norm(x)
         x, _ = self.norm(x, residual)
         return x
 
