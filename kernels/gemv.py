@@ -31,12 +31,6 @@ activation fused into the down projection's x loads instead was slower on the
 H200, 38.0 against 30.1 us: every program recomputed the activations of its K
 range; it was removed.)
 
-A decode layer at batch 1 also needs no RMSNorm kernel: `norm_weight` makes a
-GEMV (or gemv_glu) normalize its row of x on the fly (every program reads the
-whole row anyway, so it sums x^2 as it goes and scales its dot products by
-rsqrt(mean + eps) at the end), and `residual` adds the residual stream in the
-epilogue of the GEMV that produces the layer's output.
-
 Rows past N or M are clamped to the last valid row for loads (no masks in the
 hot loop) and masked at the store; K is masked only when a split's range is not
 a multiple of BLOCK_K * UNROLL. Under TRITON_INTERPRET (CPU tensors, tests)
@@ -154,28 +148,20 @@ def _finish_row(
     stride_om,
     ws_ptr,
     pid_k,
-    scale,
-    res_ptr,
     ACC_1D: tl.constexpr,
     SPLIT: tl.constexpr,
-    RESIDUAL: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     if ACC_1D:
-        y = acc * scale
+        y = acc
     else:
-        y = tl.sum(acc, axis=1) * scale
+        y = tl.sum(acc, axis=1)
     mask = offs_n < tl.where(m < M, N, 0)  # (scalar & vector masks upset the interpreter)
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=mask)
     else:
-        out = _round_to(y, OUT_DTYPE, INTERP)
-        if RESIDUAL:
-            # rounded like the unfused `linear(x) + residual`: the product, then the sum
-            r = tl.load(res_ptr + m.to(tl.int64) * N + offs_n, mask=mask, other=0.0)
-            out = _round_to(out.to(tl.float32) + r.to(tl.float32), OUT_DTYPE, INTERP)
-        tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n, out, mask=mask)
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n, _round_to(y, OUT_DTYPE, INTERP), mask=mask)
 
 
 @triton.jit
@@ -184,9 +170,6 @@ def _gemv_kernel(
     w_ptr,
     out_ptr,
     ws_ptr,
-    g_ptr,
-    res_ptr,
-    eps,
     M,
     N,
     K,
@@ -201,8 +184,6 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
     ACC_1D: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -226,7 +207,6 @@ def _gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    ss = acc0  # NORM: sum of x^2 (BLOCK_M = 1, one split)
     for k in range(0, k_split, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             kk = k + u * BLOCK_K
@@ -237,9 +217,6 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
             xa = _x_chunk(x0 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
-            if NORM:
-                ss = _fma(ss, xa, xa, ACC_1D)
-                xa = xa * _x_chunk(g_ptr + kk, offs_n, offs_k, k_len - kk, EVEN_K)
             acc0 = _fma(acc0, w, xa, ACC_1D)
             if BLOCK_M > 1:
                 xa = _x_chunk(x1 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
@@ -250,28 +227,18 @@ def _gemv_kernel(
             if BLOCK_M > 3:
                 xa = _x_chunk(x3 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
                 acc3 = _fma(acc3, w, xa, ACC_1D)
-    scale = 1.0
-    if NORM:  # rms_norm(x) * g = x * g * rsqrt(mean(x^2) + eps): the scalar factor goes on the sums
-        ssr = ss if ACC_1D else tl.sum(ss, axis=1)  # [BLOCK_N], every entry the same
-        scale = 1.0 / tl.sqrt(ssr / K + eps)
-    _finish_row(
-        acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, scale, res_ptr,
-        ACC_1D, SPLIT, RESIDUAL, OUT_DTYPE, INTERP,
-    )
+    _finish_row(acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP)
     if BLOCK_M > 1:
         _finish_row(
-            acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, scale, res_ptr,
-            ACC_1D, SPLIT, RESIDUAL, OUT_DTYPE, INTERP,
+            acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
         )
     if BLOCK_M > 2:
         _finish_row(
-            acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, scale, res_ptr,
-            ACC_1D, SPLIT, RESIDUAL, OUT_DTYPE, INTERP,
+            acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
         )
     if BLOCK_M > 3:
         _finish_row(
-            acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, scale, res_ptr,
-            ACC_1D, SPLIT, RESIDUAL, OUT_DTYPE, INTERP,
+            acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
         )
 
 
@@ -279,25 +246,19 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(
     ws_ptr,
     out_ptr,
-    res_ptr,
     total,
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    RESIDUAL: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """out.flat[i] = sum over s (in order) of ws[s].flat[i] (+ residual.flat[i]); ws [SPLITS, M*N] fp32."""
+    """out.flat[i] = sum over s (in order) of ws[s].flat[i]; ws [SPLITS, M*N] fp32."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(ws_ptr + s * total + offs, mask=mask, other=0.0)
-    out = _round_to(acc, OUT_DTYPE, INTERP)
-    if RESIDUAL:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        out = _round_to(out.to(tl.float32) + r.to(tl.float32), OUT_DTYPE, INTERP)
-    tl.store(out_ptr + offs, out, mask=mask)
+    tl.store(out_ptr + offs, _round_to(acc, OUT_DTYPE, INTERP), mask=mask)
 
 
 @triton.jit
@@ -305,8 +266,6 @@ def _gemv_glu_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    g_ptr,
-    eps,
     N,
     K,
     stride_wn,
@@ -314,7 +273,6 @@ def _gemv_glu_kernel(
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
-    NORM: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -331,7 +289,6 @@ def _gemv_glu_kernel(
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     for k in range(0, K, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             kk = k + u * BLOCK_K
@@ -343,39 +300,18 @@ def _gemv_glu_kernel(
                 wg = tl.load(g_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
                 wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             xv = _x_chunk(x_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
-            if NORM:
-                ss += xv * xv
-                xv = xv * _x_chunk(g_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
             acc_g += wg.to(tl.float32) * xv
             acc_u += wu.to(tl.float32) * xv
-    scale = 1.0
-    if NORM:
-        scale = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-    g = _round_to(tl.sum(acc_g, axis=1) * scale, OUT_DTYPE, INTERP).to(tl.float32)
-    up = _round_to(tl.sum(acc_u, axis=1) * scale, OUT_DTYPE, INTERP).to(tl.float32)
+    g = _round_to(tl.sum(acc_g, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
+    up = _round_to(tl.sum(acc_u, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
     s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in x.dtype.
 
     x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32.
-
-    Fusions for a decode layer at batch 1, which save a norm kernel per GEMV:
-    - `norm_weight` [K] (one row of x only): F.linear(rms_norm(x) * norm_weight, weight), the
-      norm computed in fp32 while x streams in (the unfused path rounds the normalized row
-      to x.dtype first; this does not, so the two may differ by about one ulp of it); K is
-      not split, since the norm needs the whole row.
-    - `residual` [..., N]: F.linear(x, weight) + residual, rounded as that expression is.
 
     Meant for M = prod(x.shape[:-1]) <= 4 (see `use_gemv`); larger M works but
     re-reads W once per 4 rows. One or two launches, no host synchronisation.
@@ -390,20 +326,12 @@ def gemv(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m = x2.shape[0]
-    if norm_weight is not None:
-        assert m == 1 and norm_weight.shape == (k,), (tuple(x.shape), tuple(norm_weight.shape))
-        norm_weight = norm_weight.contiguous()
-    if residual is not None:
-        assert residual.shape == (*x.shape[:-1], n), (tuple(residual.shape), tuple(x.shape), n)
-        residual = residual.reshape(m, n).contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     if k == 0:
-        return (out.zero_() if residual is None else out.copy_(residual)).view(*x.shape[:-1], n)
+        return out.zero_().view(*x.shape[:-1], n)
     cfg = config or gemv_config(m, n, k, _num_sms(x.device))
-    if norm_weight is not None:
-        cfg = cfg.with_(split_k=1)
     block_m = min(m, MAX_M)
     step = cfg.block_k * cfg.unroll
     k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
@@ -417,9 +345,6 @@ def gemv(
         weight,
         out,
         ws,
-        x2 if norm_weight is None else norm_weight,  # (unused pointers get any tensor)
-        out if residual is None else residual,
-        eps,
         m,
         n,
         k,
@@ -434,8 +359,6 @@ def gemv(
         EVEN_K=k % k_split == 0,
         SPLIT=splits > 1,
         ACC_1D=cfg.acc_1d,
-        NORM=norm_weight is not None,
-        RESIDUAL=residual is not None,
         OUT_DTYPE=dtype,
         INTERP=interp,
         num_warps=cfg.num_warps,
@@ -445,16 +368,7 @@ def gemv(
         total = m * n
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(total, block),)](
-            ws,
-            out,
-            out if residual is None else residual,
-            total,
-            SPLITS=splits,
-            BLOCK=block,
-            RESIDUAL=residual is not None,
-            OUT_DTYPE=dtype,
-            INTERP=interp,
-            num_warps=4,
+            ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, num_warps=4
         )
     return out.view(*x.shape[:-1], n)
 
@@ -466,19 +380,11 @@ def glu_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=8, num_warps=8)
 
 
-def gemv_glu(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] with one row, weight [2I, K]
     holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in x.dtype.
 
-    At decode this saves the activation kernel's launch and its round trip through memory.
-    `norm_weight` [K]: x is first RMS-normalized and scaled by it, as in `gemv`."""
+    At decode this saves the activation kernel's launch and its round trip through memory."""
     k = x.shape[-1]
     assert x.numel() == k, "gemv_glu: one row of x"
     assert weight.dim() == 2 and weight.shape[1] == k and weight.shape[0] % 2 == 0, (
@@ -488,9 +394,6 @@ def gemv_glu(
     assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
     n = weight.shape[0] // 2
     x1 = x.reshape(k).contiguous()
-    if norm_weight is not None:
-        assert norm_weight.shape == (k,), (tuple(norm_weight.shape), k)
-        norm_weight = norm_weight.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
@@ -502,8 +405,6 @@ def gemv_glu(
         x1,
         weight,
         out,
-        x1 if norm_weight is None else norm_weight,
-        eps,
         n,
         k,
         weight.stride(0),
@@ -511,7 +412,6 @@ def gemv_glu(
         BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll,
         EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
-        NORM=norm_weight is not None,
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
         num_warps=cfg.num_warps,

@@ -21,23 +21,10 @@ class Linear(nn.Linear):
     decode_gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_gemv(x):
+        if self.decode_gemv and use_gemv(x, self.weight):
             y = gemv(x, self.weight)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
-
-    def takes_gemv(self, x: torch.Tensor) -> bool:
-        return self.decode_gemv and use_gemv(x, self.weight)
-
-    def normed(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """self(norm(x)) for one row on the GEMV path: the norm runs in the GEMV's prologue."""
-        y = gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps)
-        return y if self.bias is None else y + self.bias
-
-    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """self(x) + residual for one row on the GEMV path: the add runs in the GEMV's epilogue."""
-        assert self.bias is None
-        return gemv(x, self.weight, residual=residual)
 
 
 class RMSNorm(nn.Module):
@@ -99,16 +86,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, norm: RMSNorm | None = None
-    ) -> torch.Tensor:
-        """Attention of the normalized hidden states x; or, given `norm` (one token on the GEMV
-        path), x is the residual stream, normalized in the qkv GEMV, and the result is the
-        stream after the residual add (done in o_proj's epilogue)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         t = x.shape[0]
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.normed(x, norm)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.heads, self.head_dim)
         k = k.reshape(t, self.kv_heads, self.head_dim)
         v = v.reshape(t, self.kv_heads, self.head_dim)
@@ -121,9 +102,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m,
         )
-        if norm is None:
-            return self.o_proj(o.reshape(t, self.q_size))
-        return self.o_proj.plus(o.reshape(t, self.q_size), x)
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -132,16 +111,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """The MLP of the normalized hidden states x; or, given `norm` (one token on the GEMV
-        path), of norm(x) for the residual stream x, returning the stream after the add."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if norm is not None:
-            # the norm in gate_up's prologue, the activation in its epilogue, the residual add
-            # in down's epilogue: two launches and their round trips fewer than the unfused path
-            act = gemv_glu(x, gate_up.weight, norm_weight=norm.weight, eps=norm.eps)
-            return self.down_proj.plus(act, x)
-        if gate_up.takes_gemv(x):
+        if gate_up.decode_gemv and use_gemv(x, gate_up.weight):
             # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
             # one round trip through memory fewer per layer)
             return self.down_proj(gemv_glu(x, gate_up.weight))

@@ -44,13 +44,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, positions, x, residual, cos_sin):
-        if residual is None and self.self_attn.qkv_proj.takes_gemv(x):
-            # one token on the GEMV path: x is the residual stream itself; each norm runs in
-            # the prologue of the GEMV that reads it and each residual add in the epilogue of
-            # the GEMV that produces it (two RMSNorm launches fewer per layer). The stream
-            # passes on as x with residual None, so every layer takes this path.
-            h = self.self_attn(positions, x, cos_sin, norm=self.input_layernorm)
-            return self.mlp(h, norm=self.post_attention_layernorm), None
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -87,8 +80,6 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, self.cos_sin)
-        if residual is None:  # the one-token GEMV path: x is the residual stream
-            return self.norm(x)
         x, _ = self.norm(x, residual)
         return x
 

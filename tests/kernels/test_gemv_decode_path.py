@@ -1,10 +1,10 @@
 """The model's one-token GEMV decode path gives the tokens of the unfused path.
 
-At batch 1 on CUDA every linear layer runs `kernels.gemv`, each RMSNorm runs in the
-prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
-that produces it (streamer/model/llama.py, DecoderLayer). Here that path runs on CPU
-through the Triton interpreter: the GEMV switch is opened to CPU tensors, and greedy
-tokens and logprobs are compared in float32 with the engine's usual CPU path.
+At batch 1 on CUDA every linear layer runs `kernels.gemv`, and the MLP's gate_up
+projection `gemv_glu` with the activation in its epilogue (streamer/model/layers.py).
+Here that path runs on CPU through the Triton interpreter: the GEMV switch is opened
+to CPU tensors, and greedy tokens and logprobs are compared in float32 with the
+engine's usual CPU path (F.linear and the torch references).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.kernels.device import CUDA
 
 @pytest.mark.skipif(CUDA, reason="the CPU run of the GEMV path (on a GPU, tests/gpu covers it)")
 def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
-    # Qwen2: the Llama decoder plus the qkv bias, which the normed GEMV adds after its epilogue
+    # Qwen2: the Llama decoder plus the qkv bias, added after the GEMV
     path = make_tiny_model(tmp_path / "m", "Qwen2ForCausalLM", None, vocab_size=512)
     prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
@@ -30,20 +30,25 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
             return llm.generate([prompt], params)[0]
 
     ref = run()
-    calls = {"norm": 0, "residual": 0}
-    gemv = layers.gemv
+    calls = {"gemv": 0, "gemv_glu": 0}
 
-    def counting_gemv(x, w, config=None, **kw):
-        calls["norm"] += kw.get("norm_weight") is not None
-        calls["residual"] += kw.get("residual") is not None
-        return gemv(x, w, config, **kw)
+    def counting(name):
+        kernel = getattr(layers, name)
 
-    monkeypatch.setattr(layers, "gemv", counting_gemv)
+        def call(*args, **kw):
+            calls[name] += 1
+            return kernel(*args, **kw)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(layers, name, counting(name))
     monkeypatch.setattr(layers, "use_gemv", lambda x, w: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
-    # 5 decode steps of one token, 2 layers: a normed qkv and two residual epilogues per layer
-    assert calls == {"norm": 5 * 2, "residual": 5 * 2 * 2}
+    # 5 decode steps of one token, 2 layers: qkv, o and down per layer and the LM head, gate_up
+    # and its activation in gemv_glu; and the prefill's LM head (one row: the last position)
+    assert calls == {"gemv": 5 * (3 * 2 + 1) + 1, "gemv_glu": 5 * 2}
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
