@@ -127,3 +127,26 @@ def paged_attention(
         )
         out[q0:q1] = o.transpose(0, 1)
     return out
+
+
+def masked_draw(logits: torch.Tensor, words: torch.Tensor | None, params: torch.Tensor) -> torch.Tensor:
+    """kernels.sampling.draw in torch (params float64 [4, N]: u, temperature, min_p, constrained)."""
+    n, v = logits.shape
+    u, temp, min_p, constrained = params.cpu().to(logits.device)
+    x = logits.float().clone()
+    if words is not None:
+        t = torch.arange(v, device=x.device)
+        w = t // 32
+        bits = (words[:n, w.clamp(max=words.shape[1] - 1)] >> (t % 32)) & 1
+        allowed = (bits != 0) & (w < words.shape[1])
+        x = torch.where(allowed | (constrained[:, None] == 0), x, float("-inf"))
+    greedy = x.argmax(-1)
+    top = x.amax(-1, keepdim=True)
+    p = ((x - top) / temp.clamp(min=1e-6).float()[:, None]).exp()
+    p = torch.where(p >= min_p.float()[:, None], p, 0.0)
+    cdf = p.double().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    j = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)
+    drawn = torch.minimum(j, last).clamp_(max=v - 1).squeeze(1)
+    return torch.where(temp > 0, drawn, greedy)

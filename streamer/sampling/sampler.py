@@ -9,6 +9,11 @@ Both masks set logits to -inf, so their order does not matter, except that a
 ban never empties a row: when the grammar allows only banned tokens (it must
 end, min_tokens says not yet) the grammar wins and the ban is dropped.
 
+On CUDA, a batch without top-k / top-p rows, bans or logprobs is drawn by one kernel
+(kernels.sampling.draw: bitmask, temperature, min-p and the inverse-CDF draw as it
+reads the logits, on the rows whose request has a grammar); the torch path below is
+its definition and the path of every other batch.
+
 Greedy rows (temperature 0) take the argmax of the processed logits; a batch
 of greedy rows without penalties, masks or logprobs takes a pure argmax fast
 path. Every step is vectorized over the batch: per-row knobs become [rows]
@@ -68,6 +73,10 @@ class DrawInputs:
     rows_t: Any = None
     plain_t: Any = None
     filt_t: Any = None
+    kernel: Any = None
+    """float64 [4, n] on the device when the whole draw runs as kernels.sampling.draw: per row
+    u, temperature (0 = argmax), min_p and 1.0 where the grammar bitmask applies."""
+    kernel_min_p: bool = False
 
 
 @dataclass
@@ -116,6 +125,9 @@ class Sampler:
         # grammar bitmasks (1 MB at batch 64 and a 128k vocabulary) go up through pinned
         # buffers: from pageable memory the copy waited for the forward in flight
         self.staging = PinnedRing() if self.device.type == "cuda" else None
+        self.one_kernel = self.device.type == "cuda"
+        """Draw with kernels.sampling where a batch allows it (CPU: the torch path; tests may
+        turn it on there, to run the kernel through the Triton interpreter)."""
 
     def forget(self, request_id: str) -> None:
         """Kept for callers; seeded draws hold no per-request state."""
@@ -141,16 +153,21 @@ class Sampler:
         edits = masked or arithmetic or any(inp.banned)
         if not edits and all(p.greedy and p.logprobs is None for p in params):
             return Plan(logits, inp, done=logits.argmax(-1))
-        if logits.dtype != torch.float32:
+        # On CUDA the common case (no top-k / top-p, bans or logprobs) is one kernel that applies
+        # the bitmask while it reads the logits (kernels.sampling): nothing is written to them
+        one_kernel = self.one_kernel and not any(inp.banned) and all(_one_kernel_row(p, logits.shape[1]) for p in params)
+        if logits.dtype != torch.float32 and not one_kernel:
             logits = logits.float()
-        elif edits:
-            logits = logits.clone()
+        elif arithmetic or (edits and not one_kernel):
+            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
         if arithmetic:
             self._bias_and_penalties(logits, inp)
             # Valid but extreme knobs (a repetition penalty of 1e-300 is 0 in float32) can
             # overflow: keep every logit finite or -inf, so no row turns into NaN. (Masks and
             # bans, applied later, only write -inf: nothing to do for them.)
             logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
+        if one_kernel:
+            return Plan(logits, inp, draw=self._kernel_inputs(logits, inp))
         return Plan(logits, inp, draw=self._draw_inputs(logits, inp))
 
     def finish(self, plan: Plan, bitmask: torch.Tensor | None) -> torch.Tensor | list[SampledToken]:
@@ -158,8 +175,10 @@ class Sampler:
         if plan.done is not None:
             return plan.done
         logits, inp = plan.logits, plan.inp
-        self._mask_and_ban(logits, inp, bitmask)
         assert plan.draw is not None
+        if plan.draw.kernel is not None:
+            return self._kernel_draw(logits, plan.draw, bitmask, inp.params)
+        self._mask_and_ban(logits, inp, bitmask)
         chosen = self._draw(logits, plan.draw)
         if all(p.logprobs is None for p in inp.params):
             return chosen
@@ -278,6 +297,39 @@ class Sampler:
         idx = _t(rows + d.plain + d.filt, dev)
         d.rows_t, d.plain_t, d.filt_t = idx[:k], idx[k : k + len(d.plain)], idx[k + len(d.plain) :]
         return d
+
+    def _kernel_inputs(self, logits: torch.Tensor, inp: SampleInputs) -> DrawInputs:
+        """`_draw_inputs` for kernels.sampling.draw: every row's knobs in one upload. The
+        uniforms are drawn exactly as there (same generator calls, same seeded values)."""
+        params = inp.params
+        n = logits.shape[0]
+        hist = inp.histories
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        d = DrawInputs(n, rows)
+        u = torch.rand(len(rows), dtype=torch.float64).tolist() if rows else []
+        vals = [0.0] * (4 * n)
+        for j, i in enumerate(rows):
+            p = params[i]
+            vals[i] = u[j] if p.seed is None else draw_uniform(p.seed, len(hist[i]) if i < len(hist) else 0)
+            vals[n + i] = max(p.temperature, MIN_TEMPERATURE)
+            vals[2 * n + i] = p.min_p
+            d.kernel_min_p |= p.min_p > 0
+        for i, p in enumerate(params):
+            vals[3 * n + i] = 1.0 if p.grammar is not None else 0.0
+        d.kernel = _up(vals, logits.device, torch.float64).view(4, n)
+        return d
+
+    def _kernel_draw(
+        self, logits: torch.Tensor, d: DrawInputs, bitmask: torch.Tensor | None, params: list[SamplingParams]
+    ) -> torch.Tensor:
+        from kernels.sampling import draw
+
+        words = None
+        if bitmask is not None and any(p.grammar is not None for p in params):
+            if bitmask.shape[0] < d.n:  # (a row without its mask row is unconstrained)
+                bitmask = torch.cat([bitmask, bitmask.new_full((d.n - bitmask.shape[0], bitmask.shape[1]), -1)])
+            words = upload_bitmask(bitmask, logits.device, self.staging)
+        return draw(logits, words, d.kernel, d.kernel_min_p)
 
     def _draw(self, logits: torch.Tensor, d: DrawInputs) -> torch.Tensor:
         n, rows = d.n, d.rows
@@ -431,6 +483,20 @@ _BITS = torch.arange(32, dtype=torch.int32)
 _xgr_apply_ok = True
 
 
+def upload_bitmask(bitmask: torch.Tensor, device: torch.device, staging: PinnedRing | None) -> torch.Tensor:
+    """The bitmask on `device`; a host mask going to the GPU through pinned staging buffers."""
+    if staging is not None and device.type == "cuda" and not bitmask.is_cuda:
+        host = staging.take(bitmask.numel(), torch.int32).view(bitmask.shape)
+        host.copy_(bitmask)
+        return staging.upload(host, device)
+    return bitmask.to(device, non_blocking=True)
+
+
+def _one_kernel_row(p: SamplingParams, v: int) -> bool:
+    """A row kernels.sampling.draw can sample: no top-k / top-p filter and no logprobs."""
+    return p.logprobs is None and (p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1.0))
+
+
 def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None, staging: PinnedRing | None = None
 ) -> None:
@@ -444,12 +510,7 @@ def apply_bitmask(
     """
     global _xgr_apply_ok
     v = logits.shape[1]
-    if staging is not None and logits.is_cuda and not bitmask.is_cuda:
-        host = staging.take(bitmask.numel(), torch.int32).view(bitmask.shape)
-        host.copy_(bitmask)
-        words = staging.upload(host, logits.device)
-    else:
-        words = bitmask.to(logits.device, non_blocking=True)
+    words = upload_bitmask(bitmask, logits.device, staging)
     if logits.is_cuda and words.shape[0] >= logits.shape[0]:
         from kernels.bitmask import apply_bitmask_
 
