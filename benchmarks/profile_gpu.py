@@ -4,6 +4,7 @@
     python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
+    python3 benchmarks/profile_gpu.py grammar --model DIR  # device work of JSON-constrained steps
 
 The host profile samples every thread's Python stack each millisecond
 (sys._current_frames) and prints the functions with the most samples, self and
@@ -133,6 +134,48 @@ def profile_step(only: int | None = None) -> None:
         torch.cuda.empty_cache()
 
 
+def _device_table(prof, steps: int, title: str, top: int = 14) -> None:
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            totals[ev.name[:70]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            counts[ev.name[:70]] += 1
+    whole = sum(totals.values())
+    print(f"\n== {title}: {steps} steps, device time {whole / 1e3:.2f} ms ({whole / 1e3 / steps:.3f} ms/step)")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / 1e3 / steps:8.3f} ms/step {100 * us / whole:5.1f}%  x{counts[name] / steps:5.1f}  {name}")
+
+
+def profile_grammar(model: str, n: int = 64, tokens: int = 40) -> None:
+    """Device work per step of a batch of n, unconstrained against the JSON schema of
+    grammar_bench.py (masks deferred, jump-forward off), CUDA graphs on: which kernels and
+    copies a constrained step adds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.grammar_bench import PROMPT, SCHEMA
+    from streamer import LLM
+    from streamer.messages import GrammarSpec, SamplingParams
+
+    llm = LLM(model, load_format="dummy")
+    llm.engine.scheduler.jump_forward = False
+    spec = GrammarSpec("json_schema", __import__("json").dumps(SCHEMA))
+    runs = {
+        "unconstrained": [SamplingParams(max_tokens=tokens, temperature=0.7, seed=i, ignore_eos=True) for i in range(n)],
+        "json": [SamplingParams(max_tokens=tokens, temperature=0.7, seed=i, grammar=spec) for i in range(n)],
+    }
+    for params in runs.values():  # warm-up: graphs, Triton, the grammar's compilation
+        llm.generate([PROMPT] * n, params)
+    for name, params in runs.items():
+        torch.cuda.synchronize()
+        s0 = llm.stats().steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate([PROMPT] * n, params)
+            torch.cuda.synchronize()
+        _device_table(prof, llm.stats().steps - s0, f"{name}, batch {n}")
+    llm.close()
+
+
 class StackSampler:
     """Counts, per thread, the Python functions on the stack every `interval` seconds."""
 
@@ -246,7 +289,8 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu", "serve"])
+    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B)")
     a = p.parse_args()
@@ -256,6 +300,8 @@ def main() -> None:
         bench_attn()
     elif a.part == "step":
         profile_step(a.case)
+    elif a.part == "grammar":
+        profile_grammar(a.model)
     elif a.part == "serve":
         profile_serve_host(a.n)
     else:
