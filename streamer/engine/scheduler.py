@@ -100,6 +100,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pool: PagePool, max_model_len: int, vocab_size: int = 0) -> None:
         self.config = config
         self.vocab_size = vocab_size
+        self.pin_masks = pool.k.is_cuda  # grammar bitmasks are filled in pinned memory for the GPU
         """Width of the grammar bitmasks."""
         self.pool = pool
         self.tree = RadixCache(pool)
@@ -365,7 +366,7 @@ class Scheduler:
             else None
             for r in sampling
         ]
-        return fill_bitmask(states, self.vocab_size)
+        return fill_bitmask(states, self.vocab_size, pin=self.pin_masks)
 
     def fill_deferred(self, step: int) -> MaskFill:
         """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they

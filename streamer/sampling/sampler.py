@@ -484,8 +484,9 @@ _xgr_apply_ok = True
 
 
 def upload_bitmask(bitmask: torch.Tensor, device: torch.device, staging: PinnedRing | None) -> torch.Tensor:
-    """The bitmask on `device`; a host mask going to the GPU through pinned staging buffers."""
-    if staging is not None and device.type == "cuda" and not bitmask.is_cuda:
+    """The bitmask on `device`; a host mask going to the GPU through pinned staging buffers
+    unless it is pinned already (the scheduler fills it so)."""
+    if staging is not None and device.type == "cuda" and not bitmask.is_cuda and not bitmask.is_pinned():
         host = staging.take(bitmask.numel(), torch.int32).view(bitmask.shape)
         host.copy_(bitmask)
         return staging.upload(host, device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.sampling import draw
+from kernels.sampling import BLOCK, draw
 from tests.kernels.device import DEVICE, cuda
 
 
@@ -28,15 +28,16 @@ def _case(n, v, seed, *, width=None, dtype=torch.float32):
     return logits.to(DEVICE), words.to(DEVICE), params.to(DEVICE)
 
 
-@pytest.mark.parametrize("v", [5000, 777], ids=["3_blocks", "ragged"])
+@pytest.mark.parametrize("v", [5000, 777], ids=["5000", "777"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_draw_matches_reference(v, seed):
+@pytest.mark.parametrize("block", [256, BLOCK], ids=["many_blocks", "one_block"])
+def test_draw_matches_reference(v, seed, block):
     logits, words, params = _case(6, v, seed)
     for w, mp in ((words, True), (None, True), (words, False)):
         p = params.clone()
         if not mp:
             p[2] = 0
-        got = draw(logits, w, p, min_p=mp)
+        got = draw(logits, w, p, min_p=mp, block=block)
         assert got.dtype == torch.int64 and got.shape == (6,)
         assert got.tolist() == reference.masked_draw(logits, w, p).tolist()
 
@@ -66,7 +67,7 @@ def test_draw_frequencies_follow_softmax():
     u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
     params = torch.stack([u, torch.full((n,), 0.8, dtype=torch.float64), torch.zeros(n, dtype=torch.float64),
                           torch.zeros(n, dtype=torch.float64)]).to(DEVICE)
-    counts = torch.bincount(draw(logits, None, params, min_p=False).cpu(), minlength=v).double() / n
+    counts = torch.bincount(draw(logits, None, params, min_p=False, block=16).cpu(), minlength=v).double() / n
     probs = torch.softmax(logits[0].cpu().double() / 0.8, -1)
     assert (counts - probs).abs().max() <= 1.0 / n + 1e-9
 
@@ -76,7 +77,7 @@ def test_draw_edges_mask_width_bf16_and_dead_rows():
     logits; a row with nothing allowed still returns a valid id; empty batch."""
     logits, words, params = _case(4, 1000, 7, width=20, dtype=torch.bfloat16)  # 640 < 1000 tokens
     params[1] = 1.0
-    got = draw(logits, words, params, min_p=True)
+    got = draw(logits, words, params, min_p=True, block=128)
     assert got.tolist() == reference.masked_draw(logits, words, params).tolist()
     assert all(t < 640 for t in got[::2].tolist())
     words[1].zero_()
