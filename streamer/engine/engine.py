@@ -132,7 +132,7 @@ class AsyncEngine:
             return
         self.q_tok: asyncio.Queue = asyncio.Queue()
         self.q_sched: asyncio.Queue = asyncio.Queue()
-        self.q_exec: asyncio.Queue = asyncio.Queue()
+        self.q_exec = executor.Inbox()
         self.q_detok: asyncio.Queue = asyncio.Queue()
         actors = {
             "tokenizer": tokenizer.run(self.tokenizer, self.q_tok, self.q_sched, self.q_detok),

@@ -1,6 +1,7 @@
 """Executor actor: owns the ModelRunner; launches steps and collects their tokens.
 
-Inbox:  Batch, MaskFill (from the scheduler), None to stop.
+Inbox:  Batch, MaskFill (from the scheduler), None to stop; an `Inbox`, which hands a
+        MaskFill straight to the launch thread instead of queueing it for the loop.
 Outbox: StepOutput -> scheduler inbox, in the order of the batches.
 Invariants:
   - the model runs only in the "launch" worker thread, so the event loop keeps
@@ -9,8 +10,10 @@ Invariants:
     running; a second thread waits for each launched step's tokens, so waiting
     never holds up the next launch (the device always has queued work when the
     scheduler keeps up);
-  - a batch sent with masks_deferred runs its forward at once and samples when
-    its MaskFill arrives (which the scheduler sends before any later batch);
+  - a batch sent with masks_deferred runs its forward at once; then the launch
+    thread waits for its MaskFill (which the scheduler sends before any later
+    batch) and samples the moment it arrives: no hop through the event loop,
+    which may be busy (streaming, detokenizing) while the device waits;
   - a failing step becomes a StepOutput with `error` set (its requests fail,
     the engine lives on).
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from streamer.messages import Batch, MaskFill, StepOutput
 from streamer.model.runner import Launched, ModelRunner
@@ -33,57 +38,74 @@ def _failed(step: int, e: BaseException) -> StepOutput:
     return StepOutput(step, [], error=f"internal error in model step: {e}")
 
 
-async def run(runner: ModelRunner, inbox: asyncio.Queue, to_scheduler: asyncio.Queue) -> None:
+class Inbox(asyncio.Queue[Any]):
+    """The executor's inbox: an asyncio queue, except that a MaskFill goes to a thread-safe
+    queue that the launch thread reads while a step waits for its masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fills: queue.SimpleQueue[MaskFill | None] = queue.SimpleQueue()
+
+    def put_nowait(self, item: Any) -> None:
+        if isinstance(item, MaskFill):
+            self.fills.put(item)
+        else:
+            super().put_nowait(item)
+
+
+async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) -> None:
     loop = asyncio.get_running_loop()
-    awaiting: Launched | None = None  # forward done, waiting for its MaskFill
     last: asyncio.Task | None = None  # the newest collection: outputs leave in step order
 
     waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-wait")
 
-    def collect(item: Launched | StepOutput) -> None:
+    def collect(step: int, item: Launched | StepOutput | asyncio.Future) -> None:
         nonlocal last
         prev = last
 
         async def deliver() -> None:
             out: StepOutput
-            if isinstance(item, StepOutput):
-                out = item
-            else:
-                try:
-                    out = await loop.run_in_executor(waiter, runner.collect, item)
-                except Exception as e:  # noqa: BLE001
-                    out = _failed(item.step, e)
+            got = item
+            try:
+                if isinstance(got, asyncio.Future):
+                    got = await got  # sampled on the launch thread once its masks came
+                if isinstance(got, StepOutput):
+                    out = got
+                else:
+                    out = await loop.run_in_executor(waiter, runner.collect, got)
+            except Exception as e:  # noqa: BLE001
+                out = _failed(step, e)
             if prev is not None:
                 await prev
             to_scheduler.put_nowait(out)
 
         last = asyncio.create_task(deliver())
 
+    def sample_when_masked(pending: Launched) -> Launched | StepOutput:
+        """On the launch thread, right after the forward of `pending`: wait for its MaskFill
+        and sample. Later batches queue behind this in the thread, so they launch after it."""
+        while True:
+            fill = inbox.fills.get()
+            if fill is None:
+                return StepOutput(pending.step, [], error="the engine stopped before this step's grammar masks")
+            if fill.step == pending.step:
+                return runner.sample(pending, fill.masks)
+            # an earlier step's fill: that step failed at launch and its error has been sent
+
     with waiter, ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
         while True:
-            msg: Batch | MaskFill | None = await inbox.get()
+            msg: Batch | None = await inbox.get()
             if msg is None:
+                inbox.fills.put(None)  # (a step still waiting for masks gives up)
                 if last is not None:
                     await last
                 return
             item: Launched | StepOutput
-            if isinstance(msg, MaskFill):
-                # the forward of this step ran while the scheduler filled its masks
-                if awaiting is None or awaiting.step != msg.step:
-                    continue  # that step failed already and its error has been sent
-                pending, awaiting = awaiting, None
-                try:
-                    item = await loop.run_in_executor(thread, runner.sample, pending, msg.masks)
-                except Exception as e:  # noqa: BLE001
-                    item = _failed(msg.step, e)
-                collect(item)
-                continue
-            assert awaiting is None, "a batch arrived before the masks of the one in flight"
             try:
                 item = await loop.run_in_executor(thread, runner.launch, msg)
             except Exception as e:  # noqa: BLE001 - reported to the requests of this step
                 item = _failed(msg.step, e)
             if isinstance(item, Launched) and item.awaiting_masks:
-                awaiting = item
+                collect(msg.step, loop.run_in_executor(thread, sample_when_masked, item))
             else:
-                collect(item)
+                collect(msg.step, item)

@@ -740,10 +740,8 @@ async def run(
                 deltas.extend(sched.process(done, msg))
                 if in_flight and in_flight[0].masks_deferred:
                     # the next step's forward is running: its masks are filled now, on the CPU,
-                    # and the executor gets the loop at once to hand the sampling to its
-                    # thread (the device may be waiting), not after this iteration's other work
+                    # and go straight to the executor's launch thread (executor.Inbox)
                     to_executor.put_nowait(sched.fill_deferred(in_flight[0].step))
-                    await asyncio.sleep(0)
             elif isinstance(msg, Abort | Finish):
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:

@@ -1,6 +1,7 @@
 """The executor actor against a scripted runner: outputs leave in step order whatever
 order the waits end in; a batch with deferred masks samples only when its MaskFill
-arrives; a step that fails becomes an error output and the actor keeps going."""
+arrives (handed to the launch thread directly, whatever the event loop is doing); a step
+that fails becomes an error output and the actor keeps going."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def batch(step: int, deferred: bool = False) -> Batch:
 
 
 async def drive(runner: ScriptedRunner, messages: list, expect: int) -> list[StepOutput]:
-    inbox: asyncio.Queue = asyncio.Queue()
+    inbox = executor.Inbox()
     out: asyncio.Queue = asyncio.Queue()
     task = asyncio.create_task(executor.run(runner, inbox, out))
     for m in messages:
@@ -95,3 +96,56 @@ def test_a_failing_step_reports_an_error_and_its_mask_fill_is_ignored():
     assert got[1].error is not None and "boom in step 2" in got[1].error
     assert got[0].error is None and got[2].error is None
     assert ("sample", 2) not in runner.events
+
+
+def test_a_stale_mask_fill_is_skipped_by_the_next_waiting_step():
+    """Step 2 fails at launch, its MaskFill still comes; deferred step 3 takes its own."""
+    runner = ScriptedRunner(fail={2})
+    msgs = [batch(2, deferred=True), MaskFill(2, "mask-2"), batch(3, deferred=True), MaskFill(3, "mask-3")]
+    got = asyncio.run(drive(runner, msgs, 2))
+    assert [(o.step, o.error is None) for o in got] == [(2, False), (3, True)]
+    assert got[1].sampled[0].token_id == 103 and ("sample", 2) not in runner.events
+
+
+def test_the_mask_fill_reaches_the_launch_thread_while_the_event_loop_is_busy():
+    """The scheduler fills the masks on the loop, then the loop stays busy (streaming, say):
+    the sampling happens meanwhile, without a turn of the loop."""
+    runner = ScriptedRunner()
+
+    async def scenario() -> StepOutput:
+        inbox = executor.Inbox()
+        out: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(executor.run(runner, inbox, out))
+        inbox.put_nowait(batch(1, deferred=True))
+        while ("launch", 1) not in runner.events:
+            await asyncio.sleep(0.001)
+        inbox.put_nowait(MaskFill(1, "mask-1"))
+        deadline = time.monotonic() + 2
+        while ("sample", 1) not in runner.events and time.monotonic() < deadline:
+            time.sleep(0.001)  # blocks the event loop
+        assert ("sample", 1) in runner.events
+        got = await asyncio.wait_for(out.get(), 5)
+        inbox.put_nowait(None)
+        await asyncio.wait_for(task, 5)
+        return got
+
+    assert asyncio.run(scenario()).sampled[0].token_id == 101
+
+
+def test_stopping_while_a_step_waits_for_its_masks():
+    """The waiting launch thread is released: the step ends with an error and the actor stops."""
+    runner = ScriptedRunner()
+
+    async def scenario() -> StepOutput:
+        inbox = executor.Inbox()
+        out: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(executor.run(runner, inbox, out))
+        inbox.put_nowait(batch(1, deferred=True))
+        while ("launch", 1) not in runner.events:
+            await asyncio.sleep(0.001)
+        inbox.put_nowait(None)
+        await asyncio.wait_for(task, 5)
+        return out.get_nowait()
+
+    got = asyncio.run(scenario())
+    assert got.step == 1 and got.error is not None and ("sample", 1) not in runner.events
