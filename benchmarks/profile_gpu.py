@@ -118,17 +118,7 @@ def profile_step(only: int | None = None) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, sp)  # prompts cached: one short prefill, then decodes
             torch.cuda.synchronize()
-        totals: dict[str, float] = collections.defaultdict(float)
-        counts: dict[str, int] = collections.defaultdict(int)
-        for ev in prof.events():
-            if ev.device_type.name == "CUDA":
-                totals[ev.name[:70]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-                counts[ev.name[:70]] += 1
-        whole = sum(totals.values())
-        print(f"\n== {model} bs={bs} ctx={ctx}: {steps} decode steps, GPU kernel time {whole / 1e3:.2f} ms "
-              f"({whole / 1e3 / steps:.3f} ms/step incl. one prefill)")
-        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
-            print(f"  {us / 1e3 / steps:8.3f} ms/step {100 * us / whole:5.1f}%  x{counts[name] / steps:5.1f}  {name}")
+        _device_table(prof, steps, f"{model} bs={bs} ctx={ctx}: decode steps (incl. one prefill)")
         llm.close()
         del llm
         torch.cuda.empty_cache()

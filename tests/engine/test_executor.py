@@ -107,18 +107,24 @@ def test_a_stale_mask_fill_is_skipped_by_the_next_waiting_step():
     assert got[1].sampled[0].token_id == 103 and ("sample", 2) not in runner.events
 
 
+async def launched_deferred(runner: ScriptedRunner):
+    """The actor running, with deferred step 1 launched: (inbox, outbox, task)."""
+    inbox = executor.Inbox()
+    out: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(executor.run(runner, inbox, out))
+    inbox.put_nowait(batch(1, deferred=True))
+    while ("launch", 1) not in runner.events:
+        await asyncio.sleep(0.001)
+    return inbox, out, task
+
+
 def test_the_mask_fill_reaches_the_launch_thread_while_the_event_loop_is_busy():
     """The scheduler fills the masks on the loop, then the loop stays busy (streaming, say):
     the sampling happens meanwhile, without a turn of the loop."""
     runner = ScriptedRunner()
 
     async def scenario() -> StepOutput:
-        inbox = executor.Inbox()
-        out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(executor.run(runner, inbox, out))
-        inbox.put_nowait(batch(1, deferred=True))
-        while ("launch", 1) not in runner.events:
-            await asyncio.sleep(0.001)
+        inbox, out, task = await launched_deferred(runner)
         inbox.put_nowait(MaskFill(1, "mask-1"))
         deadline = time.monotonic() + 2
         while ("sample", 1) not in runner.events and time.monotonic() < deadline:
@@ -137,12 +143,7 @@ def test_stopping_while_a_step_waits_for_its_masks():
     runner = ScriptedRunner()
 
     async def scenario() -> StepOutput:
-        inbox = executor.Inbox()
-        out: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(executor.run(runner, inbox, out))
-        inbox.put_nowait(batch(1, deferred=True))
-        while ("launch", 1) not in runner.events:
-            await asyncio.sleep(0.001)
+        inbox, out, task = await launched_deferred(runner)
         inbox.put_nowait(None)
         await asyncio.wait_for(task, 5)
         return out.get_nowait()
