@@ -82,7 +82,7 @@ class Stream:
         self.text = IncrementalText(hf_tokenizer, params.skip_special_tokens)
         self.stops = [s for s in params.stop if s]
         self.queue = queue
-        self.full = ""
+        self.full = ""  # the text so far, kept only to find stop strings in it
         self.sent = 0
         self.completion_tokens = 0
         self.prompt_tokens = 0
@@ -95,6 +95,8 @@ class Stream:
         self.completion_tokens += len(d.token_ids)
         final = d.finish_reason is not None
         piece = self.text.push(d.token_ids, final=final)
+        if not self.stops:  # nothing to search or hold back: the new text goes out as it is
+            return self._output(d, piece, final, d.finish_reason), False
         start = max(0, len(self.full) - max((len(s) for s in self.stops), default=0))
         self.full += piece
         reason, stopped = d.finish_reason, False
@@ -104,10 +106,15 @@ class Stream:
             end, reason, stopped, final = min(hits), "stop", True, True
         elif not final:
             end -= _held_back(self.full, self.stops)
-        out = RequestOutput(
+        out = self._output(d, self.full[self.sent : end], final, reason)
+        self.sent = max(self.sent, end)
+        return out, stopped
+
+    def _output(self, d: TokenDelta, text: str, final: bool, reason: str | None) -> RequestOutput:
+        return RequestOutput(
             d.request_id,
             d.token_ids,
-            self.full[self.sent : end],
+            text,
             finished=final,
             finish_reason=reason if final else None,
             prompt_tokens=self.prompt_tokens,
@@ -118,8 +125,6 @@ class Stream:
             prompt_logprobs=d.prompt_logprobs,
             queue_time=d.queue_time,
         )
-        self.sent = max(self.sent, end)
-        return out, stopped
 
 
 async def run(hf_tokenizer: Any, inbox: asyncio.Queue, to_scheduler: asyncio.Queue) -> None:
