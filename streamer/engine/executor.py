@@ -93,19 +93,24 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) ->
             # an earlier step's fill: that step failed at launch and its error has been sent
 
     with waiter, ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
-        while True:
-            msg: Batch | None = await inbox.get()
-            if msg is None:
-                inbox.fills.put(None)  # (a step still waiting for masks gives up)
-                if last is not None:
-                    await last
-                return
-            item: Launched | StepOutput
-            try:
-                item = await loop.run_in_executor(thread, runner.launch, msg)
-            except Exception as e:  # noqa: BLE001 - reported to the requests of this step
-                item = _failed(msg.step, e)
-            if isinstance(item, Launched) and item.awaiting_masks:
-                collect(msg.step, loop.run_in_executor(thread, sample_when_masked, item))
-            else:
-                collect(msg.step, item)
+        try:
+            while True:
+                msg: Batch | None = await inbox.get()
+                if msg is None:
+                    inbox.fills.put(None)  # (a step still waiting for masks gives up)
+                    if last is not None:
+                        await last
+                    return
+                item: Launched | StepOutput
+                try:
+                    item = await loop.run_in_executor(thread, runner.launch, msg)
+                except Exception as e:  # noqa: BLE001 - reported to the requests of this step
+                    item = _failed(msg.step, e)
+                if isinstance(item, Launched) and item.awaiting_masks:
+                    collect(msg.step, loop.run_in_executor(thread, sample_when_masked, item))
+                else:
+                    collect(msg.step, item)
+        finally:
+            # cancelled (or failed) with a step waiting for masks: release the launch thread,
+            # or the pool's shutdown on the way out would wait for it forever
+            inbox.fills.put(None)

@@ -150,3 +150,16 @@ def test_stopping_while_a_step_waits_for_its_masks():
 
     got = asyncio.run(scenario())
     assert got.step == 1 and got.error is not None and ("sample", 1) not in runner.events
+
+
+def test_cancelling_the_actor_while_a_step_waits_for_its_masks():
+    """The waiting launch thread is released, so the actor's thread pool shuts down."""
+    runner = ScriptedRunner()
+
+    async def scenario() -> None:
+        _, _, task = await launched_deferred(runner)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done, "the actor hung on its thread pool's shutdown"
+
+    asyncio.run(scenario())
