@@ -77,6 +77,8 @@ class DrawInputs:
     """float64 [4, n] on the device when the whole draw runs as kernels.sampling.draw: per row
     u, temperature (0 = argmax), min_p and 1.0 where the grammar bitmask applies."""
     kernel_min_p: bool = False
+    kernel_masked: bool = False
+    """Some row has a grammar (the kernel reads the bitmask)."""
 
 
 @dataclass
@@ -156,10 +158,11 @@ class Sampler:
         # On CUDA the common case (no top-k / top-p, bans or logprobs) is one kernel that applies
         # the bitmask while it reads the logits (kernels.sampling): nothing is written to them
         one_kernel = self.one_kernel and not any(inp.banned) and all(_one_kernel_row(p, logits.shape[1]) for p in params)
-        if logits.dtype != torch.float32 and not one_kernel:
+        writes = arithmetic or (edits and not one_kernel)  # (the torch path masks in place)
+        if logits.dtype != torch.float32 and (writes or not one_kernel):
             logits = logits.float()
-        elif arithmetic or (edits and not one_kernel):
-            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+        elif writes:
+            logits = logits.clone()
         if arithmetic:
             self._bias_and_penalties(logits, inp)
             # Valid but extreme knobs (a repetition penalty of 1e-300 is 0 in float32) can
@@ -177,7 +180,7 @@ class Sampler:
         logits, inp = plan.logits, plan.inp
         assert plan.draw is not None
         if plan.draw.kernel is not None:
-            return self._kernel_draw(logits, plan.draw, bitmask, inp.params)
+            return self._kernel_draw(logits, plan.draw, bitmask)
         self._mask_and_ban(logits, inp, bitmask)
         chosen = self._draw(logits, plan.draw)
         if all(p.logprobs is None for p in inp.params):
@@ -271,12 +274,7 @@ class Sampler:
         d = DrawInputs(n, rows)
         if not rows:
             return d
-        hist = inp.histories
-        u = torch.rand(len(rows), dtype=torch.float64).tolist()
-        for j, i in enumerate(rows):
-            seed = params[i].seed
-            if seed is not None:
-                u[j] = draw_uniform(seed, len(hist[i]) if i < len(hist) else 0)
+        u = _uniforms(params, inp.histories, rows)
         top_k = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
         d.top_p = [params[i].top_p for i in rows]
         d.min_p = [params[i].min_p for i in rows]
@@ -299,33 +297,29 @@ class Sampler:
         return d
 
     def _kernel_inputs(self, logits: torch.Tensor, inp: SampleInputs) -> DrawInputs:
-        """`_draw_inputs` for kernels.sampling.draw: every row's knobs in one upload. The
-        uniforms are drawn exactly as there (same generator calls, same seeded values)."""
+        """`_draw_inputs` for kernels.sampling.draw: every row's knobs in one upload, with the
+        same uniforms."""
         params = inp.params
         n = logits.shape[0]
-        hist = inp.histories
         rows = [i for i, p in enumerate(params) if not p.greedy]
         d = DrawInputs(n, rows)
-        u = torch.rand(len(rows), dtype=torch.float64).tolist() if rows else []
         vals = [0.0] * (4 * n)
-        for j, i in enumerate(rows):
+        for i, ui in zip(rows, _uniforms(params, inp.histories, rows)):
             p = params[i]
-            vals[i] = u[j] if p.seed is None else draw_uniform(p.seed, len(hist[i]) if i < len(hist) else 0)
-            vals[n + i] = max(p.temperature, MIN_TEMPERATURE)
-            vals[2 * n + i] = p.min_p
+            vals[i], vals[n + i], vals[2 * n + i] = ui, max(p.temperature, MIN_TEMPERATURE), p.min_p
             d.kernel_min_p |= p.min_p > 0
         for i, p in enumerate(params):
-            vals[3 * n + i] = 1.0 if p.grammar is not None else 0.0
+            if p.grammar is not None:
+                vals[3 * n + i] = 1.0
+                d.kernel_masked = True
         d.kernel = _up(vals, logits.device, torch.float64).view(4, n)
         return d
 
-    def _kernel_draw(
-        self, logits: torch.Tensor, d: DrawInputs, bitmask: torch.Tensor | None, params: list[SamplingParams]
-    ) -> torch.Tensor:
+    def _kernel_draw(self, logits: torch.Tensor, d: DrawInputs, bitmask: torch.Tensor | None) -> torch.Tensor:
         from kernels.sampling import draw
 
         words = None
-        if bitmask is not None and any(p.grammar is not None for p in params):
+        if bitmask is not None and d.kernel_masked:
             if bitmask.shape[0] < d.n:  # (a row without its mask row is unconstrained)
                 bitmask = torch.cat([bitmask, bitmask.new_full((d.n - bitmask.shape[0], bitmask.shape[1]), -1)])
             words = upload_bitmask(bitmask, logits.device, self.staging)
@@ -481,6 +475,17 @@ def filtered_probs(
 
 _BITS = torch.arange(32, dtype=torch.int32)
 _xgr_apply_ok = True
+
+
+def _uniforms(params: list[SamplingParams], hist: list[list[int]], rows: list[int]) -> list[float]:
+    """The uniforms of the drawing rows: torch's CPU generator, or a seeded row's own
+    (draw_uniform at its number of output tokens)."""
+    u = torch.rand(len(rows), dtype=torch.float64).tolist() if rows else []
+    for j, i in enumerate(rows):
+        seed = params[i].seed
+        if seed is not None:
+            u[j] = draw_uniform(seed, len(hist[i]) if i < len(hist) else 0)
+    return u
 
 
 def upload_bitmask(bitmask: torch.Tensor, device: torch.device, staging: PinnedRing | None) -> torch.Tensor:
