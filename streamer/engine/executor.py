@@ -110,7 +110,8 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) ->
                     collect(msg.step, loop.run_in_executor(thread, sample_when_masked, item))
                 else:
                     collect(msg.step, item)
-        finally:
+        except BaseException:
             # cancelled (or failed) with a step waiting for masks: release the launch thread,
             # or the pool's shutdown on the way out would wait for it forever
             inbox.fills.put(None)
+            raise
