@@ -292,8 +292,9 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _sample_inputs(batch: Batch) -> SampleInputs:
-        rids = [s.request_id for s in batch.seqs if s.sample]
+    def _sample_inputs(batch: Batch, rids: list[str] | None = None) -> SampleInputs:
+        if rids is None:
+            rids = [s.request_id for s in batch.seqs if s.sample]
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
@@ -311,7 +312,7 @@ class ModelRunner:
             if plan is not None:
                 out = self.sampler.finish(plan, batch.masks)
             else:
-                out = self.sampler.sample(logits, self._sample_inputs(batch))
+                out = self.sampler.sample(logits, self._sample_inputs(batch, rids))
             if isinstance(out, torch.Tensor):
                 tokens = out  # still on the device, like the greedy fast path
             else:
