@@ -8,7 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float8_e4m3fn: tl.float8e4nv,  # KV caches only (kv_cache_dtype "fp8")
+}
 
 
 def interpreting() -> bool:
@@ -21,6 +26,15 @@ def round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE.
 
     The interpreter truncates bf16 casts, so it rounds by hand there."""
+    if DTYPE == tl.float8e4nv:  # saturate (the hardware cast would give NaN beyond 448)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERP and DTYPE == tl.float8e4nv:
+        # the interpreter loses the carry when rounding up reaches the next power of two
+        # (7.84 -> 4.0): round here to 3 mantissa bits, or to the 2^-9 grid below 2^-6
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        mag = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: nearest even
+        x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -mag, mag), normal)  # (keeps -0.0)
     if INTERP and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

@@ -75,8 +75,11 @@ def store_kv(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        rows = x[keep].to(cache.dtype)  # (to float8: saturates at +-448, like the kernel)
+        if cache.element_size() == 1:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, kvh, d).index_copy_(0, slots, rows)
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ token must be among the other side's top logprobs at the point they part.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -15,6 +17,10 @@ from pathlib import Path
 import torch
 
 NEAR_TIE = 1e-5
+# With float8 K/V a last-bit difference of a key (another order of float32 operations)
+# can round it to a neighbouring float8 value, 1/16 apart: continuations may then part at
+# a close call, one whose top-2 logits are within this much of each other.
+FP8_CLOSE = 0.1
 
 
 @dataclass
@@ -33,8 +39,26 @@ def _hf_model(path: str):
     return model
 
 
+@contextmanager
+def fp8_kv_cache() -> Iterator[None]:
+    """transformers' cache keeps K/V as float8 e4m3 would (rounded, saturated at +-448): the
+    oracle of an engine whose pages are float8 (kv_cache_dtype "fp8", scale 1)."""
+    from transformers.cache_utils import DynamicLayer
+
+    update = DynamicLayer.update
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+    DynamicLayer.update = lambda self, k, v, *a, **kw: update(self, rounded(k), rounded(v), *a, **kw)
+    try:
+        yield
+    finally:
+        DynamicLayer.update = update
+
+
 @cache
-def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int) -> Reference:
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False) -> Reference:
     from transformers import GenerationConfig
 
     model = _hf_model(path)
@@ -47,7 +71,7 @@ def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int) -> Reference:
         output_logits=True,
         return_dict_in_generate=True,
     )
-    with torch.no_grad():
+    with torch.no_grad(), fp8_kv_cache() if kv_fp8 else nullcontext():
         out = model.generate(
             torch.tensor([list(prompt)]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -69,14 +93,15 @@ class Comparison:
     failures: list[str] = field(default_factory=list)
 
 
-def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison) -> None:
-    """Record whether `ours` equals transformers' greedy continuation of `prompt`."""
-    ref = hf_greedy(str(path), tuple(prompt), len(ours))
+def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison, kv_fp8: bool = False) -> None:
+    """Record whether `ours` equals transformers' greedy continuation of `prompt` (kv_fp8:
+    with its K/V rounded to float8, see fp8_kv_cache)."""
+    ref = hf_greedy(str(path), tuple(prompt), len(ours), kv_fp8)
     assert len(ours) == len(ref.tokens), f"{len(ours)} tokens, reference has {len(ref.tokens)}"
     for i, (a, b) in enumerate(zip(ours, ref.tokens)):
         if a == b:
             continue
-        if ref.top2_gap[i] <= NEAR_TIE and a in ref.top_ids[i][:2]:
+        if ref.top2_gap[i] <= (FP8_CLOSE if kv_fp8 else NEAR_TIE) and a in ref.top_ids[i][:2]:
             cmp.near_ties += 1  # a genuine tie: both continuations are right from here on
             return
         cmp.failures.append(

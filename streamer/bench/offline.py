@@ -71,10 +71,14 @@ def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Worklo
         return Workload(name, "llama-3.1-8b", [rand_prompt(128)], [256], peer_requests=1)
     if name == "W3":
         n = n or 1000
-        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8))
+        return Workload(
+            name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8)
+        )
     if name == "W5":  # the offline twin of `bench serve --input-len 512 --output-len 128` at saturation
         n = n or 64
-        return Workload(name, "llama-3.1-8b", [rand_prompt(512) for _ in range(n)], [128] * n, peer_requests=0)
+        return Workload(
+            name, "llama-3.1-8b", [rand_prompt(512) for _ in range(n)], [128] * n, peer_requests=0
+        )
     if name == "W4":
         groups = n or 32
         prompts = []
@@ -97,7 +101,8 @@ def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
     wbytes, params = model_bytes_and_params(llm)
     cfg = llm.engine.runner.hf_config
     head_dim = llm.engine.runner.model.head_dim
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    kv_item = llm.engine.runner.pool.k.element_size()  # 1 with kv_cache_dtype fp8
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * kv_item
     total_out = sum(w.outputs)
     steps = max(max(w.outputs), total_out / max(concurrency, 1))
     kv = sum(kv_per_token * (len(p) * o + o * (o - 1) / 2) for p, o in zip(w.prompts, w.outputs))
@@ -185,8 +190,12 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
     prompts = w.prompts[:n]
     with torch.no_grad():  # generate_batch's worker thread breaks under inference_mode
         if batch:
-            model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
-                max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0))
+            model.generate_batch(
+                inputs=prompts[:2],
+                generation_config=GenerationConfig(
+                    max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0
+                ),
+            )
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             outs = model.generate_batch(inputs=prompts, generation_config=gen)
@@ -204,8 +213,13 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
             produced = out.shape[1] - ids.shape[1]
     del model
     torch.cuda.empty_cache()
-    res = {"requests": n, "output_tokens": produced, "seconds": dt, "output_tokens_per_s": produced / dt,
-           "method": "generate_batch paged|sdpa" if batch else "generate"}
+    res = {
+        "requests": n,
+        "output_tokens": produced,
+        "seconds": dt,
+        "output_tokens_per_s": produced / dt,
+        "method": "generate_batch paged|sdpa" if batch else "generate",
+    }
     if not batch:
         res["ms_per_output_token"] = 1e3 * dt / produced
     return res
@@ -222,6 +236,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
     common = dict(
         load_format="dummy" if args.dummy else "auto",
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max(longest + 16, 2048),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -245,7 +260,9 @@ def bench(args: argparse.Namespace, name: str) -> Result:
             wbytes, _ = model_bytes_and_params(llm)
             res.extra["floor_ms_per_token"] = 1e3 * wbytes / BANDWIDTH
             res.floor_fraction = res.extra["floor_ms_per_token"] / res.ms_per_output_token
-        res.extra["engine_stats"] = {k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")}
+        res.extra["engine_stats"] = {
+            k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")
+        }
         # where the wall time went: device computing, device waiting for the host with work in flight
         for k in ("device_busy_s", "device_idle_s"):
             res.extra["engine_stats"][k] = getattr(stats, k) - getattr(s0, k)
@@ -261,8 +278,12 @@ def bench(args: argparse.Namespace, name: str) -> Result:
             cold.close()
         groups = len(w.prompts) // 16
         optimal = groups * 15 * 2000 / sum(len(p) for p in w.prompts)
-        res.extra.update(cache_off_seconds=dt_off, speedup_vs_cache_off=dt_off / dt,
-                         optimal_hit_rate=optimal, hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal)
+        res.extra.update(
+            cache_off_seconds=dt_off,
+            speedup_vs_cache_off=dt_off / dt,
+            optimal_hit_rate=optimal,
+            hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal,
+        )
     if args.peer and w.peer_requests:
         try:
             res.peer = run_peer(model_dir, w, "bfloat16" if args.dtype == "auto" else args.dtype)
@@ -280,6 +301,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="override the workload's config folder")
     p.add_argument("--num-requests", type=int, default=None, help="override the request count (W4: groups)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="random weights")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run transformers too")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -290,7 +312,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}")
+    print(
+        f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}"
+    )
     for r in results:
         peer = r.peer.get("output_tokens_per_s")
         print(

@@ -59,6 +59,7 @@ class ModelRunner:
                     m.decode_gemv = True
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.pool = self._make_pool()
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -86,7 +87,14 @@ class ModelRunner:
         if tokens > 1:
             block_m = extend_block_m(self.dtype, self.model.head_dim)
             self.extend_graphs = ExtendGraphs(
-                self.model, self.pool.k, self.pool.v, tokens, c.max_num_seqs, max_pages, block_m, self.graphs.pool
+                self.model,
+                self.pool.k,
+                self.pool.v,
+                tokens,
+                c.max_num_seqs,
+                max_pages,
+                block_m,
+                self.graphs.pool,
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
@@ -94,7 +102,7 @@ class ModelRunner:
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
         layers, kvh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim
-        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.dtype)
+        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype)
         if c.num_pages is not None:
             n = c.num_pages
         elif self.device.type == "cuda":
@@ -106,7 +114,7 @@ class ModelRunner:
             n = c.cpu_kv_bytes // per_page
         if n < 2:
             raise ConfigError(f"not enough memory for the KV pool ({n} pages of {per_page} bytes)")
-        return PagePool(layers, n, c.page_size, kvh, hd, self.dtype, self.device)
+        return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (numpy on the host, one copy each)."""
@@ -161,8 +169,18 @@ class ModelRunner:
         # copy (torch.tensor(..., device=)) waits for the step in flight, which undid the
         # overlap of host preparation with the device; pinned memory also spares the driver
         # staging each of nine small pageable copies.
-        parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
-                 table.ravel(), tiles]
+        parts = [
+            ids,
+            positions,
+            slots,
+            seq_lens,
+            cu,
+            np.array(last, dtype=np.int64),
+            pending,
+            pending_rows,
+            table.ravel(),
+            tiles,
+        ]
         dev_buf, offsets = self._upload(parts)
         views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
         input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views
@@ -265,8 +283,19 @@ class ModelRunner:
                 paused.record()
             t1 = time.perf_counter()
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
-            return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
-                            wall=t1 - t0, after=after, paused=paused, times=times)
+            return Launched(
+                batch.step,
+                None,
+                None,
+                prompt_logprobs,
+                plan=plan,
+                batch=batch,
+                start=start,
+                wall=t1 - t0,
+                after=after,
+                paused=paused,
+                times=times,
+            )
         out = self._sample(batch, logits, prompt_logprobs)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
@@ -288,7 +317,12 @@ class ModelRunner:
         out.paused, out.resumed = launched.paused, resumed
         t1 = time.perf_counter()
         out.wall = launched.wall + t1 - t0
-        out.times = {**launched.times, "sample_begin": t0, "sample_end": t1, "sample_cpu": time.thread_time() - c0}
+        out.times = {
+            **launched.times,
+            "sample_begin": t0,
+            "sample_end": t1,
+            "sample_cpu": time.thread_time() - c0,
+        }
         return out
 
     @staticmethod
@@ -298,7 +332,11 @@ class ModelRunner:
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
-        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]], plan: Plan | None = None
+        self,
+        batch: Batch,
+        logits: torch.Tensor,
+        prompt_logprobs: dict[str, list[float]],
+        plan: Plan | None = None,
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
         copy of its tokens to the host."""
@@ -349,8 +387,15 @@ class ModelRunner:
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         launched.times["ready"] = time.perf_counter()
-        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
-                          device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
+        return StepOutput(
+            launched.step,
+            sampled,
+            prompt_logprobs=launched.prompt_logprobs,
+            device_time=device_time,
+            idle_before=idle,
+            mask_wait=mask_wait,
+            host_times=launched.times,
+        )
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -394,12 +439,16 @@ def _padded_rows(n: int) -> int:
 
 
 def _plain_greedy(batch: Batch) -> bool:
-    return batch.masks is None and not any(batch.banned) and all(
-        p.greedy
-        and p.logprobs is None
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        for p in batch.params
+    return (
+        batch.masks is None
+        and not any(batch.banned)
+        and all(
+            p.greedy
+            and p.logprobs is None
+            and not p.logit_bias
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            for p in batch.params
+        )
     )

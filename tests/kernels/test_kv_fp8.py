@@ -1,0 +1,63 @@
+"""Float8 (e4m3) KV pages: the store kernel rounds and saturates like torch's cast, and
+the attention kernels read float8 pages as the reference does (`.to(q.dtype)`).
+
+Interpreted on CPU, compiled on CUDA (see tests/kernels/device.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import attention, kv_store, reference
+from tests.kernels.device import DEVICE
+from tests.kernels.test_kernels import ATTN_TOL, EXTEND_MIX, _close, _decode_case, _extend_case
+
+FP8 = torch.float8_e4m3fn
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTYPES
+def test_store_rounds_and_saturates_like_torch(dtype):
+    """Every magnitude float8 holds, with its subnormals (< 2^-6), values that round up to the
+    next power of two (7.9 -> 8) and values past the largest finite one (448)."""
+    gen = torch.Generator().manual_seed(0)
+    t, kvh, d = 24, 2, 32
+    scale = torch.logspace(-4, 3, t)[:, None, None]  # 1e-4 ... 1000
+    k = (torch.randn(t, kvh, d, generator=gen) * scale).to(dtype)
+    v = (torch.randn(t, kvh, d, generator=gen) * scale).to(dtype)
+    k[0, 0, :4] = torch.tensor([7.9, -7.95, 1000.0, -449.0]).to(dtype)
+    slots = torch.randperm(40, generator=gen)[:t].int()
+    slots[3] = -1  # padding: not written
+    kc, vc, kr, vr = (torch.zeros(10, 4, kvh, d, dtype=FP8) for _ in range(4))
+    kc, vc = kc.to(DEVICE), vc.to(DEVICE)
+    kv_store.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
+    reference.store_kv(k, v, kr, vr, slots)
+    assert torch.equal(kc.cpu().view(torch.uint8), kr.view(torch.uint8))
+    assert torch.equal(vc.cpu().view(torch.uint8), vr.view(torch.uint8))
+    assert kc.float().abs().max() == 448.0 and not kc.float().isnan().any()
+
+
+def _fp8(*caches):
+    return [c.to(FP8) for c in caches]
+
+
+@DTYPES
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_fp8_pages(dtype, num_splits):
+    q, kc, vc, pt, lens = _decode_case([1, 17, 40], 16, 4, 64, dtype, seed=1)
+    kc, vc = _fp8(kc, vc)
+    out = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=num_splits)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[dtype])
+
+
+@DTYPES
+def test_extend_reads_fp8_pages(dtype):
+    prefixes, q_lens = EXTEND_MIX
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, 16, 4, 64, dtype, kvh=1)
+    kc, vc = _fp8(kc, vc)
+    scale = 1 / math.sqrt(64)
+    out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens))
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])
