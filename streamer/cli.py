@@ -12,60 +12,31 @@ from streamer.errors import StreamerError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model", default="default", help="local HF model folder, or 'default' (SmolLM2-135M-Instruct)"
-    )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "fp8", "fp8_e4m3"],
-        help="KV cache dtype (auto: the model's; fp8: float8 e4m3, half the memory per token)",
-    )
+    g.add_argument("--model", default="default", help="local HF model folder, or 'default' (SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache dtype (auto: the model's; fp8: float8 e4m3, half the memory per token)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights of the config's shapes (benchmarks)",
-    )
-    g.add_argument(
-        "--cache-dir", default=None, help="where the default model is kept (env STREAMER_CACHE_DIR)"
-    )
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the config's shapes (benchmarks)")
+    g.add_argument("--cache-dir", default=None, help="where the default model is kept (env STREAMER_CACHE_DIR)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, help="fixed KV pool size in pages")
-    g.add_argument(
-        "--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV"
-    )
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     g.add_argument("--cpu-kv-bytes", type=int, default=512 << 20, help="KV pool bytes on CPU")
     g.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
-    g.add_argument(
-        "--cuda-graph-max-tokens",
-        type=int,
-        default=2048,
-        help="longest prefill / mixed step replayed from a CUDA graph (0: decode graphs only)",
-    )
-    g.add_argument(
-        "--hold-ahead-ms",
-        type=float,
-        default=1.5,
-        help="while only decodes run, schedule the next batch this long before the running step's "
-        "predicted end, so that arrivals join it (0: schedule it at once)",
-    )
-    g.add_argument(
-        "--no-decode-gemv",
-        action="store_true",
-        help="linear layers of batch-1 decode steps use cuBLAS, not the Triton GEMV",
-    )
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=2048,
+                   help="longest prefill / mixed step replayed from a CUDA graph (0: decode graphs only)")
+    g.add_argument("--hold-ahead-ms", type=float, default=1.5,
+                   help="while only decodes run, schedule the next batch this long before the running step's "
+                        "predicted end, so that arrivals join it (0: schedule it at once)")
+    g.add_argument("--no-decode-gemv", action="store_true",
+                   help="linear layers of batch-1 decode steps use cuBLAS, not the Triton GEMV")
     g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
 
 
@@ -84,9 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     cfg = engine_config(args)
     with LLM(**{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}) as llm:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed
-        )
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed)
         for prompt in args.prompt:
             if args.chat:
                 out = llm.chat([{"role": "user", "content": prompt}], params)
