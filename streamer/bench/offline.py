@@ -71,14 +71,10 @@ def make_workload(name: str, vocab: int, n: int | None, seed: int = 0) -> Worklo
         return Workload(name, "llama-3.1-8b", [rand_prompt(128)], [256], peer_requests=1)
     if name == "W3":
         n = n or 1000
-        return Workload(
-            name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8)
-        )
+        return Workload(name, "llama-3.1-8b", [rand_prompt(1000) for _ in range(n)], [1000] * n, peer_requests=min(n, 8))
     if name == "W5":  # the offline twin of `bench serve --input-len 512 --output-len 128` at saturation
         n = n or 64
-        return Workload(
-            name, "llama-3.1-8b", [rand_prompt(512) for _ in range(n)], [128] * n, peer_requests=0
-        )
+        return Workload(name, "llama-3.1-8b", [rand_prompt(512) for _ in range(n)], [128] * n, peer_requests=0)
     if name == "W4":
         groups = n or 32
         prompts = []
@@ -190,12 +186,8 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
     prompts = w.prompts[:n]
     with torch.no_grad():  # generate_batch's worker thread breaks under inference_mode
         if batch:
-            model.generate_batch(
-                inputs=prompts[:2],
-                generation_config=GenerationConfig(
-                    max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0
-                ),
-            )
+            model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
+                max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             outs = model.generate_batch(inputs=prompts, generation_config=gen)
@@ -213,13 +205,8 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
             produced = out.shape[1] - ids.shape[1]
     del model
     torch.cuda.empty_cache()
-    res = {
-        "requests": n,
-        "output_tokens": produced,
-        "seconds": dt,
-        "output_tokens_per_s": produced / dt,
-        "method": "generate_batch paged|sdpa" if batch else "generate",
-    }
+    res = {"requests": n, "output_tokens": produced, "seconds": dt, "output_tokens_per_s": produced / dt,
+           "method": "generate_batch paged|sdpa" if batch else "generate"}
     if not batch:
         res["ms_per_output_token"] = 1e3 * dt / produced
     return res
@@ -260,9 +247,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
             wbytes, _ = model_bytes_and_params(llm)
             res.extra["floor_ms_per_token"] = 1e3 * wbytes / BANDWIDTH
             res.floor_fraction = res.extra["floor_ms_per_token"] / res.ms_per_output_token
-        res.extra["engine_stats"] = {
-            k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")
-        }
+        res.extra["engine_stats"] = {k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")}
         # where the wall time went: device computing, device waiting for the host with work in flight
         for k in ("device_busy_s", "device_idle_s"):
             res.extra["engine_stats"][k] = getattr(stats, k) - getattr(s0, k)
@@ -278,12 +263,8 @@ def bench(args: argparse.Namespace, name: str) -> Result:
             cold.close()
         groups = len(w.prompts) // 16
         optimal = groups * 15 * 2000 / sum(len(p) for p in w.prompts)
-        res.extra.update(
-            cache_off_seconds=dt_off,
-            speedup_vs_cache_off=dt_off / dt,
-            optimal_hit_rate=optimal,
-            hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal,
-        )
+        res.extra.update(cache_off_seconds=dt_off, speedup_vs_cache_off=dt_off / dt,
+                         optimal_hit_rate=optimal, hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal)
     if args.peer and w.peer_requests:
         try:
             res.peer = run_peer(model_dir, w, "bfloat16" if args.dtype == "auto" else args.dtype)
@@ -312,9 +293,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def print_table(results: list[Result]) -> None:
-    print(
-        f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}"
-    )
+    print(f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}")
     for r in results:
         peer = r.peer.get("output_tokens_per_s")
         print(

@@ -87,14 +87,7 @@ class ModelRunner:
         if tokens > 1:
             block_m = extend_block_m(self.dtype, self.model.head_dim)
             self.extend_graphs = ExtendGraphs(
-                self.model,
-                self.pool.k,
-                self.pool.v,
-                tokens,
-                c.max_num_seqs,
-                max_pages,
-                block_m,
-                self.graphs.pool,
+                self.model, self.pool.k, self.pool.v, tokens, c.max_num_seqs, max_pages, block_m, self.graphs.pool
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
@@ -169,18 +162,8 @@ class ModelRunner:
         # copy (torch.tensor(..., device=)) waits for the step in flight, which undid the
         # overlap of host preparation with the device; pinned memory also spares the driver
         # staging each of nine small pageable copies.
-        parts = [
-            ids,
-            positions,
-            slots,
-            seq_lens,
-            cu,
-            np.array(last, dtype=np.int64),
-            pending,
-            pending_rows,
-            table.ravel(),
-            tiles,
-        ]
+        parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
+                 table.ravel(), tiles]
         dev_buf, offsets = self._upload(parts)
         views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
         input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views
@@ -283,19 +266,8 @@ class ModelRunner:
                 paused.record()
             t1 = time.perf_counter()
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
-            return Launched(
-                batch.step,
-                None,
-                None,
-                prompt_logprobs,
-                plan=plan,
-                batch=batch,
-                start=start,
-                wall=t1 - t0,
-                after=after,
-                paused=paused,
-                times=times,
-            )
+            return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
+                            wall=t1 - t0, after=after, paused=paused, times=times)
         out = self._sample(batch, logits, prompt_logprobs)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
@@ -317,12 +289,7 @@ class ModelRunner:
         out.paused, out.resumed = launched.paused, resumed
         t1 = time.perf_counter()
         out.wall = launched.wall + t1 - t0
-        out.times = {
-            **launched.times,
-            "sample_begin": t0,
-            "sample_end": t1,
-            "sample_cpu": time.thread_time() - c0,
-        }
+        out.times = {**launched.times, "sample_begin": t0, "sample_end": t1, "sample_cpu": time.thread_time() - c0}
         return out
 
     @staticmethod
@@ -332,11 +299,7 @@ class ModelRunner:
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
-        self,
-        batch: Batch,
-        logits: torch.Tensor,
-        prompt_logprobs: dict[str, list[float]],
-        plan: Plan | None = None,
+        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]], plan: Plan | None = None
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
         copy of its tokens to the host."""
@@ -387,15 +350,8 @@ class ModelRunner:
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         launched.times["ready"] = time.perf_counter()
-        return StepOutput(
-            launched.step,
-            sampled,
-            prompt_logprobs=launched.prompt_logprobs,
-            device_time=device_time,
-            idle_before=idle,
-            mask_wait=mask_wait,
-            host_times=launched.times,
-        )
+        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
+                          device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
@@ -439,16 +395,12 @@ def _padded_rows(n: int) -> int:
 
 
 def _plain_greedy(batch: Batch) -> bool:
-    return (
-        batch.masks is None
-        and not any(batch.banned)
-        and all(
-            p.greedy
-            and p.logprobs is None
-            and not p.logit_bias
-            and p.repetition_penalty == 1.0
-            and not p.presence_penalty
-            and not p.frequency_penalty
-            for p in batch.params
-        )
+    return batch.masks is None and not any(batch.banned) and all(
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        for p in batch.params
     )
