@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
     python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
+    python3 benchmarks/profile_gpu.py attn-kv  # decode attention over bf16 vs float8 pages, large batches
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
     python3 benchmarks/profile_gpu.py grammar --model DIR  # device work of JSON-constrained steps
@@ -73,6 +74,37 @@ def bench_attn() -> None:
               + ", ".join(f"{t:.1f}us s{s} n{bn} w{nw} st{ns}" for t, s, bn, nw, ns in rows[:3]), flush=True)
 
 
+def bench_attn_kv() -> None:
+    """Decode attention over bf16 pages against float8 pages (kv_cache_dtype fp8) at the
+    large batches of W3, by key block and warps: whether fp8 pages halve the time."""
+    from kernels import attention
+
+    for b, ctx in [(64, 2048), (256, 1500)]:
+        pages = (ctx + 15) // 16
+        pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+        sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(dtype)
+            vc = torch.randn_like(kc, dtype=torch.bfloat16).to(dtype)
+            tb = 2 * b * ctx * 8 * 128 * kc.element_size() / 1e12
+            rows = []
+            for bn in (None, 64, 128, 256):
+                for nw in (4, 8):
+                    for ns in (2, 3, 4):
+                        try:
+                            t = _time_us(lambda: attention.paged_decode(
+                                q, kc, vc, pt, sl, 0.088, max_seq_len=4096, block_n=bn, num_warps=nw,
+                                num_stages=ns), reps=20)
+                        except Exception:  # noqa: BLE001 - a config that does not fit is skipped
+                            continue
+                        rows.append((t, bn, nw, ns))
+            base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088, max_seq_len=4096))
+            rows.sort()
+            print(f"attn {str(dtype)[6:]:14} B={b:3d} ctx={ctx:4d}: default {base:7.1f} us ({tb / base * 1e6:4.2f} TB/s); "
+                  "best " + ", ".join(f"{t:.1f}us n{bn} w{nw} st{ns}" for t, bn, nw, ns in rows[:4]), flush=True)
+
+
 def bench_gemm() -> None:
     import torch.nn.functional as F
 
@@ -98,7 +130,7 @@ def bench_gemm() -> None:
             print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f}")
 
 
-def profile_step(only: int | None = None) -> None:
+def profile_step(only: int | None = None, kv_cache_dtype: str = "auto") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from streamer import LLM
@@ -107,7 +139,7 @@ def profile_step(only: int | None = None) -> None:
     cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8)]
     for model, bs, ctx, steps in cases if only is None else [cases[only]]:
         llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=2048 if bs == 1 else 4096,
-                  max_num_seqs=bs, max_num_batched_tokens=16384)
+                  max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, 30000, (ctx,), generator=g).tolist() for _ in range(bs)]
         # prefill first (not profiled), then decode steps
@@ -279,7 +311,8 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B)")
@@ -288,8 +321,10 @@ def main() -> None:
         bench_gemm()
     elif a.part == "attn":
         bench_attn()
+    elif a.part == "attn-kv":
+        bench_attn_kv()
     elif a.part == "step":
-        profile_step(a.case)
+        profile_step(a.case, a.kv_cache_dtype)
     elif a.part == "grammar":
         profile_grammar(a.model)
     elif a.part == "serve":

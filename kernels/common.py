@@ -25,12 +25,14 @@ def interpreting() -> bool:
 def round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """fp32 `x` rounded (nearest even) to DTYPE, returned as DTYPE.
 
-    The interpreter truncates bf16 casts, so it rounds by hand there."""
-    if DTYPE == tl.float8e4nv:  # saturate (the hardware cast would give NaN beyond 448)
+    The interpreter truncates bf16 casts, so it rounds by hand there. float8 e4m3
+    saturates at +-448 (a cast beyond it gives NaN) and is always rounded by hand."""
+    if DTYPE == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if INTERP and DTYPE == tl.float8e4nv:
-        # the interpreter loses the carry when rounding up reaches the next power of two
-        # (7.84 -> 4.0): round here to 3 mantissa bits, or to the 2^-9 grid below 2^-6
+        # round here (nearest even) to 3 mantissa bits, or to the 2^-9 grid below 2^-6, so
+        # that the cast below is exact: the interpreter loses the carry when rounding up
+        # reaches the next power of two (7.84 -> 4.0), and a compiled fp32 -> fp8 cast may
+        # round twice (through fp16); this way every path stores torch's rounding
         bits = x.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         mag = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: nearest even
