@@ -51,7 +51,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _cast_in(x, IN_DTYPE: tl.constexpr, COMPUTE: tl.constexpr, INTERP: tl.constexpr):
     """Cast loaded K/V/Q to the compute dtype, rounding through IN_DTYPE (q.dtype) first
-    when the cache holds another dtype, like the reference's `.to(q.dtype)`."""
+    when the cache holds another dtype, like the reference's `.to(q.dtype)`. float8 pages
+    convert straight to the compute dtype: every float8 value is exact in bf16/fp16/fp32."""
+    if x.dtype == tl.float8e4nv:
+        return x.to(COMPUTE)
     if x.dtype != IN_DTYPE:
         x = _round_to(x.to(tl.float32), IN_DTYPE, INTERP)
     return x.to(COMPUTE)

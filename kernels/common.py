@@ -36,7 +36,9 @@ def round_to(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
         bits = x.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         mag = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: nearest even
-        x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -mag, mag), normal)  # (keeps -0.0)
+        # x's sign bit on the magnitude (a compiled -mag is 0 - mag: +0.0 where torch keeps -0.0)
+        sub = (mag.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
     if INTERP and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
