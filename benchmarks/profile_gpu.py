@@ -89,20 +89,22 @@ def bench_attn_kv() -> None:
             vc = torch.randn_like(kc, dtype=torch.bfloat16).to(dtype)
             tb = 2 * b * ctx * 8 * 128 * kc.element_size() / 1e12
             rows = []
-            for bn in (64, 128):
-                for nw in (4, 8):
-                    for ns in (3,):
-                        try:
-                            t = _time_us(lambda: attention.paged_decode(
-                                q, kc, vc, pt, sl, 0.088, max_seq_len=4096, block_n=bn, num_warps=nw,
-                                num_stages=ns), reps=20)
-                        except Exception:  # noqa: BLE001 - a config that does not fit is skipped
-                            continue
-                        rows.append((t, bn, nw, ns))
+            # (prefetch: K/V of the next block loaded into registers while this one is computed,
+            # block_n, num_warps, num_stages)
+            configs = [(False, 64, 4, 3), (False, 128, 4, 3), (True, 64, 4, 1), (True, 128, 4, 1),
+                       (True, 128, 8, 1), (True, 256, 8, 1)]
+            for pf, bn, nw, ns in configs:
+                try:
+                    t = _time_us(lambda: attention.paged_decode(
+                        q, kc, vc, pt, sl, 0.088, max_seq_len=4096, block_n=bn, num_warps=nw, num_stages=ns,
+                        prefetch=pf), reps=20)
+                except Exception:  # noqa: BLE001 - a config that does not fit is skipped
+                    continue
+                rows.append((t, f"{'pf ' if pf else ''}n{bn} w{nw} st{ns}"))
             base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088, max_seq_len=4096))
             rows.sort()
             print(f"attn {str(dtype)[6:]:14} B={b:3d} ctx={ctx:4d}: default {base:7.1f} us ({tb / base * 1e6:4.2f} TB/s); "
-                  "best " + ", ".join(f"{t:.1f}us n{bn} w{nw} st{ns}" for t, bn, nw, ns in rows[:4]), flush=True)
+                  "sorted " + ", ".join(f"{t:.1f}us {name}" for t, name in rows), flush=True)
 
 
 def bench_gemm() -> None:

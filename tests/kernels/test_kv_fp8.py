@@ -34,8 +34,15 @@ def test_store_rounds_and_saturates_like_torch(dtype):
     kc, vc = kc.to(DEVICE), vc.to(DEVICE)
     kv_store.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
     reference.store_kv(k, v, kr, vr, slots)
-    assert torch.equal(kc.cpu().view(torch.uint8), kr.view(torch.uint8))
-    assert torch.equal(vc.cpu().view(torch.uint8), vr.view(torch.uint8))
+    for out, ref, x in ((kc.cpu(), kr, k), (vc.cpu(), vr, v)):
+        differ = out.view(torch.uint8) != ref.view(torch.uint8)
+        # the inputs of the differing bytes, in slot order, for the failure message
+        x_at = torch.zeros(40, kvh, d, dtype=dtype)
+        x_at[slots[slots >= 0].long()] = x[slots >= 0]
+        x_at = x_at.view_as(out)
+        assert not differ.any(), list(
+            zip(x_at[differ][:8].tolist(), out[differ][:8].float().tolist(), ref[differ][:8].float().tolist())
+        )
     assert kc.float().abs().max() == 448.0 and not kc.float().isnan().any()
 
 
