@@ -6,6 +6,9 @@ through an asyncio.Queue, and never mutated afterwards.
   caller ─GenerateRequest─▶ tokenizer ─TokenizedRequest─▶ scheduler ─Batch─▶ executor
   scheduler ◀─StepOutput─ executor;  scheduler ─TokenDelta─▶ detokenizer ─RequestOutput─▶ caller
   detokenizer ─Finish─▶ scheduler (a stop string matched);  anyone ─Abort─▶ scheduler
+
+At the end of the file, the frames between the server process and the engine process
+(engine/remote.py).
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     arrival: float = 0.0
 
 
-class Abort(msgspec.Struct):
-    """Stop a request wherever it is and free its pages. reason becomes finish_reason."""
+class Abort(msgspec.Struct, tag=True):
+    """Stop a request wherever it is and free its pages. reason becomes finish_reason.
+    (Tagged: it also crosses the socket to the engine process, see below.)"""
 
     request_id: str
     reason: str = "abort"
@@ -219,4 +223,96 @@ class Register(msgspec.Struct):
     request_id: str
     params: SamplingParams
     queue: Any
-    """asyncio.Queue[RequestOutput] read by the caller."""
+    """Where its outputs go (put_nowait): the caller's asyncio.Queue[RequestOutput], or a
+    sink shared by many requests (AsyncEngine.enqueue; the engine process's outbox)."""
+
+
+class EngineStats(msgspec.Struct):
+    """Scheduler -> whoever asks (the server's /metrics and admission): a snapshot."""
+
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_used: int
+    cache_hit_rate: float
+    cached_tokens_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    preemptions: int
+    steps: int
+    max_batch_size: int
+    mean_batch_size: float
+    kv_efficiency: float
+    """Time-averaged fraction of the KV slots of running requests' pages that hold live tokens."""
+    requests_finished: int
+    jump_forward_tokens: int = 0
+    """Output tokens a grammar forced and that were appended without a decode step each."""
+    steps_ahead: int = 0
+    """Batches scheduled while the previous one was still running (overlap)."""
+    masks_deferred: int = 0
+    """Of those, batches whose grammar masks were filled while their forward ran."""
+    steps_held: int = 0
+    """Batches scheduled just before the running decode step's predicted end, not at once
+    (EngineConfig.hold_ahead_ms)."""
+    held_steps_joined: int = 0
+    """Of those, batches that took in a request which arrived during the hold."""
+    held_steps_late: int = 0
+    """Of those, batches scheduled only after the running step had ended (a GPU bubble)."""
+    device_busy_s: float = 0.0
+    """Seconds the device spent computing steps (CUDA; on the CPU, the steps' wall time)."""
+    device_idle_s: float = 0.0
+    """Seconds the device sat idle between steps, or inside one waiting for its grammar masks,
+    while work was in flight (CUDA): host time the device waited for."""
+
+
+# ---- between the server process and the engine process (engine/remote.py) ----------
+# Length-prefixed msgpack frames over one socket pair. Tagged, so that each direction
+# decodes as one union.
+
+
+class Submit(msgspec.Struct, tag=True):
+    """Server -> engine: a new request; its outputs come back in Outputs frames."""
+
+    request: GenerateRequest
+
+
+class Stop(msgspec.Struct, tag=True):
+    """Server -> engine: abort what runs (each request's final output still comes), then exit."""
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Engine -> server, once: the model is loaded and warmed up."""
+
+    model_path: str
+    """The resolved model folder: the server loads the same tokenizer from it."""
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """Engine -> server: every RequestOutput of one event-loop iteration, all requests mixed."""
+
+    outputs: list[RequestOutput]
+
+
+class Stats(msgspec.Struct, tag=True):
+    """Engine -> server: the latest EngineStats (sent after outputs, or now and then when idle)."""
+
+    stats: EngineStats
+
+
+class Failed(msgspec.Struct, tag=True):
+    """Engine -> server: the engine could not start (kind: the exception's class name, e.g.
+    ModelLoadError) or died; the process exits after it."""
+
+    error: str
+    kind: str = "RuntimeError"
+
+
+ToEngine = Submit | Abort | Stop
+FromEngine = Ready | Outputs | Stats | Failed

@@ -2,7 +2,7 @@
 
 Inbox:  Register (a new request's output queue), list[TokenDelta] (from the
         scheduler or the tokenizer), None to stop.
-Outbox: RequestOutput -> each request's own queue; Finish -> scheduler when a
+Outbox: RequestOutput -> each request's queue (or shared sink); Finish -> scheduler when a
         stop string matched (so its pages are freed at once).
 Invariants: a text delta never ends inside a UTF-8 character (it waits for the
 bytes that complete it); text of a matched stop string never reaches the

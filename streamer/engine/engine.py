@@ -1,6 +1,7 @@
 """AsyncEngine: builds the actors and the queues between them.
 
   submit(GenerateRequest) -> async iterator of RequestOutput (ends with finished=True)
+  enqueue(GenerateRequest, sink) -> the request's outputs go to sink.put_nowait instead
   abort(request_id)        -> the request stops wherever it is; its pages are freed
   stats()                  -> EngineStats
 
@@ -20,9 +21,10 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
-from streamer.engine.scheduler import EngineStats, Scheduler
-from streamer.errors import ModelLoadError
-from streamer.messages import Abort, GenerateRequest, Register, RequestOutput, SamplingParams
+from streamer.engine.outputs import collect, merge_outputs
+from streamer.engine.scheduler import Scheduler
+from streamer.engine.tokenizer import load_tokenizer
+from streamer.messages import Abort, EngineStats, GenerateRequest, Register, RequestOutput, SamplingParams
 from streamer.model.runner import ModelRunner
 
 log = logging.getLogger("streamer.engine")
@@ -42,17 +44,6 @@ def resolve_model_path(config: EngineConfig) -> Path:
     return Path(config.model).expanduser()
 
 
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"{path}: the tokenizer cannot be loaded ({e})") from None
-
-
 def eos_ids(hf_config: Any, hf_tokenizer: Any, path: Path) -> list[int]:
     ids: set[int] = set()
     for src in (hf_config,):
@@ -67,25 +58,6 @@ def eos_ids(hf_config: Any, hf_tokenizer: Any, path: Path) -> list[int]:
     if hf_tokenizer is not None and hf_tokenizer.eos_token_id is not None:
         ids.add(hf_tokenizer.eos_token_id)
     return sorted(ids)
-
-
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive increments of one request as one (b is the later)."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return RequestOutput(
-        b.request_id,
-        a.token_ids + b.token_ids,
-        a.text + b.text,
-        finished=b.finished,
-        finish_reason=b.finish_reason,
-        prompt_tokens=b.prompt_tokens,
-        completion_tokens=b.completion_tokens,
-        cached_tokens=b.cached_tokens,
-        logprobs=logprobs,
-        error=b.error or a.error,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-        queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
-    )
 
 
 class AsyncEngine:
@@ -195,14 +167,20 @@ class AsyncEngine:
         self._counter += 1
         return f"req-{self._counter}"
 
+    def enqueue(self, request: GenerateRequest, sink: Any) -> None:
+        """Submit with no iterator: each output of the request goes to sink.put_nowait, in
+        order, the last with finished=True. One sink may serve many requests (the engine
+        process batches every request's outputs into one frame per loop iteration)."""
+        if self.dead:
+            raise RuntimeError(f"the engine is down: {self.dead}")
+        self.q_detok.put_nowait(Register(request.request_id, request.params, sink))
+        self.q_tok.put_nowait((request, time.monotonic()))
+
     async def submit(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._tasks:
             await self.start()
-        if self.dead:
-            raise RuntimeError(f"the engine is down: {self.dead}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.q_detok.put_nowait(Register(request.request_id, request.params, queue))
-        self.q_tok.put_nowait((request, time.monotonic()))
+        self.enqueue(request, queue)
         finished = False
         try:
             while not finished:
@@ -225,34 +203,4 @@ class AsyncEngine:
 
     async def generate(self, request: GenerateRequest) -> RequestOutput:
         """Run one request to the end; the result holds all its token ids and text."""
-        ids: list[int] = []
-        text: list[str] = []
-        logprobs: list = []
-        prompt_logprobs = None
-        queue_time = None
-        last = None
-        async for out in self.submit(request):
-            if out.prompt_logprobs is not None:
-                prompt_logprobs = out.prompt_logprobs
-            if out.queue_time is not None:
-                queue_time = out.queue_time
-            ids.extend(out.token_ids)
-            text.append(out.text)
-            if out.logprobs:
-                logprobs.extend(out.logprobs)
-            last = out
-        assert last is not None
-        return RequestOutput(
-            request.request_id,
-            ids,
-            "".join(text),
-            finished=True,
-            finish_reason=last.finish_reason,
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens,
-            cached_tokens=last.cached_tokens,
-            logprobs=logprobs or None,
-            error=last.error,
-            prompt_logprobs=prompt_logprobs,
-            queue_time=queue_time,
-        )
+        return await collect(request.request_id, self.submit(request))

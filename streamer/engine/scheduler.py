@@ -39,6 +39,7 @@ from streamer.kv.radix import RadixCache
 from streamer.messages import (
     Abort,
     Batch,
+    EngineStats,
     Finish,
     MaskFill,
     SeqChunk,
@@ -51,44 +52,6 @@ log = logging.getLogger("streamer.scheduler")
 
 PLACEHOLDER = -1
 """A token being sampled by a batch in flight; the runner reads its value on the device."""
-
-
-class EngineStats(msgspec.Struct):
-    running: int
-    waiting: int
-    pages_total: int
-    pages_free: int
-    pages_cached: int
-    pages_used: int
-    cache_hit_rate: float
-    cached_tokens_total: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    preemptions: int
-    steps: int
-    max_batch_size: int
-    mean_batch_size: float
-    kv_efficiency: float
-    """Time-averaged fraction of the KV slots of running requests' pages that hold live tokens."""
-    requests_finished: int
-    jump_forward_tokens: int = 0
-    """Output tokens a grammar forced and that were appended without a decode step each."""
-    steps_ahead: int = 0
-    """Batches scheduled while the previous one was still running (overlap)."""
-    masks_deferred: int = 0
-    """Of those, batches whose grammar masks were filled while their forward ran."""
-    steps_held: int = 0
-    """Batches scheduled just before the running decode step's predicted end, not at once
-    (EngineConfig.hold_ahead_ms)."""
-    held_steps_joined: int = 0
-    """Of those, batches that took in a request which arrived during the hold."""
-    held_steps_late: int = 0
-    """Of those, batches scheduled only after the running step had ended (a GPU bubble)."""
-    device_busy_s: float = 0.0
-    """Seconds the device spent computing steps (CUDA; on the CPU, the steps' wall time)."""
-    device_idle_s: float = 0.0
-    """Seconds the device sat idle between steps, or inside one waiting for its grammar masks,
-    while work was in flight (CUDA): host time the device waited for."""
 
 
 class Scheduler:

@@ -13,10 +13,23 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from streamer.errors import RequestError
+from streamer.errors import ModelLoadError, RequestError
 from streamer.messages import GenerateRequest, TokenDelta, TokenizedRequest
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The transformers tokenizer of a model folder, or None if the folder has none."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: the tokenizer cannot be loaded ({e})") from None
 
 
 class Tokenizer:
