@@ -111,4 +111,7 @@ class ServerConfig:
     max_queue: int = 1024
     """Waiting requests beyond this are answered 503 with Retry-After."""
     session_idle_timeout: float = 600.0
+    engine_process: bool = True
+    """`streamer serve` runs the engine in a process of its own (engine/remote.py): the
+    server's HTTP/SSE work and the engine's actors do not share one event loop and GIL."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -10,7 +10,8 @@ Shutdown order under `streamer serve` (SIGTERM / SIGINT, handled by uvicorn):
   1. stop accepting; new requests would get 503 (draining);
   2. abort every in-flight engine request: each stream ends with a final
      chunk (finish_reason "abort") and [DONE], each WebSocket turn with done;
-  3. uvicorn waits for the connections to finish, then the lifespan stops the engine.
+  3. uvicorn waits for the connections to finish, then the lifespan stops the engine
+     (by default an EngineProcess: Stop, then the process is joined).
 """
 
 from __future__ import annotations
@@ -274,6 +275,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help=f"requests allowed to wait for a first token; beyond it 503 + Retry-After (default {d.max_queue})")
     g.add_argument("--session-idle-timeout", type=float, default=d.session_idle_timeout,
                    help=f"seconds before an idle WebSocket chat session is closed (default {d.session_idle_timeout:g})")
+    g.add_argument("--no-engine-process", dest="engine_process", action="store_false", default=d.engine_process,
+                   help="run the engine in the server's process and event loop (default: a process of its own)")
 
 
 class _Server(uvicorn.Server):
@@ -294,17 +297,25 @@ class _Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
-    from streamer.engine.engine import AsyncEngine  # noqa: PLC0415 - heavy (torch)
-
     d = ServerConfig()
     config = ServerConfig(
         host=getattr(args, "host", d.host), port=getattr(args, "port", d.port),
         api_key=getattr(args, "api_key", None), served_model_name=getattr(args, "served_model_name", None),
         max_queue=getattr(args, "max_queue", d.max_queue),
-        session_idle_timeout=getattr(args, "session_idle_timeout", d.session_idle_timeout), engine=engine_config,
+        session_idle_timeout=getattr(args, "session_idle_timeout", d.session_idle_timeout),
+        engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(engine_config)
+    engine: Any
+    if config.engine_process:
+        from streamer.engine.remote import EngineProcess  # noqa: PLC0415 - heavy (torch)
+
+        engine = EngineProcess(engine_config)
+        engine.launch()  # the model loads there; a failure raises here, before uvicorn starts
+    else:
+        from streamer.engine.engine import AsyncEngine  # noqa: PLC0415 - heavy (torch)
+
+        engine = AsyncEngine(engine_config)
     app = create_app(engine, config)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                     timeout_graceful_shutdown=30, ws_ping_interval=20))

@@ -1,0 +1,206 @@
+"""EngineProcess: the engine in a process of its own, behind AsyncEngine's interface.
+
+One engine process for the module, served by a real uvicorn (serve_in_thread) so the
+server tests at the end run through it too; an in-process engine (LLM) is the reference.
+The test that kills the engine process comes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from streamer.config import EngineConfig, ServerConfig
+from streamer.engine.remote import EngineProcess
+from streamer.errors import ModelLoadError
+from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput
+from streamer.server.app import create_app
+from tests.conftest import serve_in_thread
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@dataclass
+class Served:
+    engine: EngineProcess
+    loop: asyncio.AbstractEventLoop
+    url: str
+
+    def run(self, coro: Any, timeout: float = 60) -> Any:
+        """Run a coroutine on the server's event loop, where the engine's socket lives."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_idle(self, timeout: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine.stats()
+            if s.running == 0 and s.waiting == 0 and s.pages_used == s.pages_cached:
+                return s
+            assert time.monotonic() < deadline, f"not idle after {timeout} s: {s}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def served(default_model) -> Iterator[Served]:
+    engine = EngineProcess(EngineConfig(model="default"))
+    app = create_app(engine, ServerConfig(served_model_name="smol"))
+    with serve_in_thread(app, ws_ping_interval=None) as (port, loop):
+        yield Served(engine, loop, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def local(default_model) -> Iterator[LLM]:
+    with LLM("default") as llm:
+        yield llm
+
+
+def request(rid: str, prompt: str, params: SamplingParams = GREEDY) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt=prompt, params=params)
+
+
+async def stream(engine: EngineProcess, req: GenerateRequest) -> list[RequestOutput]:
+    return [out async for out in engine.submit(req)]
+
+
+def same_output(a: RequestOutput, b: RequestOutput) -> bool:
+    """Equal but for the request id and the time spent queueing."""
+    return msgspec.structs.replace(a, request_id="", queue_time=None) == \
+        msgspec.structs.replace(b, request_id="", queue_time=None)
+
+
+def test_ready_without_cuda_in_this_process(served: Served) -> None:
+    e = served.engine
+    assert e.model_name == "default" and e.max_model_len == 8192 and e.eos_token_ids
+    assert e.tokenizer is not None and e.tokenizer.vocab_size == 49152
+    assert e.tokenizer.encode_prompt(request("t", "Hello")) == e.hf_tokenizer("Hello")["input_ids"]
+    assert e.pid is not None and e.pid != os.getpid()
+    assert not torch.cuda.is_initialized()
+
+
+def test_greedy_streams_equal_in_process(served: Served, local: LLM) -> None:
+    stop = msgspec.structs.replace(GREEDY, stop=[" magical abilities"], ignore_eos=False, max_tokens=40)
+    cases = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[1], stop)]
+    expected = local.generate([p for p, _ in cases], [sp for _, sp in cases])
+
+    async def all_streams() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(stream(served.engine, request(f"greedy-{i}", p, sp))
+                                      for i, (p, sp) in enumerate(cases)))
+
+    streams = served.run(all_streams())
+    for (prompt, _), outs, want in zip(cases, streams, expected):
+        assert len(outs) > 1, "streamed in several increments"
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert [t for o in outs for t in o.token_ids] == want.token_ids, prompt
+        assert "".join(o.text for o in outs) == want.text
+        assert outs[-1].finish_reason == want.finish_reason
+        assert outs[-1].completion_tokens == want.completion_tokens
+    assert expected[-1].finish_reason == "stop" and expected[-1].text.endswith("known for his")
+    # generate() collects a stream into one output, as in process
+    whole = served.run(served.engine.generate(request("whole", PROMPTS[0])))
+    assert same_output(whole, expected[0])
+
+
+def test_closing_a_stream_aborts_it_in_the_engine_process(served: Served) -> None:
+    before = served.wait_idle()
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def two_then_close() -> None:
+        outputs = served.engine.submit(request("leaves", "Tell me a long story.", long))
+        await anext(outputs)
+        await anext(outputs)
+        await outputs.aclose()
+
+    served.run(two_then_close())
+    after = served.wait_idle(timeout=5)
+    assert after.generated_tokens_total - before.generated_tokens_total < 200, "the request ran on"
+
+
+def test_stats_follow_the_engine_process(served: Served) -> None:
+    before = served.wait_idle()
+    seen_running = False
+
+    async def watch() -> None:
+        nonlocal seen_running
+        async for _ in served.engine.submit(request("watched", "Count to ten:", GREEDY)):
+            seen_running |= served.engine.stats().running == 1
+
+    served.run(watch())
+    after = served.wait_idle()
+    assert seen_running
+    assert after.steps >= before.steps + GREEDY.max_tokens
+    assert after.generated_tokens_total == before.generated_tokens_total + GREEDY.max_tokens
+
+
+def test_bad_requests_fail_as_in_process_and_the_engine_goes_on(served: Served, local: LLM) -> None:
+    too_long = SamplingParams(max_tokens=9000, temperature=0)
+    bad_schema = SamplingParams(max_tokens=8, temperature=0,
+                                grammar=GrammarSpec("json_schema", '{"type": "object", "properties": 7}'))
+    for i, params in enumerate([too_long, bad_schema]):
+        want = local.generate("Hello", params)[0]
+        got = served.run(served.engine.generate(request(f"bad-{i}", "Hello", params)))
+        assert want.finish_reason == "error" and want.error
+        assert same_output(got, want), (got, want)
+    # a value msgpack cannot carry (in process it would just never match) is refused the same way
+    huge = msgspec.structs.replace(GREEDY, stop_token_ids=[2**70])
+    got = served.run(served.engine.generate(request("huge", "Hello", huge)))
+    assert got.finish_reason == "error" and "cannot be sent to the engine" in (got.error or "")
+    ok = served.run(served.engine.generate(request("after-bad", PROMPTS[0])))
+    assert ok.finish_reason == "length" and ok.completion_tokens == GREEDY.max_tokens
+
+
+def test_a_missing_model_fails_start_with_a_clear_error(tmp_path) -> None:
+    t0 = time.monotonic()
+    engine = EngineProcess(EngineConfig(model=str(tmp_path / "nowhere")))
+    with pytest.raises(ModelLoadError, match="no such model folder"):
+        asyncio.run(engine.start())
+    assert time.monotonic() - t0 < 30
+
+
+def test_sse_chat_through_the_engine_process(served: Served) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served.url + "/v1", api_key="none")
+    chunks = list(client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=16,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finish in (["stop"], ["length"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
+    metrics = httpx.get(served.url + "/metrics").text
+    assert "streamer_engine_steps" in metrics and "streamer_kv_pages_total 727.0" in metrics
+
+
+def test_killing_the_engine_process_fails_streams_and_health(served: Served) -> None:
+    engine = served.engine
+    assert httpx.get(served.url + "/health").status_code == 200
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def stream_then_kill() -> list[RequestOutput]:
+        outputs = engine.submit(request("killed", "Tell me a long story.", long))
+        got = [await anext(outputs)]
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        got += [out async for out in outputs]
+        return got
+
+    outs = served.run(stream_then_kill(), timeout=30)
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "error" and "engine" in (last.error or "")
+    assert engine.dead and "-9" in engine.dead
+    r = httpx.get(served.url + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "error"
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 503
