@@ -76,9 +76,13 @@ def store_kv(
     slots = slot_mapping[keep].long()
     kvh, d = k_cache.shape[-2:]
     for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = x[keep].to(cache.dtype)  # (to float8: saturates at +-448, like the kernel)
-        if cache.element_size() == 1:  # index_copy_ has no float8 kernel on CPU: copy the bytes
-            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        rows = x[keep]
+        if cache.element_size() == 1:  # float8: saturated at +-448 like the kernel (some torch
+            # versions cast larger values to NaN); index_copy_ has no float8 kernel on CPU
+            rows = rows.float().clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        else:
+            rows = rows.to(cache.dtype)
         cache.view(-1, kvh, d).index_copy_(0, slots, rows)
 
 

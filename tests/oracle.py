@@ -48,7 +48,7 @@ def fp8_kv_cache() -> Iterator[None]:
     update = DynamicLayer.update
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.float8_e4m3fn).to(x.dtype)
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
 
     DynamicLayer.update = lambda self, k, v, *a, **kw: update(self, rounded(k), rounded(v), *a, **kw)
     try:
