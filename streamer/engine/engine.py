@@ -21,7 +21,7 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
-from streamer.engine.outputs import collect, merge_outputs
+from streamer.engine.outputs import collect, increments
 from streamer.engine.scheduler import Scheduler
 from streamer.engine.tokenizer import load_tokenizer
 from streamer.messages import Abort, EngineStats, GenerateRequest, Register, RequestOutput, SamplingParams
@@ -183,12 +183,7 @@ class AsyncEngine:
         self.enqueue(request, queue)
         finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                # a consumer that fell behind (a busy server) gets what has piled up as one
-                # increment: one SSE event or WebSocket frame instead of one per token
-                while not out.finished and not queue.empty():
-                    out = merge_outputs(out, queue.get_nowait())
+            async for out in increments(queue):
                 finished = out.finished
                 yield out
         finally:

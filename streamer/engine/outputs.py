@@ -6,9 +6,23 @@ Shared by AsyncEngine and EngineProcess (engine/remote.py), and free of the mode
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from streamer.messages import RequestOutput
+
+
+async def increments(queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue, up to the final one. A consumer that fell behind
+    (a busy server) gets what has piled up as one increment: one SSE event or WebSocket
+    frame instead of one per token."""
+    while True:
+        out = await queue.get()
+        while not out.finished and not queue.empty():
+            out = merge_outputs(out, queue.get_nowait())
+        yield out
+        if out.finished:
+            return
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -43,7 +43,7 @@ import msgspec
 
 from streamer import errors
 from streamer.config import EngineConfig
-from streamer.engine.outputs import collect, merge_outputs
+from streamer.engine.outputs import collect, increments
 from streamer.engine.tokenizer import Tokenizer, load_tokenizer
 from streamer.messages import (
     Abort,
@@ -262,10 +262,7 @@ class EngineProcess:
             self._writer.write(frame)
         finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                while not out.finished and not queue.empty():
-                    out = merge_outputs(out, queue.get_nowait())
+            async for out in increments(queue):
                 finished = out.finished
                 yield out
         finally:
