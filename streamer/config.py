@@ -111,7 +111,10 @@ class ServerConfig:
     max_queue: int = 1024
     """Waiting requests beyond this are answered 503 with Retry-After."""
     session_idle_timeout: float = 600.0
-    engine_process: bool = True
+    engine_process: bool | None = None
     """`streamer serve` runs the engine in a process of its own (engine/remote.py): the
-    server's HTTP/SSE work and the engine's actors do not share one event loop and GIL."""
+    server's HTTP/SSE work and the engine's actors do not share one event loop and GIL.
+    None: a process of its own when the engine runs on CUDA (where the GPU waits whenever
+    the host falls behind), in the server's process on CPU (where the model's compute
+    takes the cores, and a second process would only add its ~350 MB)."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -275,8 +275,22 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help=f"requests allowed to wait for a first token; beyond it 503 + Retry-After (default {d.max_queue})")
     g.add_argument("--session-idle-timeout", type=float, default=d.session_idle_timeout,
                    help=f"seconds before an idle WebSocket chat session is closed (default {d.session_idle_timeout:g})")
-    g.add_argument("--no-engine-process", dest="engine_process", action="store_false", default=d.engine_process,
-                   help="run the engine in the server's process and event loop (default: a process of its own)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                   help="run the engine in a process of its own (--no-engine-process: in the server's process "
+                        "and event loop); default: its own process on CUDA, the server's on CPU")
+
+
+def wants_engine_process(config: ServerConfig) -> bool:
+    """config.engine_process, or when it is None, whether the engine will run on CUDA (see
+    ServerConfig.engine_process). torch.cuda.is_available() creates no CUDA context."""
+    if config.engine_process is not None:
+        return config.engine_process
+    device = config.engine.device
+    if device == "auto":
+        import torch  # noqa: PLC0415 - heavy
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 class _Server(uvicorn.Server):
@@ -307,7 +321,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine: Any
-    if config.engine_process:
+    if wants_engine_process(config):
         from streamer.engine.remote import EngineProcess  # noqa: PLC0415 - heavy (torch)
 
         engine = EngineProcess(engine_config)

@@ -17,6 +17,10 @@ import httpx
 from streamer.sse import DONE, parse_line
 from tests.reliability.conftest import ServerProcess
 
+# the engine in a process of its own, as on CUDA (on CPU the default is one process):
+# aborts cross the socket to the engine process
+SERVER_ARGS = ["--engine-process"]
+
 N = 200
 QUESTIONS = ["Tell me about rivers.", "Why do cats purr?", "What is a prime number?", "Describe a forest.",
              "How do airplanes fly?", "What is your favourite colour?", "Write a short poem.", "Hello!"]

@@ -21,6 +21,10 @@ from websockets.sync.client import connect
 
 from tests.reliability.conftest import ServerProcess
 
+# the engine in a process of its own, as on CUDA (on CPU the default is one process):
+# SIGTERM reaches the server process, which stops the engine process in order
+SERVER_ARGS = ["--engine-process"]
+
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.8}
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -44,12 +45,26 @@ def test_engine_flags_reach_the_engine_config():
     from streamer.cli import engine_config
 
     args = serve_parser().parse_args(["--max-num-seqs", "8", "--cuda-graph-max-tokens", "0", "--no-prefix-caching",
-                                      "--hold-ahead-ms", "0", "--no-decode-gemv"])
+                                      "--hold-ahead-ms", "0", "--no-decode-gemv", "--kv-cache-dtype", "fp8"])
     cfg = engine_config(args)
     assert (cfg.max_num_seqs, cfg.cuda_graph_max_tokens, cfg.enable_prefix_caching) == (8, 0, False)
-    assert (cfg.hold_ahead_ms, cfg.decode_gemv) == (0.0, False)
+    assert (cfg.hold_ahead_ms, cfg.decode_gemv, cfg.kv_cache_dtype) == (0.0, False, "fp8")
     default = engine_config(serve_parser().parse_args([]))
     assert (default.cuda_graph_max_tokens, default.hold_ahead_ms, default.decode_gemv) == (2048, 1.5, True)
+    assert default.kv_cache_dtype == "auto"
+
+
+def test_the_engine_gets_its_own_process_on_cuda_unless_told():
+    from streamer.config import EngineConfig, ServerConfig
+    from streamer.server.app import wants_engine_process
+
+    def wants(flags, device):
+        args = serve_parser().parse_args(flags)
+        return wants_engine_process(ServerConfig(engine_process=args.engine_process, engine=EngineConfig(device=device)))
+
+    assert wants([], "cuda") and wants([], "cuda:1") and not wants([], "cpu")
+    assert wants(["--engine-process"], "cpu") and not wants(["--no-engine-process"], "cuda")
+    assert wants([], "auto") == torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
