@@ -3,6 +3,7 @@
     python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
     python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
     python3 benchmarks/profile_gpu.py attn-kv  # decode attention over bf16 vs float8 pages, large batches
+    python3 benchmarks/profile_gpu.py attn-fp8 --out DIR  # float8 pages: launch-config sweep, occupancy, asm
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
     python3 benchmarks/profile_gpu.py grammar --model DIR  # device work of JSON-constrained steps
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import sys
 import threading
 import time
@@ -79,7 +81,7 @@ def bench_attn_kv() -> None:
     large batches of W3, by key block and warps: whether fp8 pages halve the time."""
     from kernels import attention
 
-    for b, ctx in [(64, 2048), (256, 1500)]:
+    for b, ctx in [(64, 2048), (256, 1500), (512, 1500)]:
         pages = (ctx + 15) // 16
         pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
         sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
@@ -89,22 +91,66 @@ def bench_attn_kv() -> None:
             vc = torch.randn_like(kc, dtype=torch.bfloat16).to(dtype)
             tb = 2 * b * ctx * 8 * 128 * kc.element_size() / 1e12
             rows = []
-            # (prefetch: K/V of the next block loaded into registers while this one is computed,
-            # block_n, num_warps, num_stages)
-            configs = [(False, 64, 4, 3), (False, 128, 4, 3), (True, 64, 4, 1), (True, 128, 4, 1),
-                       (True, 128, 8, 1), (True, 256, 8, 1)]
-            for pf, bn, nw, ns in configs:
+            # (dot dtype: float8 pages convert to bf16 or fp16, block_n, num_warps, num_stages)
+            computes = (torch.bfloat16, torch.float16) if dtype != torch.bfloat16 else (torch.bfloat16,)
+            configs = [(c, bn, nw, ns) for c in computes for bn in (64, 128) for nw in (4, 8) for ns in (2, 3, 4)]
+            for cd, bn, nw, ns in configs:
                 try:
                     t = _time_us(lambda: attention.paged_decode(
                         q, kc, vc, pt, sl, 0.088, max_seq_len=4096, block_n=bn, num_warps=nw, num_stages=ns,
-                        prefetch=pf), reps=20)
+                        compute_dtype=cd), reps=20)
                 except Exception:  # noqa: BLE001 - a config that does not fit is skipped
                     continue
-                rows.append((t, f"{'pf ' if pf else ''}n{bn} w{nw} st{ns}"))
+                rows.append((t, f"{str(cd)[6:]} n{bn} w{nw} st{ns}"))
             base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088, max_seq_len=4096))
             rows.sort()
             print(f"attn {str(dtype)[6:]:14} B={b:3d} ctx={ctx:4d}: default {base:7.1f} us ({tb / base * 1e6:4.2f} TB/s); "
-                  "sorted " + ", ".join(f"{t:.1f}us {name}" for t, name in rows), flush=True)
+                  "best " + ", ".join(f"{t:.1f}us {name}" for t, name in rows[:6]), flush=True)
+
+
+def _compiled(fn):
+    """The compiled variants of a Triton kernel (their regs, spills, shared memory, asm)."""
+    out = []
+    for cache in getattr(fn, "device_caches", {}).values():
+        out.extend(cache[0].values())
+    return out
+
+
+def bench_attn_fp8(out_dir: str | None = None) -> None:
+    """Decode attention over float8 pages at W3's batches: splits x block x warps x stages,
+    with each variant's registers and shared memory (occupancy), and the TTGIR/PTX of the
+    defaults written to out_dir (whether the pipeliner made the float8 loads asynchronous)."""
+    from kernels import attention
+
+    for b, ctx in [(256, 1500), (512, 1500)]:
+        pages = (ctx + 15) // 16
+        pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+        sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        tb = 2 * b * ctx * 8 * 128 / 1e12
+        rows = []
+        for splits, bn, nw, ns in itertools.product((1, 2), (32, 64, 128), (1, 2, 4), (2, 3, 4)):
+            seen = {id(k) for k in _compiled(attention._decode_kernel)}
+            try:
+                t = _time_us(lambda: attention.paged_decode(
+                    q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns), reps=10)
+            except Exception:  # noqa: BLE001 - a config that does not fit is skipped
+                continue
+            new = [k for k in _compiled(attention._decode_kernel) if id(k) not in seen]
+            info = ""
+            if new:
+                k = new[0]
+                info = f" r{k.n_regs} sp{k.n_spills} sm{k.metadata.shared // 1024}K"
+                if out_dir and b == 256 and splits == 1 and (bn, nw, ns) in ((128, 4, 3), (32, 1, 3)):
+                    for kind in ("ttgir", "ptx"):
+                        Path(out_dir, f"decode_fp8_n{bn}_w{nw}_st{ns}.{kind}").write_text(k.asm[kind])
+            rows.append((t, f"s{splits} n{bn} w{nw} st{ns}{info}"))
+        base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088))
+        rows.sort()
+        print(f"attn-fp8 B={b} ctx={ctx}: default {base:.0f}us {tb / base * 1e6:.2f}TB/s; best " + "; ".join(f"{t:.0f}us {tb / t * 1e6:.2f}TB/s {n}" for t, n in rows[:10]))
+        print("   worst: " + "; ".join(f"{t:.0f}us {n}" for t, n in rows[-4:]), flush=True)
 
 
 def bench_gemm() -> None:
@@ -138,7 +184,8 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto") -> None:
     from streamer import LLM
     from streamer.messages import SamplingParams
 
-    cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8)]
+    cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8),
+             ("llama-3.1-8b", 256, 1500, 8)]
     for model, bs, ctx, steps in cases if only is None else [cases[only]]:
         llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=2048 if bs == 1 else 4096,
                   max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
@@ -313,11 +360,12 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
-    p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B)")
+    p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
+    p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256)")
     a = p.parse_args()
     if a.part == "gemm":
         bench_gemm()
@@ -325,6 +373,8 @@ def main() -> None:
         bench_attn()
     elif a.part == "attn-kv":
         bench_attn_kv()
+    elif a.part == "attn-fp8":
+        bench_attn_fp8(a.out)
     elif a.part == "step":
         profile_step(a.case, a.kv_cache_dtype)
     elif a.part == "grammar":

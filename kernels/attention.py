@@ -190,6 +190,8 @@ def _decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if COMPUTE == tl.float16 and IN_DTYPE != tl.float16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
     q = q.to(COMPUTE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -315,6 +317,19 @@ def _compute_dtype(q: torch.Tensor):
     return _TL_DTYPES[q.dtype]
 
 
+def _decode_compute(q: torch.Tensor, k_cache: torch.Tensor):
+    """float8 pages on the GPU are multiplied in fp16: e4m3 -> fp16 is one conversion
+    instruction per two values on sm_89/90 (e4m3 -> bf16 goes through fp16 and fp32), and
+    fp16 keeps 3 more bits of q and p than bf16. Every e4m3 value is exact in fp16; q, whose
+    bf16 range is wider, is saturated at +-65504 first. (Not faster by itself on the H200:
+    the conversion was not what bound the kernel; see num_warps in paged_decode.)"""
+    compute = _compute_dtype(q)
+    if k_cache.dtype == torch.float8_e4m3fn and compute == tl.bfloat16:
+        return tl.float16
+    return compute
+
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -329,6 +344,7 @@ def paged_decode(
     num_stages: int | None = None,
     prefetch: bool | None = None,
     head_major: bool | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D].
 
@@ -337,6 +353,7 @@ def paged_decode(
     block_n, num_warps, num_stages override the heuristics; prefetch (register double
     buffering of K/V instead of Triton's pipeliner) and head_major (the KV heads of a
     sequence are neighbouring programs) select kernel variants (tuning/tests).
+    compute_dtype: the dtype of the tensor-core dots (default: see `_decode_compute`).
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -351,9 +368,10 @@ def paged_decode(
         return out
     group = h // kvh
     block_d = triton.next_power_of_2(d)
+    fp8_pages = k_cache.dtype == torch.float8_e4m3fn and not _interpreting()
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 or _interpreting() else 32
-        if block_d > 128:
+        if block_d > 128 or fp8_pages:
             block_n = 32
     if max_seq_len is None:
         max_seq_len = page_table.shape[1] * page_size
@@ -364,7 +382,12 @@ def paged_decode(
     if head_major is None:
         head_major = _DECODE_HEAD_MAJOR
     if num_warps is None:
-        num_warps = 4
+        # float8 pages: one warp per program, no cross-warp softmax and operand exchange per
+        # key block (that, not bytes, bound 4 warps: 355 us at batch 256 and 1,500 tokens with
+        # float8 or bf16 pages alike; one warp with 32-key blocks 298 us, and 515 against 684
+        # us at batch 512; profile_gpu.py attn-fp8). bf16 pages are at the bandwidth floor
+        # with 4 warps already.
+        num_warps = 1 if fp8_pages else 4
     if num_stages is None:
         num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
     block_g = max(16, triton.next_power_of_2(group))
@@ -373,7 +396,7 @@ def paged_decode(
         part_lse = torch.empty((batch, h, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    compute = _compute_dtype(q)
+    compute = _decode_compute(q, k_cache) if compute_dtype is None else _TL_DTYPES[compute_dtype]
     interp = _interpreting()
     grid = (kvh, batch, num_splits) if head_major else (batch, kvh, num_splits)
     _decode_kernel[grid](

@@ -93,9 +93,22 @@ def paged_attention(
     max_q_len: int,
     tiles: torch.Tensor | None = None,
     block_m: int = 0,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """max_q_len is known on the host; 1 selects the split-KV decode kernel. tiles and
-    block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid."""
+    block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid.
+    num_decodes: the first sequences have one query each and go through the decode kernel,
+    the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
+    pages once per query head, the decode kernel once per KV head)."""
+    batch = seq_lens.shape[0]
+    if 0 < num_decodes < batch:
+        nd = num_decodes
+        out = torch.empty_like(q)
+        out[:nd] = paged_attention(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1],
+                                   scale, 1)
+        out[nd:] = paged_attention(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd,
+                                   scale, max_q_len)
+        return out
     if _triton(q):
         from kernels import attention
 

@@ -30,6 +30,9 @@ class ForwardContext:
     steps: the launch grid then depends on the padded size only."""
     block_m: int = 0
     """The query block the tile list was built for."""
+    num_decodes: int = 0
+    """Eager mixed steps: the first num_decodes sequences have one query token each, and
+    attention runs them through the decode kernel (kernels.ops.paged_attention)."""
 
 
 _current: ForwardContext | None = None

@@ -100,7 +100,7 @@ class Attention(nn.Module):
         q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping)
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
-            ctx.tiles, ctx.block_m,
+            ctx.tiles, ctx.block_m, ctx.num_decodes,
         )
         return self.o_proj(o.reshape(t, self.q_size))
 

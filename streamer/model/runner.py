@@ -71,6 +71,9 @@ class ModelRunner:
         self.step_start: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
+        self.split_decode_tokens = 65536
+        """Mixed steps whose leading decodes hold at least this many context tokens run
+        their attention split (see prepare)."""
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
 
@@ -148,9 +151,19 @@ class ModelRunner:
         graph = None
         if decode and self.graphs is not None and self.graphs.fits(len(seqs), width):
             graph = self.graphs
+        # A mixed step whose leading decodes hold a long context runs eagerly, its decodes
+        # through the decode kernel: in the extend kernel (CUDA graphs of mixed steps) each
+        # of them would read its pages once per query head.
+        num_decodes = 0
+        if not decode:
+            num_decodes = next((i for i, s in enumerate(seqs) if lens[i] != 1 or not s.sample), len(seqs))
+            if int(seq_lens[:num_decodes].sum()) < self.split_decode_tokens:
+                num_decodes = 0
         eg = self.extend_graphs
         tiles = np.zeros(0, dtype=np.int32)
-        if graph is None and eg is not None and not lp_rows and eg.fits(int(cu[-1]), len(seqs), width):
+        # (a decode step too large for the decode graphs runs eagerly, not in the extend graphs)
+        if (graph is None and eg is not None and not decode and not num_decodes and not lp_rows
+                and eg.fits(int(cu[-1]), len(seqs), width)):
             from kernels.attention import extend_tiles
 
             graph = eg
@@ -181,6 +194,7 @@ class ModelRunner:
             n_sample=n_sample,
             graph=graph,
             tiles=tiles_t,
+            num_decodes=num_decodes,
             lp_rows=lp_rows,
             lp_targets=lp_targets,
             lp_owner=lp_owner,
@@ -229,6 +243,7 @@ class ModelRunner:
             max_q_len=x["max_q_len"],
             k_cache=self.pool.k,
             v_cache=self.pool.v,
+            num_decodes=x["num_decodes"],
         )
         set_context(ctx)
         try:

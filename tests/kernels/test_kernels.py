@@ -465,3 +465,17 @@ def test_cuda_elementwise_large(dtype):
     _close(rope.rotary_store(q, k, v, pos, cs, fk, fv, slots), q_rot, ELEM_TOL[dtype])
     _close(fk, rk, ELEM_TOL[dtype])
     assert torch.equal(fv, rv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_step_split_into_decode_and_extend_matches_reference(dtype, monkeypatch):
+    """kernels.ops.paged_attention with num_decodes: the leading one-token sequences through
+    the decode kernel, the rest (their query offsets shifted) through the extend kernel."""
+    from kernels import ops
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)  # the kernels, interpreted on CPU
+    prefixes, q_lens = [40, 3, 17, 0, 26], [1, 1, 1, 9, 20]
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, 16, 4, 64, dtype, kvh=2, seed=4)
+    scale = 1 / math.sqrt(64)
+    out = ops.paged_attention(q, kc, vc, pt, lens, cu, scale, max(q_lens), num_decodes=3)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])

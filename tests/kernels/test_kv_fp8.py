@@ -60,6 +60,23 @@ def test_decode_reads_fp8_pages(dtype, num_splits):
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[dtype])
 
 
+def test_decode_fp16_dots_read_every_fp8_value():
+    """bf16 queries over float8 pages multiply in fp16 on the GPU (forced here on CPU too),
+    with V holding every float8 byte but NaN, subnormals and +-448 included, and queries
+    past fp16's range (saturated), against the reference."""
+    q, kc, vc, pt, lens = _decode_case([1, 17, 40, 200], 16, 4, 64, torch.bfloat16, seed=2)
+    kc, vc = _fp8(kc, vc)
+    q[0, 0, :2] = torch.tensor([1e6, -1e6])  # bf16 holds them; fp16 saturates them at 65504
+    every = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    flat = vc.view(torch.uint8).view(-1)
+    flat[: flat.numel() // every.numel() * every.numel()] = every.repeat(flat.numel() // every.numel())
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    ref = reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125)
+    for num_splits in (1, 3):
+        out = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=num_splits, compute_dtype=torch.float16)
+        _close(out, ref, ATTN_TOL[torch.bfloat16])
+
+
 @DTYPES
 def test_extend_reads_fp8_pages(dtype):
     prefixes, q_lens = EXTEND_MIX

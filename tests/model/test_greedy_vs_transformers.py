@@ -78,3 +78,27 @@ def test_chunk_and_page_size_do_not_change_output(tiny_models, chunk, page_size,
         together = [o.token_ids for o in llm.generate(batch, params)]
         assert alone == together
         assert_matches(run_and_compare(llm, path, batch, params), n)
+
+
+def test_mixed_steps_with_decodes_split_from_the_prefill(tiny_models, monkeypatch):
+    """A step of decodes and prefill chunks may send its leading decodes through the decode
+    kernel and the rest through the extend kernel (the runner does so past
+    split_decode_tokens of decode context; 0 here, so every mixed step splits): same tokens."""
+    from kernels import ops
+
+    split_steps = []
+    real = ops.paged_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("num_decodes", args[10] if len(args) > 10 else 0):
+            split_steps.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    path = tiny_models["llama3"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(path), max_num_batched_tokens=48, page_size=4) as llm:
+        llm.engine.runner.split_decode_tokens = 0
+        batch = prompts(llm.tokenizer, 5, 5, 160, seed=3)  # short ones decode while long ones prefill
+        assert_matches(run_and_compare(llm, path, batch, params), 5)
+    assert split_steps, "no mixed step split its attention"
