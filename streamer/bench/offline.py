@@ -228,6 +228,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         decode_gemv=not args.no_decode_gemv,
     )
     llm = LLM(str(model_dir), **common)
@@ -288,6 +289,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a graph")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
     p.add_argument("--json", default=None, help="write results here")
 
