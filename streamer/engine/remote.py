@@ -23,17 +23,21 @@ Invariants: every submitted request gets exactly one final output (finished=True
 the engine, or, if the engine process dies, an error output made here; the server
 process never initializes CUDA (the child is spawned, not forked: CUDA cannot be
 forked); the engine process ignores SIGINT (Ctrl-C reaches the whole process group: the
-server shuts down in order and sends Stop) and exits when it reads EOF.
+server shuts down in order and sends Stop) and exits when it reads EOF; until it is ready
+(while the model loads, and nothing reads the socket) it dies with the server process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -141,7 +145,7 @@ class EngineProcess:
             return
         ours, theirs = socket.socketpair()
         self._process = multiprocessing.get_context("spawn").Process(
-            target=_engine_main, args=(theirs, self.config), name="streamer-engine", daemon=True
+            target=_engine_main, args=(theirs, self.config, os.getpid()), name="streamer-engine", daemon=True
         )
         self._process.start()
         theirs.close()  # only the child holds its end now: EOF on ours means the child is gone
@@ -296,11 +300,27 @@ def _start_error(f: Failed) -> Exception:
 # ---- engine side ----------------------------------------------------------------------
 
 
-def _engine_main(sock: socket.socket, config: EngineConfig) -> None:
+def _engine_main(sock: socket.socket, config: EngineConfig, server_pid: int) -> None:
     """The engine process (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _die_with_server(True)
+    if os.getppid() != server_pid:  # it died before the line above
+        os._exit(0)
     asyncio.run(_serve(sock, config))
+
+
+def _die_with_server(on: bool) -> None:
+    """Linux: the kernel kills this process when the server process dies (on), or not (off).
+    On while the model loads: that holds the event loop (and, in native loaders, the GIL)
+    for up to minutes with nobody reading the socket, and a server killed meanwhile used to
+    leave its engine loading, holding the GPU. Off once ready: EOF then stops the engine in
+    order. (The kernel watches the thread that spawned this process, and that thread waits
+    in EngineProcess.launch until Ready.)"""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL if on else 0, 0, 0, 0)
 
 
 class _Outbox:
@@ -345,6 +365,7 @@ async def _serve(sock: socket.socket, config: EngineConfig) -> None:
         outbox.send(Failed(str(e), type(e).__name__))
         await _close(writer)
         return
+    _die_with_server(False)  # from here on, EOF stops the engine in order
     outbox.send(Ready(model_path=str(engine.model_path), model_name=engine.model_name,
                       max_model_len=engine.max_model_len, vocab_size=engine.tokenizer.vocab_size,
                       eos_token_ids=engine.eos_token_ids, stats=engine.stats()))

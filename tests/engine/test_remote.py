@@ -204,3 +204,67 @@ def test_killing_the_engine_process_fails_streams_and_health(served: Served) -> 
     assert r.status_code == 503 and r.json()["status"] == "error"
     r = httpx.post(served.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
     assert r.status_code == 503
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_server_killed_while_the_model_loads_takes_its_engine_process_along(tmp_path, tiny_models) -> None:
+    """The engine process loads the model before it reads the socket. A tiny model whose
+    weights file is a FIFO nobody writes keeps that load waiting forever (in native code,
+    holding the GIL): the server process is SIGKILLed meanwhile, and its engine process
+    (and multiprocessing's resource tracker) must still exit at once."""
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["llama3"], model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+        os.mkfifo(weights)
+    code = (
+        "from streamer.engine.remote import EngineProcess\n"
+        f"EngineProcess(model={str(model)!r}, device='cpu').launch()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code])
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(server.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children, "the engine process did not start"
+        # past the imports, the child blocks opening the FIFO (its stack, not checked here)
+        time.sleep(8.0)
+        children = _children(server.pid)
+        assert children and server.poll() is None, "the load did not block"
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 30
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, children)), "the engine process outlived its server"
+    finally:
+        server.kill()
+        for pid in children:  # (a failed run leaves no orphan behind)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
