@@ -329,7 +329,6 @@ def _decode_compute(q: torch.Tensor, k_cache: torch.Tensor):
     return compute
 
 
-
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
