@@ -158,10 +158,10 @@ def bench_gemm() -> None:
 
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
               "lm_head": (4096, 128256)}
-    print(f"{'gemm':8} {'M':>4} {'us':>8} {'TB/s':>6}")
+    print(f"{'gemm':8} {'M':>4} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8}")
     for name, (k, n) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 8, 64, 256):
+        for m in (1, 8, 64, 256, 480, 512):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for _ in range(3):
                 F.linear(x, w)
@@ -175,19 +175,20 @@ def bench_gemm() -> None:
             torch.cuda.synchronize()
             us = 1e3 * e0.elapsed_time(e1) / reps
             tb = (n * k + m * k + m * n) * 2 / (us * 1e-6) / 1e12
-            print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f}")
+            tf = 2 * m * n * k / (us * 1e-6) / 1e12
+            print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f} {tf:8.1f}")
 
 
-def profile_step(only: int | None = None, kv_cache_dtype: str = "auto") -> None:
+def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from streamer import LLM
     from streamer.messages import SamplingParams
 
     cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8),
-             ("llama-3.1-8b", 256, 1500, 8)]
+             ("llama-3.1-8b", 256, 1500, 8), ("llama-3.1-8b", 480, 1500, 6)]
     for model, bs, ctx, steps in cases if only is None else [cases[only]]:
-        llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=False, max_model_len=2048 if bs == 1 else 4096,
+        llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=graphs, max_model_len=2048 if bs == 1 else 4096,
                   max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, 30000, (ctx,), generator=g).tolist() for _ in range(bs)]
@@ -364,8 +365,9 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
+    p.add_argument("--graphs", action="store_true", help="step: decode steps replayed from CUDA graphs")
     p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
-    p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256)")
+    p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     if a.part == "gemm":
         bench_gemm()
@@ -376,7 +378,7 @@ def main() -> None:
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)
     elif a.part == "step":
-        profile_step(a.case, a.kv_cache_dtype)
+        profile_step(a.case, a.kv_cache_dtype, a.graphs)
     elif a.part == "grammar":
         profile_grammar(a.model)
     elif a.part == "serve":

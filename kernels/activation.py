@@ -12,6 +12,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 
@@ -25,7 +27,9 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -47,6 +51,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     if rows > 0:
+        pdl = _pdl_enabled(x)
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
             x2,
             out,
@@ -56,6 +61,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             DTYPE=_TL_DTYPES[x.dtype],
             INTERP=_interpreting(),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out.view(*x.shape[:-1], inter)

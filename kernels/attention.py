@@ -39,6 +39,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 _LOG2E = 1.4426950408889634
@@ -164,7 +166,9 @@ def _decode_kernel(
     OUT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -264,7 +268,9 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -397,6 +403,7 @@ def paged_decode(
         part_o = part_lse = out  # unused
     compute = _decode_compute(q, k_cache) if compute_dtype is None else _TL_DTYPES[compute_dtype]
     interp = _interpreting()
+    pdl = _pdl_enabled(q)
     grid = (kvh, batch, num_splits) if head_major else (batch, kvh, num_splits)
     _decode_kernel[grid](
         q,
@@ -435,8 +442,10 @@ def paged_decode(
         OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=interp,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, h)](
@@ -452,7 +461,9 @@ def paged_decode(
             BLOCK_D=block_d,
             OUT_DTYPE=_TL_DTYPES[q.dtype],
             INTERP=interp,
+            PDL=pdl,
             num_warps=4 if block_d * num_splits >= 2048 else 1,
+            launch_pdl=pdl,
         )
     return out
 
@@ -555,7 +566,9 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
     TILED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     h = tl.program_id(1)
     if TILED:
         # one program per (sequence, query block) of the tile list; -1 pads it
@@ -716,6 +729,7 @@ def paged_extend(
         grid: tuple[int, ...] = (tiles.shape[0], h)
     else:
         grid = (triton.cdiv(max_q_len, block_m), h, batch)
+    pdl = _pdl_enabled(q)
     _extend_kernel[grid](
         q,
         k_cache,
@@ -748,9 +762,11 @@ def paged_extend(
         OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=_interpreting(),
+        PDL=pdl,
         TILED=tiles is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -14,6 +15,36 @@ TL_DTYPES = {
     torch.bfloat16: tl.bfloat16,
     torch.float8_e4m3fn: tl.float8e4nv,  # KV caches only (kv_cache_dtype "fp8")
 }
+
+
+def pdl_enabled(x: torch.Tensor) -> bool:
+    """Launch the kernels reading `x` with programmatic dependent launch (PDL)?
+
+    On sm_90+ a kernel launched with PDL may start (its programs become resident, run
+    their prologue) while the kernel before it in the stream finishes; `pdl_enter` makes
+    it wait for that kernel's completion before touching memory that kernel may produce
+    or read. A decode step at batch 1 is a chain of ~300 short kernels, each of which
+    otherwise pays its launch and ramp-up in full. STREAMER_PDL=0 turns it off."""
+    if not x.is_cuda or interpreting() or os.environ.get("STREAMER_PDL", "1") == "0":
+        return False
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel launched with `launch_pdl=PDL`: wait until the kernel
+    before it has completed and its writes are visible (every program, before any load of
+    a tensor a previous kernel writes and any store), then let the next kernel launch.
+    Without PDL it is nothing. Every program must pass here: a grid whose programs all
+    skipped the wait could complete before its predecessor and release its successor early."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def interpreting() -> bool:

@@ -31,6 +31,12 @@ activation fused into the down projection's x loads instead was slower on the
 H200, 38.0 against 30.1 us: every program recomputed the activations of its K
 range; it was removed.)
 
+On sm_90 the kernels are launched with programmatic dependent launch (see
+kernels.common.pdl_enabled). Prefetching the first 1,024 columns of each
+program's W rows into L2 before the PDL wait was slower: W2 went from 4.17 to
+4.34 ms/token (2,048 columns: 4.44), the prefetches competing with the previous
+kernel for the bandwidth; it was removed.
+
 Rows past N or M are clamped to the last valid row for loads (no masks in the
 hot loop) and masked at the store; K is masked only when a split's range is not
 a multiple of BLOCK_K * UNROLL. Under TRITON_INTERPRET (CPU tensors, tests)
@@ -48,6 +54,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 MAX_M = 4  # rows of x per program; larger M is split over a third grid axis
@@ -186,6 +194,7 @@ def _gemv_kernel(
     ACC_1D: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -195,6 +204,7 @@ def _gemv_kernel(
     k0 = pid_k * k_split
     k_len = tl.minimum(K - k0, k_split)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
+    _pdl_enter(PDL)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k0
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k0
@@ -251,8 +261,10 @@ def _splitk_reduce_kernel(
     BLOCK: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out.flat[i] = sum over s (in order) of ws[s].flat[i]; ws [SPLITS, M*N] fp32."""
+    _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -275,6 +287,7 @@ def _gemv_glu_kernel(
     EVEN_K: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[n] = silu(x . W[n]) * (x . W[N + n]) for one row x: W holds [gate; up] ([2N, K]).
 
@@ -287,6 +300,7 @@ def _gemv_glu_kernel(
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
     g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
+    _pdl_enter(PDL)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K * UNROLL):
@@ -339,6 +353,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     dtype = _TL_DTYPES[x.dtype]
     interp = _interpreting()
+    pdl = _pdl_enabled(x)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     _gemv_kernel[grid](
         x2,
@@ -361,14 +376,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         ACC_1D=cfg.acc_1d,
         OUT_DTYPE=dtype,
         INTERP=interp,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if splits > 1:
         total = m * n
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(total, block),)](
-            ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, num_warps=4
+            ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out.view(*x.shape[:-1], n)
 
@@ -401,6 +419,7 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
         return (out.zero_() if n else out).view(*x.shape[:-1], n)
     cfg = config or glu_config(n, k)
     dtype = _TL_DTYPES[x.dtype]
+    pdl = _pdl_enabled(x)
     _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n),)](
         x1,
         weight,
@@ -414,8 +433,10 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
         EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return out.view(*x.shape[:-1], n)
 

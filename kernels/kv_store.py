@@ -13,6 +13,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 
@@ -41,7 +43,9 @@ def _store_kv_kernel(
     CACHE_DTYPE: tl.constexpr,
     CAST: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -81,6 +85,7 @@ def store_kv(
         return
     cast = k.dtype != k_cache.dtype or v.dtype != v_cache.dtype
     assert k_cache.dtype in _TL_DTYPES
+    pdl = _pdl_enabled(k)
     _store_kv_kernel[(t,)](
         k,
         v,
@@ -105,5 +110,7 @@ def store_kv(
         CACHE_DTYPE=_TL_DTYPES[k_cache.dtype],
         CAST=cast,
         INTERP=_interpreting(),
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

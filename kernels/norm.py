@@ -16,6 +16,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 
@@ -37,7 +39,9 @@ def _rms_norm_kernel(
     X_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -74,6 +78,7 @@ def _launch(x, residual, weight, eps):
     block = triton.next_power_of_2(hidden)
     num_warps = max(1, min(16, block // 256))
     if rows > 0:
+        pdl = _pdl_enabled(x)
         _rms_norm_kernel[(rows,)](
             x2,
             r2,
@@ -91,7 +96,9 @@ def _launch(x, residual, weight, eps):
             X_DTYPE=_TL_DTYPES[x.dtype],
             OUT_DTYPE=_TL_DTYPES[out_dtype],
             INTERP=_interpreting(),
+            PDL=pdl,
             num_warps=num_warps,
+            launch_pdl=pdl,
         )
     out = out.view(*x.shape[:-1], hidden)
     if residual is None:

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 
 
@@ -93,7 +95,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(
@@ -153,6 +157,7 @@ def rotary(
     k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
     half = d // 2
     if t > 0:
+        pdl = _pdl_enabled(q)
         _rotary_kernel[(t,)](
             q,
             k,
@@ -177,7 +182,9 @@ def rotary(
             BLOCK_HALF=triton.next_power_of_2(half),
             DTYPE=_TL_DTYPES[q.dtype],
             INTERP=_interpreting(),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return q_out, k_out
 
@@ -214,7 +221,9 @@ def _rotary_store_kernel(
     BLOCK_HALF: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
@@ -258,6 +267,7 @@ def rotary_store(
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     half = d // 2
     if t > 0:
+        pdl = _pdl_enabled(q)
         _rotary_store_kernel[(t,)](
             q, k, v, q_out, k_cache, v_cache, positions.reshape(-1), slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -272,6 +282,8 @@ def rotary_store(
             BLOCK_HALF=triton.next_power_of_2(half),
             DTYPE=_TL_DTYPES[q.dtype],
             INTERP=_interpreting(),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return q_out

@@ -30,8 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=256,
-                   help="largest decode batch replayed from a CUDA graph (larger ones run eagerly)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=512,
+                   help="largest decode batch replayed from a CUDA graph, capped at --max-num-seqs "
+                   "(larger ones run eagerly)")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=2048,
                    help="longest prefill / mixed step replayed from a CUDA graph (0: decode graphs only)")
     g.add_argument("--hold-ahead-ms", type=float, default=1.5,

@@ -289,7 +289,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a graph")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=512,
+                   help="largest decode batch replayed from a graph (capped at --max-num-seqs)")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
     p.add_argument("--json", default=None, help="write results here")
 

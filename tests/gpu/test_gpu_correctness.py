@@ -97,3 +97,26 @@ def test_cuda_graphs_and_eager_give_identical_tokens(tiny_models):
             assert s == t, (x.request_id, i)
             compared += 1
     assert compared >= 0.5 * len(a) * params.max_tokens
+
+
+def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
+    """With PDL (kernels.common.pdl_enabled) each Triton kernel of a step may start while
+    the one before it finishes, and waits for it before reading: the same arithmetic, so
+    the same bits. A missing wait would read a half-written input, at batch 1 (decode
+    graphs of GEMVs) as in a batch."""
+    path = tiny_models["llama3"]
+    batch = prompts(4)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+
+    from kernels.common import pdl_enabled
+
+    def run(pdl):
+        monkeypatch.setenv("STREAMER_PDL", pdl)
+        assert pdl_enabled(torch.zeros(1, device="cuda")) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048) as llm:
+            return [llm.generate([p], params)[0] for p in batch] + llm.generate(batch, params)
+
+    on, off = run("1"), run("0")
+    for x, y in zip(on, off):
+        assert x.token_ids == y.token_ids
+        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in y.logprobs]
