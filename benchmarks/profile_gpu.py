@@ -153,6 +153,42 @@ def bench_attn_fp8(out_dir: str | None = None) -> None:
         print("   worst: " + "; ".join(f"{t:.0f}us {n}" for t, n in rows[-4:]), flush=True)
 
 
+def bench_attn_occupancy() -> None:
+    """Float8 pages, one warp per program: registers (168 at 32-key blocks) cap the programs
+    resident per SM; 16-key blocks and register caps (maxnreg) trade them for occupancy."""
+    from kernels import attention
+
+    for b, ctx in [(256, 1500), (480, 1500), (512, 1500)]:
+        pages = (ctx + 500 + 15) // 16
+        pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+        sl = torch.randint(ctx - 500, ctx + 500, (b,), device="cuda", dtype=torch.int32)  # W3's spread
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        tb = 2 * int(sl.sum()) * 8 * 128 / 1e12
+        ref = attention.paged_decode(q, kc, vc, pt, sl, 0.088)
+        rows = []
+        for splits, bn, ns, reg in itertools.product((1, 2), (16, 32), (3,), (None, 128, 96)):
+            seen = {id(k) for k in _compiled(attention._decode_kernel)}
+            try:
+                def call():
+                    return attention.paged_decode(q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn,
+                                                  num_warps=1, num_stages=ns, maxnreg=reg)
+                err = (call().float() - ref.float()).abs().max().item()
+                t = _time_us(call, reps=10)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  s{splits} n{bn} st{ns} reg{reg}: {type(e).__name__}")
+                continue
+            new = [k for k in _compiled(attention._decode_kernel) if id(k) not in seen]
+            info = f" r{new[0].n_regs} sp{new[0].n_spills} sm{new[0].metadata.shared // 1024}K" if new else ""
+            rows.append((t, f"s{splits} n{bn} st{ns} reg{reg}{info} err{err:.1e}"))
+        base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088))
+        rows.sort()
+        print(f"attn-occ B={b} ctx~{ctx}: default {base:.0f}us {tb / base * 1e6:.2f}TB/s; best " +
+              "; ".join(f"{t:.0f}us {tb / t * 1e6:.2f}TB/s {n}" for t, n in rows[:8]), flush=True)
+        print("   all: " + "; ".join(f"{t:.0f} {n}" for t, n in rows[8:]), flush=True)
+
+
 def bench_gemm() -> None:
     import torch.nn.functional as F
 
@@ -361,7 +397,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "attn-occ", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -377,6 +413,8 @@ def main() -> None:
         bench_attn_kv()
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)
+    elif a.part == "attn-occ":
+        bench_attn_occupancy()
     elif a.part == "step":
         profile_step(a.case, a.kv_cache_dtype, a.graphs)
     elif a.part == "grammar":

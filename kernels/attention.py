@@ -350,6 +350,7 @@ def paged_decode(
     prefetch: bool | None = None,
     head_major: bool | None = None,
     compute_dtype: torch.dtype | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D].
 
@@ -359,6 +360,7 @@ def paged_decode(
     buffering of K/V instead of Triton's pipeliner) and head_major (the KV heads of a
     sequence are neighbouring programs) select kernel variants (tuning/tests).
     compute_dtype: the dtype of the tensor-core dots (default: see `_decode_compute`).
+    maxnreg: a cap on the registers per thread (more programs resident per SM).
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -446,6 +448,7 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, h)](
