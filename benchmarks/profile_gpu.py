@@ -168,7 +168,7 @@ def bench_attn_occupancy() -> None:
         tb = 2 * int(sl.sum()) * 8 * 128 / 1e12
         ref = attention.paged_decode(q, kc, vc, pt, sl, 0.088)
         rows = []
-        for splits, bn, ns, reg in itertools.product((1, 2), (16, 32), (3,), (None, 128, 96)):
+        for splits, bn, ns, reg in itertools.product((1, 2), (16, 32), (3,), (0, 128, 96)):  # 0: no cap
             seen = {id(k) for k in _compiled(attention._decode_kernel)}
             try:
                 def call():

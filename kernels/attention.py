@@ -360,7 +360,7 @@ def paged_decode(
     buffering of K/V instead of Triton's pipeliner) and head_major (the KV heads of a
     sequence are neighbouring programs) select kernel variants (tuning/tests).
     compute_dtype: the dtype of the tensor-core dots (default: see `_decode_compute`).
-    maxnreg: a cap on the registers per thread (more programs resident per SM).
+    maxnreg: a cap on the registers per thread (more programs resident per SM; 0: none).
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -395,6 +395,11 @@ def paged_decode(
         # us at batch 512; profile_gpu.py attn-fp8). bf16 pages are at the bandwidth floor
         # with 4 warps already.
         num_warps = 1 if fp8_pages else 4
+    if maxnreg is None and fp8_pages and num_warps == 1:
+        # 168 registers per thread left 12 one-warp programs per SM; capped at 128 (2-4
+        # spilled), 16 fit: 313 against 356 us at batch 256, 538 against 551 at 480, over
+        # 1,000-2,000 tokens (profile_gpu.py attn-occ; a cap of 96 spilled 20-50 and was slower)
+        maxnreg = 128
     if num_stages is None:
         num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
     block_g = max(16, triton.next_power_of_2(group))
