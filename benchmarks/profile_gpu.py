@@ -189,6 +189,31 @@ def bench_attn_occupancy() -> None:
         print("   all: " + "; ".join(f"{t:.0f} {n}" for t, n in rows[8:]), flush=True)
 
 
+def bench_attn_order() -> None:
+    """Decode attention over lengths spread over 1,000-2,000 (W3) in batch order: as they
+    come, longest first (the GPU starts programs in grid order, so the long ones do not form
+    the tail), shortest first. float8 and bf16 pages."""
+    from kernels import attention
+
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for b in (256, 480, 512):
+            pages = 2000 // 16
+            pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+            sl = torch.randint(1000, 2000, (b,), device="cuda", dtype=torch.int32)
+            q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+            kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(dtype)
+            vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16).to(dtype)
+            tb = 2 * int(sl.sum()) * 8 * 128 * kc.element_size() / 1e12
+            res = []
+            for name, idx in [("as they come", torch.arange(b, device="cuda")),
+                              ("longest first", torch.argsort(sl, descending=True)),
+                              ("shortest first", torch.argsort(sl))]:
+                s2, p2 = sl[idx].contiguous(), pt[idx].contiguous()
+                t = _time_us(lambda: attention.paged_decode(q, kc, vc, p2, s2, 0.088), reps=20)
+                res.append(f"{name} {t:.0f}us {tb / t * 1e6:.2f}TB/s")
+            print(f"attn-order {str(dtype).split('.')[-1]} B={b}: " + "; ".join(res), flush=True)
+
+
 def bench_gemm() -> None:
     import torch.nn.functional as F
 
@@ -397,7 +422,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "attn-occ", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -415,6 +440,8 @@ def main() -> None:
         bench_attn_fp8(a.out)
     elif a.part == "attn-occ":
         bench_attn_occupancy()
+    elif a.part == "attn-order":
+        bench_attn_order()
     elif a.part == "step":
         profile_step(a.case, a.kv_cache_dtype, a.graphs)
     elif a.part == "grammar":
