@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv | trace
-#                                        | record | probe | w3fp8)
+#                                        | record | probe | w3fp8 | tune)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
 # w3fp8: W3 with all 1,000 requests, float8 KV, 512 at once (~2 min a run): with a step trace (the
 # kinds of steps and the device time of each), then with decode graphs up to batch 512.
+# tune: the W3 decode step's open questions (~1 min): decode attention by batch order (longest
+# first?) and the launch configs of silu_and_mul and fused add + RMSNorm at batch 480.
 # w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 # Pass test files explicitly to check (KERNEL_TESTS): tests/sampling/test_structured.py needs
 # jsonschema, which the GPU machine lacks, and a collection error stops the whole run.
@@ -78,6 +80,10 @@ if [ "$part" = probe ]; then
   python3 benchmarks/ttft_probe.py --launch 2>&1 | grep -v Warning | grep "tokens:\|generate" 
   python3 benchmarks/profile_gpu.py serve -n "${W5_SAT_N:-256}" > "$OUT/serve_profile.txt" 2>&1
   grep -A3 "rate  reqs" "$OUT/serve_profile.txt"
+fi
+if [ "$part" = tune ]; then
+  python3 benchmarks/profile_gpu.py attn-order 2>&1 | grep -v -i warn | tee "$OUT/attn_order.txt"
+  python3 benchmarks/profile_gpu.py small-ops 2>&1 | grep -v -i warn | tee "$OUT/small_ops.txt"
 fi
 if [ "$part" = w3fp8 ]; then
   STREAMER_STEP_TRACE="$OUT/w3_steps.jsonl" bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 \

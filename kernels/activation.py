@@ -39,8 +39,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, DTYPE, INTERP), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2I] holding gate then up -> silu(gate) * up, [..., I]."""
+def silu_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """x: [..., 2I] holding gate then up -> silu(gate) * up, [..., I]. block: elements of a
+    row per program (default: up to 1,024); block and num_warps are for tuning."""
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -49,7 +50,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(inter))
+    if block is None:
+        block = min(1024, triton.next_power_of_2(inter))
     if rows > 0:
         pdl = _pdl_enabled(x)
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
@@ -62,7 +64,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             DTYPE=_TL_DTYPES[x.dtype],
             INTERP=_interpreting(),
             PDL=pdl,
-            num_warps=4,
+            num_warps=num_warps,
             launch_pdl=pdl,
         )
     return out.view(*x.shape[:-1], inter)

@@ -58,7 +58,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, _round_to(w * normed, OUT_DTYPE, INTERP), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, num_warps=None):
     hidden = x.shape[-1]
     assert weight.shape[-1] == hidden
     x2 = x.reshape(-1, hidden)
@@ -76,7 +76,8 @@ def _launch(x, residual, weight, eps):
         r2, new_res = x2, out
     weight = weight.contiguous()
     block = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(16, block // 256))
+    if num_warps is None:
+        num_warps = max(1, min(16, block // 256))
     if rows > 0:
         pdl = _pdl_enabled(x)
         _rms_norm_kernel[(rows,)](
@@ -106,13 +107,14 @@ def _launch(x, residual, weight, eps):
     return out, new_res.view(*x.shape[:-1], hidden)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype); x [..., hidden]."""
-    return _launch(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype); x [..., hidden]. num_warps: per
+    row (default hidden / 256, at most 16; tuning)."""
+    return _launch(x, None, weight, eps, num_warps)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) as new tensors."""
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, num_warps)
