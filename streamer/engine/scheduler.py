@@ -166,6 +166,11 @@ class Scheduler:
                 continue
             chunks.append((req, n))
             budget -= n
+        # decodes first, the longest context first: the decode kernel's programs start in
+        # batch order, so the longest sequences do not form the tail of its last wave; and
+        # decodes leading a mixed step can go through the decode kernel (runner.prepare).
+        # Decodes all grow by one token a step, so the list is nearly sorted already.
+        chunks.sort(key=lambda c: (c[1] != 1, -c[0].num_computed))
         if not preempted and suspect is None:
             budget = self._admit(chunks, budget)
         if not chunks:

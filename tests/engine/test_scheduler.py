@@ -90,3 +90,16 @@ def test_step_trace_writes_one_line_per_processed_step(tmp_path, monkeypatch):
     assert recs[0]["tokens"] == 20 and recs[0]["decodes"] == 0 and recs[0]["ready"] == 1.0
     assert recs[1]["ahead"] and recs[1]["decodes"] == 1 and recs[1]["idle_before"] == 0.002
     assert recs[1]["processed"] >= recs[1]["process_begin"]
+
+
+def test_decodes_lead_the_batch_longest_context_first():
+    s = scheduler(max_num_batched_tokens=64)
+    submit(s, "short", [5] * 20, max_tokens=50)
+    finish_step(s, s.schedule())
+    submit(s, "long", [6] * 50, max_tokens=50)
+    finish_step(s, s.schedule())
+    submit(s, "chunked", [7] * 100, max_tokens=50)  # 62 tokens this step, 38 the next
+    finish_step(s, s.schedule())
+    batch = s.schedule()
+    assert [(c.request_id, len(c.token_ids)) for c in batch.seqs] == [("long", 1), ("short", 1), ("chunked", 38)]
+    assert [c.start for c in batch.seqs] == [51, 22, 62]
