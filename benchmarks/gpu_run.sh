@@ -5,8 +5,8 @@
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
-# w3fp8: W3 with all 1,000 requests, float8 KV, 512 at once (~2 min a run): with a step trace (the
-# kinds of steps and the device time of each), then with decode graphs up to batch 512.
+# w3fp8: W3 with all 1,000 requests, float8 KV, 512 at once (~2 min) with a step trace (the
+# kinds of steps and the device time of each).
 # tune: the W3 decode step's open questions (~1 min): decode attention by batch order (longest
 # first?) and the launch configs of silu_and_mul and fused add + RMSNorm at batch 480.
 # w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
@@ -89,6 +89,4 @@ if [ "$part" = w3fp8 ]; then
   STREAMER_STEP_TRACE="$OUT/w3_steps.jsonl" bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 \
       --max-num-seqs 512 --json "$OUT/w3_fp8_512.json" | tail -1
   python3 benchmarks/step_trace.py "$OUT/w3_steps.jsonl" | head -14
-  bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 --max-num-seqs 512 --cuda-graph-max-bs 512 \
-      --json "$OUT/w3_fp8_512_graphs512.json" | tail -1
 fi
