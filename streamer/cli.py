@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="default", help="local HF model folder, or 'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: float8 weights and per-token float8 activations in the linear layers (W8A8)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache dtype (auto: the model's; fp8: float8 e4m3, half the memory per token)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -14,6 +14,7 @@ from streamer.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
@@ -36,6 +37,11 @@ class EngineConfig:
     """auto: the model's dtype. fp8 (or fp8_e4m3): K/V stored as float8 e4m3 with scale 1,
     saturated at +-448; half the bytes per token (twice the tokens in the pool, half the
     attention reads of long contexts) for a small loss of precision."""
+    quantization: str | None = None
+    """fp8: the decoder's linear layers hold float8 e4m3 weights (a scale per output row,
+    computed at load time) and quantize their inputs per token at each call (W8A8, see
+    streamer/model/quant.py): half the weight bytes and twice the tensor-core FLOPs, for a
+    small loss of precision. None: the weights stay in `dtype`."""
     device: str = "auto"
     load_format: str = "auto"
     """auto: safetensors from the folder; dummy: random weights of the real shapes."""
@@ -81,6 +87,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or none), not {self.quantization!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, not {self.load_format!r}")

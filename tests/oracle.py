@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 NEAR_TIE = 1e-5
-# With float8 K/V a last-bit difference of a key (another order of float32 operations)
-# can round it to a neighbouring float8 value, 1/16 apart: continuations may then part at
-# a close call, one whose top-2 logits are within this much of each other.
+# With float8 K/V (or float8 activations) a last-bit difference of a key or an input
+# (another order of float32 operations) can round it to a neighbouring float8 value, 1/16
+# apart: continuations may then part at a close call, one whose top-2 logits are within
+# this much of each other.
 FP8_CLOSE = 0.1
 
 
@@ -31,12 +32,28 @@ class Reference:
 
 
 @cache
-def _hf_model(path: str):
+def _hf_model(path: str, w8a8: bool = False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # our runs ignore EOS too: same length on both sides
+    if w8a8:
+        emulate_w8a8(model)
     return model
+
+
+def emulate_w8a8(model: torch.nn.Module) -> None:
+    """transformers computing what quantization "fp8" computes: every linear layer of the
+    decoder (not the LM head) gets its weight rounded through float8 row by row, and its
+    input rounded through float8 token by token (streamer/model/quant.py). Per-row and
+    per-token scales make this the same whether q/k/v and gate/up are fused or not."""
+    from streamer.model.quant import dequantize, fake_quantize_rows, quantize_rows
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+            q, s = quantize_rows(m.weight.data)
+            m.weight.data = dequantize(q, s.view(-1), m.weight.dtype)
+            m.register_forward_pre_hook(lambda mod, args: (fake_quantize_rows(args[0]),))
 
 
 @contextmanager
@@ -58,10 +75,10 @@ def fp8_kv_cache() -> Iterator[None]:
 
 
 @cache
-def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False) -> Reference:
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False, w8a8: bool = False) -> Reference:
     from transformers import GenerationConfig
 
-    model = _hf_model(path)
+    model = _hf_model(path, w8a8)
     # No EOS: our runs ignore it too, so both produce exactly max_new tokens.
     config = GenerationConfig(
         max_new_tokens=max_new,
@@ -93,15 +110,17 @@ class Comparison:
     failures: list[str] = field(default_factory=list)
 
 
-def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison, kv_fp8: bool = False) -> None:
+def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison, kv_fp8: bool = False,
+            w8a8: bool = False) -> None:
     """Record whether `ours` equals transformers' greedy continuation of `prompt` (kv_fp8:
-    with its K/V rounded to float8, see fp8_kv_cache)."""
-    ref = hf_greedy(str(path), tuple(prompt), len(ours), kv_fp8)
+    with its K/V rounded to float8, see fp8_kv_cache; w8a8: its linear layers rounded as
+    quantization "fp8" rounds them, see emulate_w8a8)."""
+    ref = hf_greedy(str(path), tuple(prompt), len(ours), kv_fp8, w8a8)
     assert len(ours) == len(ref.tokens), f"{len(ours)} tokens, reference has {len(ref.tokens)}"
     for i, (a, b) in enumerate(zip(ours, ref.tokens)):
         if a == b:
             continue
-        if ref.top2_gap[i] <= (FP8_CLOSE if kv_fp8 else NEAR_TIE) and a in ref.top_ids[i][:2]:
+        if ref.top2_gap[i] <= (FP8_CLOSE if kv_fp8 or w8a8 else NEAR_TIE) and a in ref.top_ids[i][:2]:
             cmp.near_ties += 1  # a genuine tie: both continuations are right from here on
             return
         cmp.failures.append(

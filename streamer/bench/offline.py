@@ -103,7 +103,9 @@ def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
     steps = max(max(w.outputs), total_out / max(concurrency, 1))
     kv = sum(kv_per_token * (len(p) * o + o * (o - 1) / 2) for p, o in zip(w.prompts, w.outputs))
     mem = (steps * wbytes + kv) / BANDWIDTH
-    flops = 2 * params * sum(len(p) + o for p, o in zip(w.prompts, w.outputs)) / FLOPS
+    # float8 tensor cores run twice the bf16 FLOPs (the LM head stays bf16: a small share)
+    peak = FLOPS * (2 if llm.engine.runner.config.quantization == "fp8" else 1)
+    flops = 2 * params * sum(len(p) + o for p, o in zip(w.prompts, w.outputs)) / peak
     return max(mem, flops)
 
 
@@ -224,6 +226,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         load_format="dummy" if args.dummy else "auto",
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_model_len=max(longest + 16, 2048),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -284,6 +287,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="override the request count (W4: groups)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="float8 linear layers (W8A8)")
     p.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="random weights")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run transformers too")
     p.add_argument("--max-num-seqs", type=int, default=256)

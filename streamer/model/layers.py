@@ -11,16 +11,35 @@ from torch import nn
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
+from streamer.model import quant
 from streamer.model.context import get_context
 
 
 class Linear(nn.Linear):
     """nn.Linear that streams its weight through the Triton GEMV for a single row (a decode
-    step of batch 1) when `decode_gemv` is on (the runner sets it from EngineConfig)."""
+    step of batch 1) when `decode_gemv` is on (the runner sets it from EngineConfig), or,
+    once `quantize_fp8` has run, multiplies in float8 (streamer/model/quant.py)."""
 
     decode_gemv = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weight_scale: torch.Tensor | None
+        self.register_buffer("weight_scale", None, persistent=False)
+
+    def quantize_fp8(self) -> bool:
+        """Replace the weight with its float8 rows and their scales; False (and no change)
+        where cuBLAS's float8 GEMM cannot take the shape."""
+        if not quant.fp8_shapes_ok(self.weight):
+            return False
+        q, scale = quant.quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale", scale.view(-1), persistent=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.decode_gemv and use_gemv(x, self.weight):
             y = gemv(x, self.weight)
             return y if self.bias is None else y + self.bias

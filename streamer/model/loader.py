@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from streamer.errors import ModelLoadError
+from streamer.model.layers import Linear
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.registry import model_class
 
@@ -89,8 +90,10 @@ def load_model(
     load_format: str = "auto",
     max_positions: int | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Any]:
-    """(model in eval mode on device, transformers config)."""
+    """(model in eval mode on device, transformers config). quantization "fp8": the
+    decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py)."""
     path = Path(path)
     device = torch.device(device)
     hf_config = load_hf_config(path)
@@ -113,4 +116,11 @@ def load_model(
                     p.normal_(0.0, 0.02, generator=gen)
         else:
             model.load_weights(iter_safetensors(files))
+        if quantization == "fp8":
+            for name, m in model.named_modules():
+                # the LM head stays in the model's dtype (as in the usual fp8 checkpoints)
+                if isinstance(m, Linear) and name != "lm_head":
+                    m.quantize_fp8()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory
     return model.eval(), hf_config

@@ -51,6 +51,7 @@ class ModelRunner:
             load_format=config.load_format,
             max_positions=config.max_model_len,
             seed=config.seed,
+            quantization=config.quantization,
         )
         cfg = self.hf_config
         if self.device.type == "cuda" and config.decode_gemv:

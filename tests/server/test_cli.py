@@ -46,14 +46,14 @@ def test_engine_flags_reach_the_engine_config():
 
     args = serve_parser().parse_args(["--max-num-seqs", "8", "--cuda-graph-max-tokens", "0", "--no-prefix-caching",
                                       "--hold-ahead-ms", "0", "--no-decode-gemv", "--kv-cache-dtype", "fp8",
-                                      "--cuda-graph-max-bs", "128"])
+                                      "--cuda-graph-max-bs", "128", "--quantization", "fp8"])
     cfg = engine_config(args)
     assert (cfg.max_num_seqs, cfg.cuda_graph_max_tokens, cfg.enable_prefix_caching) == (8, 0, False)
     assert (cfg.hold_ahead_ms, cfg.decode_gemv, cfg.kv_cache_dtype) == (0.0, False, "fp8")
-    assert cfg.cuda_graph_max_bs == 128
+    assert (cfg.cuda_graph_max_bs, cfg.quantization) == (128, "fp8")
     default = engine_config(serve_parser().parse_args([]))
     assert (default.cuda_graph_max_tokens, default.hold_ahead_ms, default.decode_gemv) == (2048, 1.5, True)
-    assert (default.kv_cache_dtype, default.cuda_graph_max_bs) == ("auto", 512)
+    assert (default.kv_cache_dtype, default.cuda_graph_max_bs, default.quantization) == ("auto", 512, None)
 
 
 def test_the_engine_gets_its_own_process_on_cuda_unless_told():

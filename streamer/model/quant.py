@@ -1,0 +1,75 @@
+"""float8 (e4m3) weights and activations for the decoder's linear layers (`quantization="fp8"`).
+
+Weights: one scale per output row, max |W[n, :]| / 448, so every row uses the whole e4m3
+range. Activations: one scale per token, computed at each call from the token's own
+max |x| (dynamic), so no calibration is needed. The product goes through
+`torch._scaled_mm` (float8 tensor cores on sm_89+; CPU has it too, so the tests run the
+same call), which multiplies both scales back in while accumulating in fp32:
+
+    y[m, n] = sx[m] * sw[n] * sum_k q(x)[m, k] * q(W)[n, k]
+
+The embedding, the LM head and the norms stay in the model's dtype, as in the usual fp8
+checkpoints. On the H200 a linear layer's GEMM is compute-bound at W3's batches (~500
+rows), and float8 tensor cores run twice the bf16 FLOPs; its weight stream at batch 1
+halves too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_TINY = 1e-12  # the scale of an all-zero row or token: any positive value keeps it zero
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], fp32 scales [M, 1]) with x ~ q * scale, row by row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
+    # the division can land a hair past 448 (fp32 rounding): saturate rather than get NaN
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fp8_shapes_ok(weight: torch.Tensor) -> bool:
+    """cuBLAS's float8 GEMM needs both dimensions of W to be multiples of 16."""
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with a float8 weight [N, K] (per-row fp32 scales [N]) and the activations
+    quantized per token on the way in. x [..., K] -> [..., N] in x.dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    q, sx = quantize_rows(x2)
+    # cuBLAS's row-wise scaled GEMM writes bf16; CPU writes any float dtype
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the float8 one stands for (tests and the transformers emulation)."""
+    return (weight.float() * weight_scale.view(-1, 1)).to(dtype)
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through float8 token by token, in x's dtype: what `fp8_linear` multiplies."""
+    q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return (q.float() * s).to(x.dtype).view(x.shape)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_linear` in plain fp32 arithmetic (products of float8 values are exact in fp32)."""
+    y = F.linear(fake_quantize_rows(x).float(), dequantize(weight, weight_scale, torch.float32))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
