@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv | trace
-#                                        | record | probe | w3fp8 | tune)
+#                                        | record | probe | w3fp8 | tune | w8a8)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
@@ -9,6 +9,8 @@
 # kinds of steps and the device time of each).
 # tune: the W3 decode step's open questions (~1 min): decode attention by batch order (longest
 # first?) and the launch configs of silu_and_mul and fused add + RMSNorm at batch 480.
+# w8a8: float8 linear layers (--quantization fp8) with float8 KV: W3 (1,000 at batch 512, ~2 min)
+# and W2 (~1 min).
 # w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 # check: tests/gpu and every kernel test, compiled (tests/kernels runs its random-input tests on
 # the GPU when there is one; `-m cuda` would keep only the GPU-size ones). Not the whole suite:
@@ -85,6 +87,11 @@ fi
 if [ "$part" = tune ]; then
   python3 benchmarks/profile_gpu.py attn-order 2>&1 | grep -v -i warn | tee "$OUT/attn_order.txt"
   python3 benchmarks/profile_gpu.py small-ops 2>&1 | grep -v -i warn | tee "$OUT/small_ops.txt"
+fi
+if [ "$part" = w8a8 ]; then
+  bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 --quantization fp8 --max-num-seqs 512 \
+      --json "$OUT/w3_w8a8.json" | tail -1
+  bench --workload W2 --no-peer --max-num-seqs 8 --quantization fp8 --json "$OUT/w2_w8a8.json" | tail -1
 fi
 if [ "$part" = w3fp8 ]; then
   STREAMER_STEP_TRACE="$OUT/w3_steps.jsonl" bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 \
