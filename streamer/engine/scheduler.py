@@ -400,9 +400,10 @@ class Scheduler:
             if reason is None:
                 deltas.append(self._delta(req, new, logprobs))
             else:
-                error = "the sampled token is not allowed by the grammar" if reason == "error" else None
+                error = self._grammar_error(req) if reason == "error" else None
                 d = self._finish(req, reason, error=error)
-                d.token_ids, d.logprobs = new, logprobs
+                if error is None:  # a token the grammar refused is not output
+                    d.token_ids, d.logprobs = new, logprobs
                 deltas.append(d)
         # KV efficiency: of the slots in pages held by running requests, how many hold tokens
         self._kv_live += sum(r.num_computed for r in self.running)
@@ -450,6 +451,18 @@ class Scheduler:
         if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
+
+    def _grammar_error(self, req: Request) -> str:
+        """Why req's grammar refused its sampled token. The usual cause: from here the grammar
+        admits no token of this model's vocabulary (a character no token sequence spells, say),
+        so every logit was masked; a user's constraint, not an engine failure."""
+        from streamer.sampling.grammar import fill_bitmask
+
+        assert req.grammar is not None
+        if self.vocab_size and not bool(fill_bitmask([req.grammar], self.vocab_size).any()):
+            return (f"the grammar admits no token of this model's vocabulary after {req.grammar.num_accepted} "
+                    "output token(s): the constraint cannot be met with this tokenizer")
+        return "internal error: the sampled token is not allowed by the grammar"
 
     def _jump_forward(self, req: Request, new: list[int]) -> str | None:
         """Append the tokens the grammar forces next (already accepted by its matcher).

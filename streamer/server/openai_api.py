@@ -104,9 +104,7 @@ async def start(st: ServerState, reqs: list[GenerateRequest]) -> tuple[Merged, l
             i, out = await anext(gen)
             buffered.append((i, out))
             if i not in seen and out.finish_reason == "error":
-                internal = (out.error or "").startswith("internal error")
-                raise ApiError(out.error or "the request failed", 500 if internal else 400,
-                               type="server_error" if internal else "invalid_request_error")
+                raise failure(out.error)
             seen.add(i)
     except BaseException:
         await gen.aclose()
@@ -122,6 +120,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -134,6 +133,7 @@ class Choice:
         self.completion_tokens = out.completion_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.error = out.error
 
 
 def usage(choices: dict[int, Choice], n: int) -> p.Usage:
@@ -257,9 +257,19 @@ async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count:
             choices[i].add(out)
     finally:
         await gen.aclose()
-    if any(c.finish_reason == "error" for c in choices.values()):
-        raise ApiError("generation failed", 500, type="server_error")
+    for c in choices.values():
+        if c.finish_reason == "error":
+            raise failure(c.error)
     return choices
+
+
+def failure(error: str | None) -> ApiError:
+    """A request the engine ended with an error: the engine's own failures ("internal error:
+    ...") are 500s; the rest come from the request (a grammar this vocabulary cannot follow,
+    say) and are 400s, with the engine's message, also after some output."""
+    internal = error is None or error.startswith("internal error")
+    return ApiError(error or "generation failed", 500 if internal else 400,
+                    type="server_error" if internal else "invalid_request_error")
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
@@ -338,7 +348,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         nonlocal left, failed
         choices[i].add(out)
         if out.error:
-            pending.append(data_event(p.ErrorResponse(p.ErrorInfo(out.error, "server_error"))))
+            pending.append(data_event(p.ErrorResponse(p.ErrorInfo(out.error, failure(out.error).type))))
             failed = True
             return True
         if out.text or out.logprobs:

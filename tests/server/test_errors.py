@@ -99,3 +99,20 @@ def test_bad_input_does_not_disturb_requests_in_flight(live, http):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 24
     live.wait_idle()
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_is_a_400_even_after_some_output(http):
+    """U+BA78E (private use): the tokenizer has no token sequence for it that the grammar
+    engine accepts, so after "É" the grammar admits no token at all. The user's constraint,
+    not an engine failure: 400 with the reason (the fuzz found a 500 here), and in a stream
+    an error event of the same type, with no refused token in the text."""
+    body = {"prompt": "hello", "max_tokens": 16, "guided_regex": "\u00c9\U000ba78e4"}
+    err = assert_openai_error(http.post("/v1/completions", json=body), 400)
+    assert "admits no token of this model's vocabulary after 2 output token(s)" in err["message"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    errors = [e["error"] for e in events if "error" in e]
+    assert text == "\u00c9" and len(errors) == 1, events
+    assert errors[0]["type"] == "invalid_request_error" and "admits no token" in errors[0]["message"]
