@@ -480,20 +480,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
-    if a.part == "gemm":
-        bench_gemm()
-    elif a.part == "attn":
-        bench_attn()
-    elif a.part == "attn-kv":
-        bench_attn_kv()
+    plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
+             "attn-order": bench_attn_order, "small-ops": bench_small_ops}
+    if a.part in plain:
+        plain[a.part]()
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)
-    elif a.part == "attn-occ":
-        bench_attn_occupancy()
-    elif a.part == "attn-order":
-        bench_attn_order()
-    elif a.part == "small-ops":
-        bench_small_ops()
     elif a.part == "step":
         profile_step(a.case, a.kv_cache_dtype, a.graphs)
     elif a.part == "grammar":
