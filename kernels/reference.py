@@ -38,6 +38,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+FP8_MAX = 448.0
+FP8_TINY = 1e-12  # the scale of an all-zero row: any positive value keeps it zero
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 e4m3 [M, K], fp32 scales [M, 1]) with x ~ q * scale, row by row:
+    scale = max |x[m, :]| / 448, so each row uses the whole e4m3 range."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_TINY)
+    # the division can land a hair past 448 (fp32 rounding): saturate rather than get NaN
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -47,11 +47,11 @@ def emulate_w8a8(model: torch.nn.Module) -> None:
     decoder (not the LM head) gets its weight rounded through float8 row by row, and its
     input rounded through float8 token by token (streamer/model/quant.py). Per-row and
     per-token scales make this the same whether q/k/v and gate/up are fused or not."""
-    from streamer.model.quant import dequantize, fake_quantize_rows, quantize_rows
+    from streamer.model.quant import dequantize, fake_quantize_rows, quantize_rows_fp8
 
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
-            q, s = quantize_rows(m.weight.data)
+            q, s = quantize_rows_fp8(m.weight.data)
             m.weight.data = dequantize(q, s.view(-1), m.weight.dtype)
             m.register_forward_pre_hook(lambda mod, args: (fake_quantize_rows(args[0]),))
 

@@ -32,7 +32,7 @@ class Linear(nn.Linear):
         where cuBLAS's float8 GEMM cannot take the shape."""
         if not quant.fp8_shapes_ok(self.weight):
             return False
-        q, scale = quant.quantize_rows(self.weight.data)
+        q, scale = quant.quantize_rows_fp8(self.weight.data)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale.view(-1), persistent=False)
         return True

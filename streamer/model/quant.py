@@ -2,7 +2,8 @@
 
 Weights: one scale per output row, max |W[n, :]| / 448, so every row uses the whole e4m3
 range. Activations: one scale per token, computed at each call from the token's own
-max |x| (dynamic), so no calibration is needed. The product goes through
+max |x| (dynamic), so no calibration is needed (kernels/quant.py: one Triton kernel on
+CUDA, the torch reference elsewhere, the same bits). The product goes through
 `torch._scaled_mm` (float8 tensor cores on sm_89+; CPU has it too, so the tests run the
 same call), which multiplies both scales back in while accumulating in fp32:
 
@@ -19,18 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_TINY = 1e-12  # the scale of an all-zero row or token: any positive value keeps it zero
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], fp32 scales [M, 1]) with x ~ q * scale, row by row."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
-    # the division can land a hair past 448 (fp32 rounding): saturate rather than get NaN
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+from kernels import ops
+from kernels.reference import quantize_rows_fp8
 
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
@@ -45,7 +36,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     quantized per token on the way in. x [..., K] -> [..., N] in x.dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    q, sx = quantize_rows(x2)
+    q, sx = ops.quantize_rows_fp8(x2)  # one Triton kernel on CUDA
     # cuBLAS's row-wise scaled GEMM writes bf16; CPU writes any float dtype
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
@@ -61,8 +52,9 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded through float8 token by token, in x's dtype: what `fp8_linear` multiplies."""
-    q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+    """x rounded through float8 token by token, in x's dtype: what `fp8_linear` multiplies
+    (the torch reference of the rounding; the Triton kernel gives the same bits)."""
+    q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
     return (q.float() * s).to(x.dtype).view(x.shape)
 
 

@@ -18,7 +18,7 @@ from tests.oracle import Comparison, _hf_model, compare
 
 def test_each_row_uses_the_whole_float8_range_and_rounds_to_its_nearest_value():
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 48)[:, None]
-    q, scale = quant.quantize_rows(w)
+    q, scale = quant.quantize_rows_fp8(w)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (48, 1)
     assert torch.equal(q.float().abs().amax(dim=1), torch.full((48,), 448.0))
     back = q.float() * scale
@@ -32,7 +32,7 @@ def test_a_zero_token_stays_zero():
     x = torch.zeros(3, 32)
     x[1] = torch.randn(32)
     w = torch.randn(16, 32)
-    q, s = quant.quantize_rows(w)
+    q, s = quant.quantize_rows_fp8(w)
     y = quant.fp8_linear(x, q, s.view(-1), None)
     assert torch.equal(y[0], torch.zeros(16)) and torch.equal(y[2], torch.zeros(16))
     assert y[1].abs().sum() > 0
@@ -42,7 +42,7 @@ def test_the_float8_product_is_the_fp32_product_of_the_rounded_operands():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 64, generator=g)
     w, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    q, s = quant.quantize_rows(w)
+    q, s = quant.quantize_rows_fp8(w)
     got = quant.fp8_linear(x, q, s.view(-1), bias)
     want = quant.reference_linear(x, q, s.view(-1), bias)
     assert got.shape == (2, 5, 96)

@@ -1,0 +1,68 @@
+"""Triton per-row float8 quantization of activations (quantization "fp8", streamer/model/quant.py).
+
+One program per row: it reads the row once, takes its max |x|, and writes the float8 row
+and its scale; the torch version (kernels.reference.quantize_rows_fp8) is five passes over
+the row, one of them writing it in fp32. Same bits as the reference: the scale is the same
+fp32 division, and the cast rounds to nearest even and saturates at +-448 (common.round_to).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import round_to as _round_to
+from kernels.reference import FP8_MAX, FP8_TINY
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMAX: tl.constexpr,
+    TINY: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, TINY)
+    q = _round_to(x / scale, tl.float8e4nv, INTERP)  # saturates at +-448
+    tl.store(q_ptr + row * K + offs, q, mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32 / fp16 / bf16) -> (float8 e4m3 [M, K], fp32 scales [M, 1])."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    pdl = _pdl_enabled(x)
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, x.stride(0),
+        K=k,
+        BLOCK=block,
+        FMAX=FP8_MAX,
+        TINY=FP8_TINY,
+        INTERP=_interpreting(),
+        PDL=pdl,
+        num_warps=max(1, min(16, block // 512)),
+        launch_pdl=pdl,
+    )
+    return q, scale
