@@ -1,6 +1,7 @@
 """Where the time goes, on the GPU machine (diagnostics, not a benchmark of record).
 
     python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
+    python3 benchmarks/profile_gpu.py gemm-fp8 # bf16 against float8 linear layers at W3's row counts
     python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
     python3 benchmarks/profile_gpu.py attn-kv  # decode attention over bf16 vs float8 pages, large batches
     python3 benchmarks/profile_gpu.py attn-fp8 --out DIR  # float8 pages: launch-config sweep, occupancy, asm
@@ -290,7 +291,33 @@ def bench_gemm() -> None:
             print(f"{name:8} {m:4d} {us:8.1f} {tb:6.2f} {tf:8.1f}")
 
 
-def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: bool = False) -> None:
+def bench_gemm_fp8() -> None:
+    """W3's linear layers (Llama-3.1-8B) at decode (480, 512) and mixed-step (8192) rows: bf16
+    F.linear against the float8 path (activation quantization, then cuBLAS's row-wise scaled
+    GEMM), each timed in CUDA graphs; TFLOP/s of the GEMM alone and of quantize + GEMM."""
+    import torch.nn.functional as F
+
+    from kernels import ops
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+    print(f"{'gemm':8} {'M':>5} {'bf16 us':>8} {'TF':>5} {'quant us':>8} {'fp8 us':>8} {'TF':>5} {'q+fp8 TF':>8}")
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        wq = w.to(torch.float8_e4m3fn)
+        sw = torch.rand(1, n, device="cuda") + 0.5
+        for m in (480, 512, 8192):
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            qs = [ops.quantize_rows_fp8(x) for x in xs]
+            bf = _time_graph_us([lambda x=x: F.linear(x, w) for x in xs])
+            qu = _time_graph_us([lambda x=x: ops.quantize_rows_fp8(x) for x in xs])
+            f8 = _time_graph_us([lambda q=q: torch._scaled_mm(q[0], wq.t(), scale_a=q[1], scale_b=sw,
+                                                              out_dtype=torch.bfloat16) for q in qs])
+            fl = 2 * m * n * k / 1e6
+            print(f"{name:8} {m:5d} {bf:8.1f} {fl / bf:5.0f} {qu:8.1f} {f8:8.1f} {fl / f8:5.0f} {fl / (qu + f8):8.0f}")
+
+
+def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: bool = False,
+                 quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from streamer import LLM
@@ -300,7 +327,8 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
              ("llama-3.1-8b", 256, 1500, 8), ("llama-3.1-8b", 480, 1500, 6)]
     for model, bs, ctx, steps in cases if only is None else [cases[only]]:
         llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=graphs, max_model_len=2048 if bs == 1 else 4096,
-                  max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
+                  max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype,
+                  quantization=quantization)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, 30000, (ctx,), generator=g).tolist() for _ in range(bs)]
         # prefill first (not profiled), then decode steps
@@ -472,22 +500,24 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "small-ops", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "small-ops", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
+    p.add_argument("--quantization", default=None, help="step: the engine's quantization (fp8)")
     p.add_argument("--graphs", action="store_true", help="step: decode steps replayed from CUDA graphs")
     p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
-             "attn-order": bench_attn_order, "small-ops": bench_small_ops}
+             "attn-order": bench_attn_order, "small-ops": bench_small_ops,
+             "gemm-fp8": bench_gemm_fp8}
     if a.part in plain:
         plain[a.part]()
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)
     elif a.part == "step":
-        profile_step(a.case, a.kv_cache_dtype, a.graphs)
+        profile_step(a.case, a.kv_cache_dtype, a.graphs, a.quantization)
     elif a.part == "grammar":
         profile_grammar(a.model)
     elif a.part == "serve":

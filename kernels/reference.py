@@ -47,8 +47,9 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = max |x[m, :]| / 448, so each row uses the whole e4m3 range."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_TINY)
-    # the division can land a hair past 448 (fp32 rounding): saturate rather than get NaN
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # multiplied by the reciprocal (one division per row, as the kernel); the product can
+    # land a hair past 448 (fp32 rounding): saturate rather than get NaN
+    q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
