@@ -3,6 +3,7 @@
     python3 benchmarks/gemv_bench.py              # every shape, heuristic + a small sweep (< 3 min)
     python3 benchmarks/gemv_bench.py --no-sweep   # heuristic only
     python3 benchmarks/gemv_bench.py --full       # a wider sweep, to retune gemv_config (longer)
+    python3 benchmarks/gemv_bench.py --only fp8   # float8 W and x at M = 1 (quantization "fp8")
 
 Timing is what a decode step sees: a CUDA graph of back-to-back calls (at
 least 20), replayed; us per call = replay time / calls. Weights that L2
@@ -258,11 +259,77 @@ def bench_glu(args, budget: Budget, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
+def _fp8_shape(args, budget: Budget, gen: torch.Generator, name: str, n: int, k: int) -> None:
+    from kernels import ops
+
+    bf = torch.bfloat16
+    ws = _weights(n, k, gen)
+    qs = [ops.quantize_rows_fp8(w) for w in ws]
+    qs = [(q, s.view(-1)) for q, s in qs]
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(DTYPE)
+    qx, sx = ops.quantize_rows_fp8(x)
+    glu = name == "glu"
+    nbytes = n * k + k + (n // 2 if glu else n) * 2
+    if glu:
+        fp8 = lambda a, w, c=None: G.gemv_glu(qx, w[0], c, scales=(sx, w[1]), out_dtype=bf)
+        ref = activation.silu_and_mul(torch._scaled_mm(qx, qs[0][0].t(), sx, qs[0][1].view(1, -1), out_dtype=bf))
+        h = G.glu_config(n // 2, k, 1)
+        bf16 = time_graph(lambda a, w: G.gemv_glu(a, w), ws, x)
+        cub = time_graph(
+            lambda a, w: activation.silu_and_mul(torch._scaled_mm(qx, w[0].t(), sx, w[1].view(1, -1), out_dtype=bf)),
+            qs, x,
+        )
+    else:
+        fp8 = lambda a, w, c=None: G.gemv(qx, w[0], c, scales=(sx, w[1]), out_dtype=bf)
+        ref = torch._scaled_mm(qx, qs[0][0].t(), sx, qs[0][1].view(1, -1), out_dtype=bf)
+        h = G.gemv_config(1, n, k, G._num_sms(x.device), 1)
+        bf16 = time_graph(lambda a, w: G.gemv(a, w), ws, x)
+        cub = time_graph(lambda a, w: torch._scaled_mm(qx, w[0].t(), sx, w[1].view(1, -1), out_dtype=bf), qs, x)
+    err = (fp8(x, qs[0]).float() - ref.float()).abs().max().item()
+    us = time_graph(fp8, qs, x)
+    results = {str(h): (us, h)}
+    if args.sweep:
+        cands = [h.with_(block_k=bk, unroll=u) for bk in (256, 512, 1024) for u in (2, 4, 8)]
+        cands += [h.with_(block_n=bn, num_warps=nw) for bn, nw in TILES]
+        for c in cands:
+            if str(c) in results or not budget.left() or (k % (c.block_k * c.unroll) and glu):
+                continue
+            try:
+                bad = (fp8(x, qs[0], c).float() - ref.float()).abs().max().item() > 0.1
+                results[str(c)] = (float("inf") if bad else time_graph(lambda a, w, c=c: fp8(a, w, c), qs, x), c)
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                print(f"    {c}: failed ({type(e).__name__})", flush=True)
+    best_us, best = min(results.values(), key=lambda v: v[0])
+    print(
+        f"{name:12} {n:6d} {k:6d} | {bf16:9.1f} | {cub:9.1f} | {us:8.1f} {nbytes / us / 1e6:4.2f} {str(h):14} | "
+        f"{best_us:6.1f} {nbytes / best_us / 1e6:4.2f} {str(best):16} | {err:7.1e}",
+        flush=True,
+    )
+    del ws, qs
+    torch.cuda.empty_cache()
+
+
+def bench_fp8(args, budget: Budget, gen: torch.Generator) -> None:
+    """M = 1 with float8 operands (quantization "fp8"): the bf16 GEMV of the unquantized W,
+    cuBLAS's float8 GEMM (torch._scaled_mm) and the float8 GEMV on the same quantized x and W,
+    then a sweep of the float8 GEMV's chunk, unroll and tile; glu: gate_up + activation."""
+    from kernels import ops
+
+    print(
+        f"\n{'float8, M=1':12} {'N':>6} {'K':>6} | {'bf16 gemv':>9} | {'scaled_mm':>9} | {'fp8 gemv':>8} {'TB/s':>4} "
+        f"{'config':14} | {'best':>6} {'TB/s':>4} {'config':16} | {'err':>7}"
+    )
+    for name, n, k in [*SHAPES[:4], ("glu", 28672, 4096)]:
+        _fp8_shape(args, budget, gen, name, n, k)
+    q_us = time_graph(lambda a, w: ops.quantize_rows_fp8(a), [None], torch.randn(1, 4096, device=DEVICE).to(DTYPE))
+    print(f"quantize one row of 4096: {q_us:.1f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="heuristic configs only")
     p.add_argument("--full", action="store_true", help="sweep every tile x unroll x split x acc_1d")
-    p.add_argument("--only", choices=("gemv", "glu"), help="one table only")
+    p.add_argument("--only", choices=("gemv", "glu", "fp8"), help="one table only")
     p.add_argument("--budget", type=float, default=None, help="seconds after which sweeping stops")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -281,6 +348,8 @@ def main() -> None:
         bench_gemv(args, budget, gen, best_table)
     if args.only in (None, "glu"):
         bench_glu(args, budget, gen)
+    if args.only in (None, "fp8"):
+        bench_fp8(args, budget, gen)
     changed = [(k, v) for k, v in best_table.items() if str(v[1]) != str(v[3]) and v[0] < 0.97 * v[2]]
     if changed:
         print("\nconfigs >3% faster than the heuristic's (shape, M: best [heuristic]):")

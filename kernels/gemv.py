@@ -93,8 +93,8 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gemv_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
-    """The config used when none is given.
+def gemv_config(m: int, n: int, k: int, sms: int = 132, w_bytes: int = 2) -> GemvConfig:
+    """The config used when none is given (w_bytes: the size of one element of W).
 
     Plain: 4 rows x 256 columns per chunk with 4 warps, so a warp holds one W
     row and each thread 8 consecutive elements (one 16-byte load) per chunk;
@@ -103,9 +103,10 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     accumulators stay at 8 fp32 per x row (~40 registers at M = 1, ~90 at 4).
     K is split (power of two, each split at least 1024 long)
     until there are 4 programs per SM, the occupancy that keeps enough loads
-    in flight.
+    in flight. A float8 W takes 512 columns per chunk, so that each thread still
+    loads 16 bytes at once and a chunk moves the same bytes as a bf16 one.
     """
-    cfg = GemvConfig()
+    cfg = GemvConfig(block_k=256 * 2 // w_bytes)
     if m == 1 and 4096 <= n <= 32768:
         # measured on the H200 (benchmarks/gemv_bench.py): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
@@ -156,8 +157,12 @@ def _finish_row(
     stride_om,
     ws_ptr,
     pid_k,
+    sx_ptr,
+    sw_ptr,
+    rows,
     ACC_1D: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -165,6 +170,8 @@ def _finish_row(
         y = acc
     else:
         y = tl.sum(acc, axis=1)
+    if SCALED:  # float8 operands: both scales multiplied back in, in fp32 (as torch._scaled_mm)
+        y = y * tl.load(sx_ptr + tl.minimum(m, M - 1)) * tl.load(sw_ptr + rows)
     mask = offs_n < tl.where(m < M, N, 0)  # (scalar & vector masks upset the interpreter)
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=mask)
@@ -178,6 +185,8 @@ def _gemv_kernel(
     w_ptr,
     out_ptr,
     ws_ptr,
+    sx_ptr,
+    sw_ptr,
     M,
     N,
     K,
@@ -192,6 +201,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
     ACC_1D: tl.constexpr,
+    SCALED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
@@ -237,18 +247,24 @@ def _gemv_kernel(
             if BLOCK_M > 3:
                 xa = _x_chunk(x3 + kk, offs_n, offs_k, k_len - kk, EVEN_K)
                 acc3 = _fma(acc3, w, xa, ACC_1D)
-    _finish_row(acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP)
+    _finish_row(
+        acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
+        SCALED, OUT_DTYPE, INTERP,
+    )
     if BLOCK_M > 1:
         _finish_row(
-            acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+            acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
+            SCALED, OUT_DTYPE, INTERP,
         )
     if BLOCK_M > 2:
         _finish_row(
-            acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+            acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
+            SCALED, OUT_DTYPE, INTERP,
         )
     if BLOCK_M > 3:
         _finish_row(
-            acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, ACC_1D, SPLIT, OUT_DTYPE, INTERP
+            acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
+            SCALED, OUT_DTYPE, INTERP,
         )
 
 
@@ -278,6 +294,8 @@ def _gemv_glu_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    sx_ptr,
+    sw_ptr,
     N,
     K,
     stride_wn,
@@ -285,6 +303,7 @@ def _gemv_glu_kernel(
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
@@ -316,16 +335,32 @@ def _gemv_glu_kernel(
             xv = _x_chunk(x_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
             acc_g += wg.to(tl.float32) * xv
             acc_u += wu.to(tl.float32) * xv
-    g = _round_to(tl.sum(acc_g, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
-    up = _round_to(tl.sum(acc_u, axis=1), OUT_DTYPE, INTERP).to(tl.float32)
+    g = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SCALED:  # float8 operands: the scales of x, of the gate rows and of the up rows
+        sx = tl.load(sx_ptr)
+        g = g * sx * tl.load(sw_ptr + rows)
+        up = up * sx * tl.load(sw_ptr + N + rows)
+    g = _round_to(g, OUT_DTYPE, INTERP).to(tl.float32)
+    up = _round_to(up, OUT_DTYPE, INTERP).to(tl.float32)
     s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in x.dtype.
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in out_dtype
+    (default x.dtype).
 
-    x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32.
+    x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32. With
+    `scales` = (sx [M] or [M, 1], sw [N]), both operands are float8 (x quantized row by
+    row, W row by row: streamer/model/quant.py) and y[m, n] = sx[m] * sw[n] * sum_k
+    x[m, k] * W[n, k], what torch._scaled_mm computes; out_dtype must then be given.
 
     Meant for M = prod(x.shape[:-1]) <= 4 (see `use_gemv`); larger M works but
     re-reads W once per 4 rows. One or two launches, no host synchronisation.
@@ -333,6 +368,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     k = x.shape[-1]
     assert weight.dim() == 2 and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
     assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
+    fp8 = scales is not None
+    assert fp8 == (x.dtype == torch.float8_e4m3fn) and (out_dtype is not None or not fp8), "float8 x: scales, out_dtype"
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -340,18 +377,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     if k == 0:
         return out.zero_().view(*x.shape[:-1], n)
-    cfg = config or gemv_config(m, n, k, _num_sms(x.device))
+    sx, sw = _scale_args(scales, m, n, out)
+    cfg = config or gemv_config(m, n, k, _num_sms(x.device), weight.element_size())
     block_m = min(m, MAX_M)
     step = cfg.block_k * cfg.unroll
     k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
     splits = triton.cdiv(k, k_split)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    dtype = _TL_DTYPES[x.dtype]
+    dtype = _TL_DTYPES[out_dtype]
     interp = _interpreting()
     pdl = _pdl_enabled(x)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
@@ -360,6 +399,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         weight,
         out,
         ws,
+        sx,
+        sw,
         m,
         n,
         k,
@@ -374,6 +415,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         EVEN_K=k % k_split == 0,
         SPLIT=splits > 1,
         ACC_1D=cfg.acc_1d,
+        SCALED=scales is not None,
         OUT_DTYPE=dtype,
         INTERP=interp,
         PDL=pdl,
@@ -391,16 +433,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     return out.view(*x.shape[:-1], n)
 
 
-def glu_config(n: int, k: int) -> GemvConfig:
+def _scale_args(scales, m: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 scale vectors of a float8 call (or placeholders the kernel does not read)."""
+    if scales is None:
+        return like, like
+    sx, sw = (s.reshape(-1) for s in scales)
+    assert sx.numel() == m and sw.numel() == n, (tuple(sx.shape), tuple(sw.shape), m, n)
+    assert sx.dtype == sw.dtype == torch.float32
+    return sx.contiguous(), sw.contiguous()
+
+
+def glu_config(n: int, k: int, w_bytes: int = 2) -> GemvConfig:
     """`gemv_glu`'s launch: block_n gate rows and as many up rows per program (so 2 * block_n
     rows in flight, like the plain kernel's 16-row tiles), 8 warps, K unsplit (N = I is
-    large for every supported model)."""
-    return GemvConfig(block_n=8, num_warps=8)
+    large for every supported model); 512 columns per chunk for a float8 W (16-byte loads)."""
+    return GemvConfig(block_n=8, block_k=256 * 2 // w_bytes, num_warps=8)
 
 
-def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gemv_glu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] with one row, weight [2I, K]
-    holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in x.dtype.
+    holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in out_dtype
+    (default x.dtype). `scales` as in `gemv` (float8 x and W).
 
     At decode this saves the activation kernel's launch and its round trip through memory."""
     k = x.shape[-1]
@@ -410,20 +469,26 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
         tuple(weight.shape),
     )
     assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
+    fp8 = scales is not None
+    assert fp8 == (x.dtype == torch.float8_e4m3fn) and (out_dtype is not None or not fp8), "float8 x: scales, out_dtype"
     n = weight.shape[0] // 2
     x1 = x.reshape(k).contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(n, dtype=out_dtype, device=x.device)
     if n == 0 or k == 0:
         return (out.zero_() if n else out).view(*x.shape[:-1], n)
-    cfg = config or glu_config(n, k)
-    dtype = _TL_DTYPES[x.dtype]
+    sx, sw = _scale_args(scales, 1, 2 * n, out)
+    cfg = config or glu_config(n, k, weight.element_size())
+    dtype = _TL_DTYPES[out_dtype]
     pdl = _pdl_enabled(x)
     _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n),)](
         x1,
         weight,
         out,
+        sx,
+        sw,
         n,
         k,
         weight.stride(0),
@@ -431,6 +496,7 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = 
         BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll,
         EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
+        SCALED=scales is not None,
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
         PDL=pdl,
@@ -458,3 +524,18 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if weight.stride(-1) != 1:
         return False
     return x.numel() == x.shape[-1]
+
+
+def use_gemv_fp8(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`use_gemv` for a float8 weight (streamer/model/quant.py): one bf16/fp16 row of x on CUDA.
+
+    cuBLAS's float8 GEMM at M = 1 made Llama-3.1-8B's decode step slower than the bf16 GEMV
+    (4.84 against 4.17 ms): the float8 GEMV streams half the bytes of the bf16 one."""
+    if not (x.is_cuda and weight.is_cuda) or x.dim() < 1 or weight.dim() != 2:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float8_e4m3fn:
+        return False
+    k = x.shape[-1]
+    if k == 0 or weight.shape[1] != k or weight.shape[0] == 0 or weight.stride(-1) != 1:
+        return False
+    return x.numel() == k

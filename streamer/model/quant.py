@@ -12,7 +12,9 @@ same call), which multiplies both scales back in while accumulating in fp32:
 The embedding, the LM head and the norms stay in the model's dtype, as in the usual fp8
 checkpoints. On the H200 a linear layer's GEMM is compute-bound at W3's batches (~500
 rows), and float8 tensor cores run twice the bf16 FLOPs; its weight stream at batch 1
-halves too.
+halves too. At batch 1 (one row, `decode_gemv` on) cuBLAS does not stream the float8
+weight well, so `fp8_gemv` / `fp8_gemv_glu` run the Triton GEMV of kernels/gemv.py on the
+same quantized operands, with the same formula.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops
+from kernels.gemv import gemv, gemv_glu
 from kernels.reference import quantize_rows_fp8
 
 
@@ -44,6 +47,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` without its bias for a row or a few (x [..., K]) through the GEMV."""
+    k = x.shape[-1]
+    q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))
+    y = gemv(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gemv_glu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(fp8_linear(x, gate_up)) for one row, the activation in the GEMV's epilogue
+    (each product rounded to x.dtype first, as the unfused path does)."""
+    k = x.shape[-1]
+    q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))
+    y = gemv_glu(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -123,7 +123,8 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
 
 
 def test_fp8_linear_layers_follow_transformers_with_the_same_roundings(tiny_models):
-    """quantization "fp8" on the GPU (cuBLAS's float8 GEMM, row-wise scales): greedy output
+    """quantization "fp8" on the GPU (cuBLAS's float8 GEMM, row-wise scales; the float8 GEMV at
+    batch 1): greedy output
     follows transformers computing the same roundings (tests/oracle.py emulate_w8a8) in bf16,
     up to the first near-tie, batched and at batch 1."""
     from transformers import AutoModelForCausalLM

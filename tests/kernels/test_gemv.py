@@ -133,6 +133,53 @@ def test_config_heuristic_and_use_gemv():
         assert not G.use_gemv(xc, torch.empty(16, 8, dtype=torch.bfloat16, device="cuda").t())  # K-strided W
 
 
+# --------------------------------------------------------------------------- float8 operands
+
+
+def _fp8_operands(m, n, k, gen):
+    """x and W rounded to float8 row by row (kernels.reference: quantization "fp8") and the
+    fp32 product of what they stand for, sx[m] * sw[n] * sum_k q(x)[m, k] * q(W)[n, k]."""
+    from kernels.reference import quantize_rows_fp8
+
+    qx, sx = quantize_rows_fp8(torch.randn(m, k, generator=gen) * 3)
+    qw, sw = quantize_rows_fp8(torch.randn(n, k, generator=gen) * k**-0.5)
+    exact = F.linear(qx.float() * sx, qw.float() * sw)
+    return qx.to(DEVICE), sx.to(DEVICE), qw.to(DEVICE), sw.view(-1).to(DEVICE), exact
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("cfg", ["default", "split3", "acc1d_split2"])
+def test_float8_gemv_is_the_scaled_product_of_the_float8_operands(out_dtype, m, cfg):
+    gen = torch.Generator().manual_seed(10 + m)
+    qx, sx, qw, sw, exact = _fp8_operands(m, 37, 200, gen)
+    out = G.gemv(qx, qw, CONFIGS[cfg], scales=(sx, sw), out_dtype=out_dtype)
+    _close(out, exact.to(out_dtype).to(out.device), TOL[out_dtype])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", ["default", "small_tiles"])
+def test_float8_gemv_glu_applies_both_row_scales_before_the_activation(out_dtype, cfg):
+    from kernels import reference
+
+    gen = torch.Generator().manual_seed(20)
+    inter = 37
+    qx, sx, qw, sw, exact = _fp8_operands(1, 2 * inter, 200, gen)
+    out = G.gemv_glu(qx, qw, GLU_CONFIGS[cfg], scales=(sx, sw), out_dtype=out_dtype)
+    want = reference.silu_and_mul(exact.to(out_dtype))  # the unfused path's roundings
+    _close(out, want.to(out.device), 2 * TOL[out_dtype])
+
+
+def test_float8_calls_must_name_their_scales_and_output_dtype():
+    gen = torch.Generator().manual_seed(21)
+    qx, sx, qw, sw, _ = _fp8_operands(1, 16, 32, gen)
+    with pytest.raises(AssertionError, match="float8 x"):
+        G.gemv(qx, qw)  # fp8 bytes read as values: wrong by the scales, so refused
+    with pytest.raises(AssertionError, match="float8 x"):
+        G.gemv(qx, qw, scales=(sx, sw))
+    assert G.gemv_config(1, 4096, 4096, w_bytes=1).block_k == 512  # 16-byte loads of float8
+
+
 # --------------------------------------------------------------------------- GPU, model sizes
 
 # (N, K): Llama-3.1-8B o, qkv, gate_up, down, lm_head; Qwen3-0.6B qkv, gate_up, o, down
@@ -209,3 +256,23 @@ def test_cuda_gemv_graph_capture_replay():
         _close(outs[0], F.linear(x, w), 2**-6)
         _close(outs[1], F.linear(x2, w2), 2**-6)
         _close(outs[2], glu(x2[:1], w2), 2**-5)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)], ids=["qkv", "down", "gate_up"])
+def test_cuda_float8_gemv_matches_the_float8_gemm(n, k):
+    """At Llama-3.1-8B's shapes the float8 GEMV (batch 1) gives what cuBLAS's float8 GEMM
+    (every larger batch) gives for the same operands, within an ulp of bf16."""
+    from kernels import activation
+    from streamer.model import quant
+
+    gen = torch.Generator().manual_seed(7)
+    w = _rand(n, k, dtype=torch.bfloat16, gen=gen, scale=2 * k**-0.5)
+    qw, sw = quant.quantize_rows_fp8(w)
+    sw = sw.view(-1)
+    x = _rand(1, k, dtype=torch.bfloat16, gen=gen)
+    gemm = quant.fp8_linear(x, qw, sw, None)
+    _close(quant.fp8_gemv(x, qw, sw), gemm, 2**-6)
+    _close(quant.fp8_gemv_glu(x, qw, sw), activation.silu_and_mul(gemm), 2**-5)
+    assert G.use_gemv_fp8(x, qw) and not G.use_gemv_fp8(x.expand(2, k), qw) and not G.use_gemv(x, qw)

@@ -52,3 +52,43 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU run of the GEMV path (on a GPU, tests/gpu covers it)")
+def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeypatch):
+    """quantization "fp8" at batch 1: the float8 layers stream their weights through the GEMV
+    (the same float8 operands and scales as torch._scaled_mm, another order of fp32 sums)."""
+    from streamer.model import quant
+
+    path = make_tiny_model(tmp_path / "m", "Qwen2ForCausalLM", None, vocab_size=512, initializer_range=0.05)
+    prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run():
+        with LLM(str(path), dtype="float32", device="cpu", cuda_graphs=False, quantization="fp8") as llm:
+            return llm.generate([prompt], params)[0]
+
+    ref = run()
+    calls = {"fp8_gemv": 0, "fp8_gemv_glu": 0}
+
+    def counting(name):
+        fn = getattr(quant, name)
+
+        def call(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(quant, name, counting(name))
+    one_row = lambda x, w: x.numel() == x.shape[-1] and w.dtype == torch.float8_e4m3fn  # noqa: E731
+    monkeypatch.setattr(layers, "use_gemv_fp8", one_row)
+    monkeypatch.setattr(layers.Linear, "decode_gemv", True)
+    out = run()
+    # 5 one-token steps, 2 layers: qkv, o and down in the GEMV, gate_up with its activation
+    # in gemv_glu; the LM head stays in float32 (not quantized)
+    assert calls == {"fp8_gemv": 5 * 3 * 2, "fp8_gemv_glu": 5 * 2}
+    assert out.token_ids == ref.token_ids
+    for a, b in zip(out.logprobs, ref.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
