@@ -103,14 +103,26 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, w_bytes: int = 2) -> Gem
     accumulators stay at 8 fp32 per x row (~40 registers at M = 1, ~90 at 4).
     K is split (power of two, each split at least 1024 long)
     until there are 4 programs per SM, the occupancy that keeps enough loads
-    in flight. A float8 W takes 512 columns per chunk, so that each thread still
-    loads 16 bytes at once and a chunk moves the same bytes as a bf16 one.
+    in flight. A float8 W takes 512 columns per chunk by default, so that each thread
+    still loads 16 bytes at once and a chunk moves the same bytes as a bf16 one.
     """
     cfg = GemvConfig(block_k=256 * 2 // w_bytes)
     if m == 1 and 4096 <= n <= 32768:
         # measured on the H200 (benchmarks/gemv_bench.py): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
-        return cfg.with_(block_n=16, num_warps=8)
+        cfg = cfg.with_(block_n=16, num_warps=8)
+        if w_bytes == 1:
+            # float8 (gemv_bench.py --only fp8): the bytes in flight per program that stream
+            # best shrink as programs per SM grow. gate_up (13.6 per SM): 256 x 2 columns per
+            # step, 30.2 against 33.2 us with 512 x 4; qkv (2.9): 512 x 4; o and down (1.9):
+            # 512 x 8 (o, 5.8 against 7.1 us) or, where 4,096 does not divide K, 1024 x 2
+            # (down, 16.5 against 20.2 us)
+            per_sm = triton.cdiv(n, cfg.block_n) / sms
+            if per_sm >= 8:
+                cfg = cfg.with_(block_k=256, unroll=2)
+            elif per_sm < 2.5:
+                cfg = cfg.with_(block_k=512, unroll=8) if k % 4096 == 0 else cfg.with_(block_k=1024, unroll=2)
+        return cfg
     # (an LM head in 4 K-splits streamed 229 against 237 us alone in gemv_bench.py, but W2
     # went from 4.205 to 4.216 ms/token with it: the LM head stays unsplit)
     blocks = triton.cdiv(n, cfg.block_n)
@@ -446,8 +458,11 @@ def _scale_args(scales, m: int, n: int, like: torch.Tensor) -> tuple[torch.Tenso
 def glu_config(n: int, k: int, w_bytes: int = 2) -> GemvConfig:
     """`gemv_glu`'s launch: block_n gate rows and as many up rows per program (so 2 * block_n
     rows in flight, like the plain kernel's 16-row tiles), 8 warps, K unsplit (N = I is
-    large for every supported model); 512 columns per chunk for a float8 W (16-byte loads)."""
-    return GemvConfig(block_n=8, block_k=256 * 2 // w_bytes, num_warps=8)
+    large for every supported model). A float8 W: 256 x 2 columns per step (Llama-3.1-8B's
+    gate_up, 1,792 programs: 30.2 against 34.1 us with 512 x 4; gemv_bench.py --only fp8)."""
+    if w_bytes == 1:
+        return GemvConfig(block_n=8, block_k=256, unroll=2, num_warps=8)
+    return GemvConfig(block_n=8, num_warps=8)
 
 
 def gemv_glu(

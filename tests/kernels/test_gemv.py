@@ -177,7 +177,12 @@ def test_float8_calls_must_name_their_scales_and_output_dtype():
         G.gemv(qx, qw)  # fp8 bytes read as values: wrong by the scales, so refused
     with pytest.raises(AssertionError, match="float8 x"):
         G.gemv(qx, qw, scales=(sx, sw))
-    assert G.gemv_config(1, 4096, 4096, w_bytes=1).block_k == 512  # 16-byte loads of float8
+    assert G.gemv_config(4, 1024, 4096, w_bytes=1).block_k == 512  # 16-byte loads of float8
+    # at M = 1 the step per iteration follows the programs per SM (H200 measurements)
+    assert str(G.gemv_config(1, 28672, 4096, w_bytes=1)) == "n16k256u2s1w8"
+    assert str(G.gemv_config(1, 6144, 4096, w_bytes=1)) == "n16k512u4s1w8"
+    assert str(G.gemv_config(1, 4096, 4096, w_bytes=1)) == "n16k512u8s1w8"
+    assert str(G.gemv_config(1, 4096, 14336, w_bytes=1)) == "n16k1024u2s1w8"
 
 
 # --------------------------------------------------------------------------- GPU, model sizes
