@@ -18,6 +18,24 @@ from tests.conftest import make_tiny_model
 from tests.kernels.device import CUDA
 
 
+def count_calls(monkeypatch, module, *names: str) -> dict[str, int]:
+    """Wrap module.<name> for each name so that calls are counted in the returned dict."""
+    calls = dict.fromkeys(names, 0)
+
+    def counting(name):
+        fn = getattr(module, name)
+
+        def call(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return call
+
+    for name in names:
+        monkeypatch.setattr(module, name, counting(name))
+    return calls
+
+
 @pytest.mark.skipif(CUDA, reason="the CPU run of the GEMV path (on a GPU, tests/gpu covers it)")
 def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
     # Qwen2: the Llama decoder plus the qkv bias, added after the GEMV
@@ -30,19 +48,7 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
             return llm.generate([prompt], params)[0]
 
     ref = run()
-    calls = {"gemv": 0, "gemv_glu": 0}
-
-    def counting(name):
-        kernel = getattr(layers, name)
-
-        def call(*args, **kw):
-            calls[name] += 1
-            return kernel(*args, **kw)
-
-        return call
-
-    for name in calls:
-        monkeypatch.setattr(layers, name, counting(name))
+    calls = count_calls(monkeypatch, layers, "gemv", "gemv_glu")
     monkeypatch.setattr(layers, "use_gemv", lambda x, w: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
@@ -69,19 +75,7 @@ def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeyp
             return llm.generate([prompt], params)[0]
 
     ref = run()
-    calls = {"fp8_gemv": 0, "fp8_gemv_glu": 0}
-
-    def counting(name):
-        fn = getattr(quant, name)
-
-        def call(*args, **kw):
-            calls[name] += 1
-            return fn(*args, **kw)
-
-        return call
-
-    for name in calls:
-        monkeypatch.setattr(quant, name, counting(name))
+    calls = count_calls(monkeypatch, quant, "fp8_gemv", "fp8_gemv_glu")
     one_row = lambda x, w: x.numel() == x.shape[-1] and w.dtype == torch.float8_e4m3fn  # noqa: E731
     monkeypatch.setattr(layers, "use_gemv_fp8", one_row)
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
