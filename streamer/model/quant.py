@@ -3,9 +3,9 @@
 Weights: one scale per output row, max |W[n, :]| / 448, so every row uses the whole e4m3
 range. Activations: one scale per token, computed at each call from the token's own
 max |x| (dynamic), so no calibration is needed (kernels/quant.py: one Triton kernel on
-CUDA, the torch reference elsewhere, the same bits). The product goes through
-`torch._scaled_mm` (float8 tensor cores on sm_89+; CPU has it too, so the tests run the
-same call), which multiplies both scales back in while accumulating in fp32:
+CUDA, the torch reference elsewhere, the same bits). On CUDA the product goes through
+`torch._scaled_mm` (float8 tensor cores on sm_89+), which multiplies both scales back in
+while accumulating in fp32; on CPU the same formula runs as an fp32 matmul:
 
     y[m, n] = sx[m] * sw[n] * sum_k q(x)[m, k] * q(W)[n, k]
 
@@ -40,9 +40,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     q, sx = ops.quantize_rows_fp8(x2)  # one Triton kernel on CUDA
-    # cuBLAS's row-wise scaled GEMM writes bf16; CPU writes any float dtype
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    if x.is_cuda:
+        # cuBLAS's row-wise scaled GEMM writes bf16
+        y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    else:
+        # the same products in fp32 (torch's CPU _scaled_mm, itself an emulation, is missing
+        # from older releases and refused these arguments in torch 2.11)
+        y = F.linear(q.float() * sx, weight.float() * weight_scale.view(-1, 1))
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
