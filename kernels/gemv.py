@@ -427,7 +427,7 @@ def gemv(
         EVEN_K=k % k_split == 0,
         SPLIT=splits > 1,
         ACC_1D=cfg.acc_1d,
-        SCALED=scales is not None,
+        SCALED=fp8,
         OUT_DTYPE=dtype,
         INTERP=interp,
         PDL=pdl,
@@ -511,7 +511,7 @@ def gemv_glu(
         BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll,
         EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
-        SCALED=scales is not None,
+        SCALED=fp8,
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
         PDL=pdl,
@@ -524,14 +524,17 @@ def gemv_glu(
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `gemv` (or, for a fused gate_up weight, `gemv_glu`) should replace F.linear for these tensors:
-    CUDA, M = 1, bf16/fp16 on both sides, W an nn.Linear weight contiguous along K.
+    CUDA, M = 1, bf16/fp16 x, W of x's dtype or float8 (quantization "fp8", through
+    streamer/model/quant.py's fp8_gemv), an nn.Linear weight contiguous along K.
 
     Only M = 1: on the H200 the GEMV beats cuBLAS there (Llama-3.1-8B o 11.0 against 12.5 us,
     qkv 14.0 against 15.5, down 29.0 against 31.0) but not at M = 2 or 4, where cuBLAS
-    already streams W near its bandwidth and the GEMV's registers per row of x cost it."""
+    already streams W near its bandwidth and the GEMV's registers per row of x cost it.
+    cuBLAS's float8 GEMM at M = 1 made Llama-3.1-8B's decode step slower than the bf16 GEMV
+    (4.84 against 4.17 ms): the float8 GEMV streams half the bytes of the bf16 one."""
     if not (x.is_cuda and weight.is_cuda) or x.dim() < 1 or weight.dim() != 2:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, torch.float8_e4m3fn):
         return False
     k = x.shape[-1]
     if k == 0 or weight.shape[1] != k or weight.shape[0] == 0:
@@ -539,18 +542,3 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if weight.stride(-1) != 1:
         return False
     return x.numel() == x.shape[-1]
-
-
-def use_gemv_fp8(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`use_gemv` for a float8 weight (streamer/model/quant.py): one bf16/fp16 row of x on CUDA.
-
-    cuBLAS's float8 GEMM at M = 1 made Llama-3.1-8B's decode step slower than the bf16 GEMV
-    (4.84 against 4.17 ms): the float8 GEMV streams half the bytes of the bf16 one."""
-    if not (x.is_cuda and weight.is_cuda) or x.dim() < 1 or weight.dim() != 2:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float8_e4m3fn:
-        return False
-    k = x.shape[-1]
-    if k == 0 or weight.shape[1] != k or weight.shape[0] == 0 or weight.stride(-1) != 1:
-        return False
-    return x.numel() == k

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.gemv import gemv, gemv_glu, use_gemv, use_gemv_fp8
+from kernels.gemv import gemv, gemv_glu, use_gemv
 from streamer.model import quant
 from streamer.model.context import get_context
 
@@ -39,7 +39,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            if self.decode_gemv and use_gemv_fp8(x, self.weight):
+            if self.decode_gemv and use_gemv(x, self.weight):
                 y = quant.fp8_gemv(x, self.weight, self.weight_scale)
                 return y if self.bias is None else y + self.bias
             return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -135,10 +135,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.decode_gemv and gate_up.weight_scale is not None and use_gemv_fp8(x, gate_up.weight):
-            return self.down_proj(quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale))
         if gate_up.decode_gemv and use_gemv(x, gate_up.weight):
             # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
             # one round trip through memory fewer per layer)
+            if gate_up.weight_scale is not None:
+                return self.down_proj(quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale))
             return self.down_proj(gemv_glu(x, gate_up.weight))
         return self.down_proj(ops.silu_and_mul(gate_up(x)))

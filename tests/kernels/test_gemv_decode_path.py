@@ -77,7 +77,7 @@ def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeyp
     ref = run()
     calls = count_calls(monkeypatch, quant, "fp8_gemv", "fp8_gemv_glu")
     one_row = lambda x, w: x.numel() == x.shape[-1] and w.dtype == torch.float8_e4m3fn  # noqa: E731
-    monkeypatch.setattr(layers, "use_gemv_fp8", one_row)
+    monkeypatch.setattr(layers, "use_gemv", one_row)
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
     # 5 one-token steps, 2 layers: qkv, o and down in the GEMV, gate_up with its activation
