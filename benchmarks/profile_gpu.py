@@ -212,6 +212,52 @@ def bench_attn_occupancy() -> None:
         print("   all: " + "; ".join(f"{t:.0f} {n}" for t, n in rows[8:]), flush=True)
 
 
+def bench_attn_subtile() -> None:
+    """Float8 pages at W3's batches (lengths over 1,000-2,000, longest first): the per-token
+    addressed kernel over d-major V (the layout before token-major V pools) against the
+    sub-tiled kernel over token-major V (a float8 PagePool's), by register cap and stages."""
+    from kernels import attention
+
+    for b in (480, 256, 64):
+        pages = 2000 // 16 + 1
+        pt = (torch.randperm(b * pages, device="cuda", dtype=torch.int32) + 1).view(b, pages)
+        sl = torch.sort(torch.randint(1000, 2000, (b,), device="cuda", dtype=torch.int32), descending=True)[0]
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        vt = vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # the same values, token-major
+        tb = 2 * int(sl.sum()) * 8 * 128 / 1e12
+        ref = attention.paged_decode(q, kc, vc, pt, sl, 0.088, subtile=False)
+        rows = []
+        for name, v, kw in [("before: per-token, d-major V", vc, {"subtile": False}),
+                            ("sub-tiles, d-major V", vc, {}), ("default: sub-tiles, token-major V", vt, {})] + [
+                (f"token-major V, reg{r} st{st} n{bn} s{sp}", vt,
+                 {"maxnreg": r, "num_stages": st, "block_n": bn, "num_splits": sp})
+                for r, st, bn, sp in [(184, 3, 32, 1), (200, 3, 32, 1), (216, 3, 32, 1), (0, 2, 32, 1),
+                                      (0, 4, 32, 1), (0, 3, 32, 2), (0, 3, 64, 1)]]:
+            err = (attention.paged_decode(q, kc, v, pt, sl, 0.088, **kw).float() - ref.float()).abs().max().item()
+            t = _time_us(lambda: attention.paged_decode(q, kc, v, pt, sl, 0.088, **kw), reps=20)
+            rows.append(f"   {t:6.0f} us {tb / t * 1e6:4.2f} TB/s  {name}  (max diff {err:.1e})")
+        print(f"attn-subtile B={b}, lengths 1,000-2,000 longest first:", *rows, sep="\n", flush=True)
+    # prefill: 8 prompts of 1,000 tokens (a W3 mixed step's chunk), K/V already in the pages
+    n, qlen = 8, 1000
+    pages = qlen // 16 + 1
+    pt = (torch.randperm(n * pages, device="cuda", dtype=torch.int32) + 1).view(n, pages)
+    lens = torch.full((n,), qlen, device="cuda", dtype=torch.int32)
+    cu = torch.arange(0, (n + 1) * qlen, qlen, device="cuda", dtype=torch.int32)
+    q = torch.randn(n * qlen, 32, 128, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        kc = torch.randn(n * pages + 1, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(dtype)
+        vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16).to(dtype)
+        vt = vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        for name, v, sub in [("d-major V, per token", vc, False), ("d-major V, sub-tiles", vc, True),
+                             ("token-major V, per token", vt, False), ("token-major V, sub-tiles", vt, True)]:
+            t = _time_us(lambda: attention.paged_extend(q, kc, v, pt, lens, cu, 0.088, qlen, subtile=sub), reps=10)
+            rows.append(f"   {t:6.0f} us  {str(dtype).split('.')[-1]} pages, {name}")
+    print(f"attn-subtile extend, {n} prompts of {qlen} tokens:", *rows, sep="\n", flush=True)
+
+
 def bench_attn_order() -> None:
     """Decode attention over lengths spread over 1,000-2,000 (W3) in batch order: as they
     come, longest first (the GPU starts programs in grid order, so the long ones do not form
@@ -500,7 +546,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "small-ops", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "small-ops", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -510,7 +556,7 @@ def main() -> None:
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
-             "attn-order": bench_attn_order, "small-ops": bench_small_ops,
+             "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "small-ops": bench_small_ops,
              "gemm-fp8": bench_gemm_fp8}
     if a.part in plain:
         plain[a.part]()

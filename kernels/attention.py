@@ -1,7 +1,7 @@
 """Triton paged attention: split-KV decode and causal varlen extend/prefill.
 
 Layouts (see `kernels.reference`): q [T|B, H, D]; k_cache, v_cache
-[P, S, KVH, D]; page_table [B, max_pages] (int32/int64 page ids, entries past a
+[P, S, KVH, D] (v_cache may also be token-major: stride 1 over S); page_table [B, max_pages] (int32/int64 page ids, entries past a
 sequence's length are never read); seq_lens [B] (context length including the
 new tokens); cu_q_lens [B+1].
 
@@ -86,6 +86,7 @@ def _load_kv_block(
     stride_vp,
     stride_vs,
     stride_vh,
+    stride_vd,
     PAGE_SIZE: tl.constexpr,
 ):
     """K and V rows of tokens `toks` held in pages `page`, zeros where masked."""
@@ -94,8 +95,58 @@ def _load_kv_block(
     k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
     v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
     k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _load_kv_subtiles(
+    k_head,
+    v_head,
+    pt_row,
+    n0,
+    limit,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    stride_vd,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of tokens n0 .. n0 + BLOCK_N - 1 (n0 a multiple of 16; with
+    MASKED, those at or past `limit` read as zeros), read as 16-token sub-tiles, each inside
+    one page (PAGE_SIZE % 16 == 0): one page id and one base address per sub-tile, fixed
+    offsets inside it. k_head/v_head point at the KV head's first element.
+
+    Per-token page lookups and 64-bit addresses cost more than the bytes of float8 pages (a
+    32-key decode block took ~1,400 instructions, ~600 this way with token-major V), and
+    with token-major V they hide from the compiler that a sub-tile's tokens are adjacent."""
+    SUB: tl.constexpr = 16
+    t0 = n0 + tl.arange(0, BLOCK_N // SUB) * SUB
+    offs_t = tl.arange(0, SUB)
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        page = tl.load(pt_row + t0 // PAGE_SIZE, mask=t0 < limit, other=0).to(tl.int64)
+    else:
+        page = tl.load(pt_row + t0 // PAGE_SIZE).to(tl.int64)
+    row0 = (t0 % PAGE_SIZE).to(tl.int64)
+    k_ptrs = (k_head + page * stride_kp + row0 * stride_ks)[:, None, None] + (
+        offs_t[:, None] * stride_ks + offs_d[None, :]
+    )[None, :, :]
+    v_ptrs = (v_head + page * stride_vp + row0 * stride_vs)[:, None, None] + (
+        offs_t[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    )[None, :, :]
+    if MASKED:
+        live = ((t0[:, None] + offs_t[None, :]) < limit)[:, :, None]
+        k = tl.load(k_ptrs, mask=live, other=0.0)
+        v = tl.load(v_ptrs, mask=live, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return tl.reshape(k, [BLOCK_N, BLOCK_D]), tl.reshape(v, [BLOCK_N, BLOCK_D])
 
 
 @triton.jit
@@ -112,11 +163,14 @@ def _decode_step(
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """One online-softmax update of (m_i, l_i, acc) with a block of keys/values."""
+    """One online-softmax update of (m_i, l_i, acc) with a block of keys/values (t_mask:
+    the keys that exist, read only if MASKED)."""
     k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -147,6 +201,7 @@ def _decode_kernel(
     stride_vp,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_ptb,
     stride_ob,
     stride_oh,
@@ -158,6 +213,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SUBTILE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -202,7 +258,26 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     pt_row = pt_ptr + b64 * stride_ptb
-    if PREFETCH:
+    if SUBTILE:
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            k, v = _load_kv_subtiles(
+                k_head, v_head, pt_row, n0, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, False,
+            )  # fmt: skip
+            m_i, l_i, acc = _decode_step(
+                q, k, v, offs_n, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, False
+            )
+        if full_end < end:
+            k, v = _load_kv_subtiles(
+                k_head, v_head, pt_row, full_end, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, True,
+            )  # fmt: skip
+            t_mask = (full_end + offs_n) < end
+            m_i, l_i, acc = _decode_step(q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP)
+    elif PREFETCH:
         # software pipelining in registers: while a block is computed, the next block's
         # K/V loads and the page ids of the block after it are in flight
         toks = start + offs_n
@@ -210,7 +285,7 @@ def _decode_kernel(
         page = _load_pages(pt_row, toks, t_mask, PAGE_SIZE)
         k_cur, v_cur = _load_kv_block(
             k_ptr, v_ptr, page, toks, t_mask, kvh, offs_d, d_mask,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
         )  # fmt: skip
         toks = toks + BLOCK_N
         page_nx = _load_pages(pt_row, toks, toks < end, PAGE_SIZE)
@@ -218,7 +293,7 @@ def _decode_kernel(
             toks_nx = n0 + BLOCK_N + offs_n
             k_nx, v_nx = _load_kv_block(
                 k_ptr, v_ptr, page_nx, toks_nx, toks_nx < end, kvh, offs_d, d_mask,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
             )  # fmt: skip
             toks_nx2 = toks_nx + BLOCK_N
             page_nx = _load_pages(pt_row, toks_nx2, toks_nx2 < end, PAGE_SIZE)
@@ -235,7 +310,7 @@ def _decode_kernel(
             page = _load_pages(pt_row, toks, t_mask, PAGE_SIZE)
             k, v = _load_kv_block(
                 k_ptr, v_ptr, page, toks, t_mask, kvh, offs_d, d_mask,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
             )  # fmt: skip
             m_i, l_i, acc = _decode_step(
                 q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP
@@ -351,6 +426,7 @@ def paged_decode(
     head_major: bool | None = None,
     compute_dtype: torch.dtype | None = None,
     maxnreg: int | None = None,
+    subtile: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D].
 
@@ -361,11 +437,14 @@ def paged_decode(
     sequence are neighbouring programs) select kernel variants (tuning/tests).
     compute_dtype: the dtype of the tensor-core dots (default: see `_decode_compute`).
     maxnreg: a cap on the registers per thread (more programs resident per SM; 0: none).
+    subtile: address whole key blocks as 16-token sub-tiles of pages (default: float8
+    pages; needs a page size and block that are multiples of 16 and a power-of-2 head_dim).
+    v_cache may be token-major (stride 1 over the page's tokens, see `PagePool`).
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
     assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1  # V: any strides
     if q.stride(-1) != 1:
         q = q.contiguous()
     if page_table.stride(-1) != 1:
@@ -384,6 +463,9 @@ def paged_decode(
         max_seq_len = page_table.shape[1] * page_size
     if num_splits is None:
         num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device)
+    if subtile is None:
+        subtile = k_cache.dtype == torch.float8_e4m3fn
+    subtile = subtile and page_size % 16 == 0 and block_n % 16 == 0 and block_d == d
     if prefetch is None:
         prefetch = _DECODE_PREFETCH
     if head_major is None:
@@ -395,10 +477,12 @@ def paged_decode(
         # us at batch 512; profile_gpu.py attn-fp8). bf16 pages are at the bandwidth floor
         # with 4 warps already.
         num_warps = 1 if fp8_pages else 4
-    if maxnreg is None and fp8_pages and num_warps == 1:
+    if maxnreg is None and fp8_pages and num_warps == 1 and not subtile:
         # 168 registers per thread left 12 one-warp programs per SM; capped at 128 (2-4
         # spilled), 16 fit: 313 against 356 us at batch 256, 538 against 551 at 480, over
-        # 1,000-2,000 tokens (profile_gpu.py attn-occ; a cap of 96 spilled 20-50 and was slower)
+        # 1,000-2,000 tokens (profile_gpu.py attn-occ; a cap of 96 spilled 20-50 and was slower).
+        # The sub-tiled kernel (~237 registers, 8 programs per SM) was fastest uncapped: 389
+        # against 427 us at 128 and 406 at 168 (batch 480; profile_gpu.py attn-subtile).
         maxnreg = 128
     if num_stages is None:
         num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
@@ -430,6 +514,7 @@ def paged_decode(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
@@ -441,6 +526,7 @@ def paged_decode(
         SPLIT=num_splits > 1,
         HEAD_MAJOR=head_major,
         PREFETCH=prefetch,
+        SUBTILE=subtile,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
@@ -500,12 +586,15 @@ def _extend_inner(
     stride_vp,
     stride_vs,
     stride_vh,
+    stride_vd,
     offs_n,
     offs_d,
     d_mask,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
+    SUBTILE: tl.constexpr,
     IN_DTYPE: tl.constexpr,
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -515,14 +604,23 @@ def _extend_inner(
         toks = n0 + offs_n
         if MASKED:
             t_mask = toks < seq_len
-            page = tl.load(pt_row + toks // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-            kv_mask = t_mask[:, None] & d_mask[None, :]
+        if SUBTILE:
+            k, v = _load_kv_subtiles(
+                k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, pt_row, n0, seq_len,
+                stride_kp, stride_ks, stride_vp, stride_vs, stride_vd, PAGE_SIZE, BLOCK_N, BLOCK_D, MASKED,
+            )  # fmt: skip
         else:
-            page = tl.load(pt_row + toks // PAGE_SIZE).to(tl.int64)
-            kv_mask = d_mask[None, :]
-        in_page = (toks % PAGE_SIZE).to(tl.int64)
-        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if MASKED:
+                page = tl.load(pt_row + toks // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+                kv_mask = t_mask[:, None] & d_mask[None, :]
+            else:
+                page = tl.load(pt_row + toks // PAGE_SIZE).to(tl.int64)
+                kv_mask = d_mask[None, :]
+            in_page = (toks % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
+            k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
@@ -532,8 +630,6 @@ def _extend_inner(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = _cast_in(v, IN_DTYPE, COMPUTE, INTERP)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
         m_i = m_new
@@ -559,6 +655,7 @@ def _extend_kernel(
     stride_vp,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_ptb,
     stride_ot,
     stride_oh,
@@ -574,6 +671,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
     TILED: tl.constexpr,
+    SUBTILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _pdl_enter(PDL)
@@ -635,12 +733,15 @@ def _extend_kernel(
             stride_vp,
             stride_vs,
             stride_vh,
+            stride_vd,
             offs_n,
             offs_d,
             d_mask,
             PAGE_SIZE,
             BLOCK_N,
+            BLOCK_D,
             False,
+            SUBTILE,
             IN_DTYPE,
             COMPUTE,
             PRECISION,
@@ -667,12 +768,15 @@ def _extend_kernel(
             stride_vp,
             stride_vs,
             stride_vh,
+            stride_vd,
             offs_n,
             offs_d,
             d_mask,
             PAGE_SIZE,
             BLOCK_N,
+            BLOCK_D,
             True,
+            SUBTILE,
             IN_DTYPE,
             COMPUTE,
             PRECISION,
@@ -700,17 +804,21 @@ def paged_extend(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tiles: torch.Tensor | None = None,
+    subtile: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over paged K/V -> [T, H, D].
 
     max_q_len: host-known upper bound of the per-sequence query counts (sizes the grid).
     tiles: optional int32 list from `extend_tiles(q_lens, block_m)` (padding -1), with
     block_m its block size; the grid is then (len(tiles), H) whatever the batch.
+    v_cache may be token-major (stride 1 over the page's tokens, see `PagePool`).
+    subtile: address key blocks as 16-token sub-tiles of pages (see `paged_decode`; default:
+    when V is token-major).
     """
     t, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
     assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1  # V: any strides
     if q.stride(-1) != 1:
         q = q.contiguous()
     if page_table.stride(-1) != 1:
@@ -733,6 +841,9 @@ def paged_extend(
         num_warps = 4
     if num_stages is None:
         num_stages = 2
+    if subtile is None:
+        subtile = v_cache.stride(1) == 1 and page_size > 1
+    subtile = subtile and page_size % 16 == 0 and block_n % 16 == 0 and block_d == d
     if tiles is not None:
         grid: tuple[int, ...] = (tiles.shape[0], h)
     else:
@@ -756,6 +867,7 @@ def paged_extend(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
@@ -772,6 +884,7 @@ def paged_extend(
         INTERP=_interpreting(),
         PDL=pdl,
         TILED=tiles is not None,
+        SUBTILE=subtile,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

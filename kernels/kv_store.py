@@ -1,7 +1,7 @@
 """Triton scatter of new tokens' K/V into the paged cache.
 
 k, v: [T, KVH, D] (any strides with a contiguous last dim); k_cache, v_cache:
-[P, S, KVH, D]; slot_mapping: [T], slot = page * S + offset, -1 = skip (padding
+[P, S, KVH, D] (v_cache may be token-major: stride 1 over S); slot_mapping: [T], slot = page * S + offset, -1 = skip (padding
 of captured CUDA graphs). One launch, no host synchronisation.
 """
 
@@ -35,6 +35,7 @@ def _store_kv_kernel(
     stride_vcp,
     stride_vcs,
     stride_vch,
+    stride_vcd,
     KVH: tl.constexpr,
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -61,7 +62,7 @@ def _store_kv_kernel(
         k = _round_to(k.to(tl.float32), CACHE_DTYPE, INTERP)
         v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
     kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
     tl.store(kc, k, mask=mask)
     tl.store(vc, v, mask=mask)
 
@@ -76,7 +77,7 @@ def store_kv(
     """Write k, v [T, KVH, D] into k_cache, v_cache [P, S, KVH, D] at slots [T] (-1 skipped)."""
     t, kvh, d = k.shape
     assert v.shape == k.shape and k_cache.shape[-2:] == (kvh, d) and v_cache.shape == k_cache.shape
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1  # V: any strides
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -102,6 +103,7 @@ def store_kv(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         KVH=kvh,
         D=d,
         PAGE_SIZE=k_cache.shape[1],

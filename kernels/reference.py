@@ -89,16 +89,17 @@ def store_kv(
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kvh, d = k_cache.shape[-2:]
+    page_size = k_cache.shape[1]
+    pages, offsets = slots // page_size, slots % page_size  # indexing: any cache strides
     for x, cache in ((k, k_cache), (v, v_cache)):
         rows = x[keep]
         if cache.element_size() == 1:  # float8: saturated at +-448 like the kernel (some torch
-            # versions cast larger values to NaN); index_copy_ has no float8 kernel on CPU
+            # versions cast larger values to NaN); index_put_ has no float8 kernel on CPU
             rows = rows.float().clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
             cache = cache.view(torch.uint8)
         else:
             rows = rows.to(cache.dtype)
-        cache.view(-1, kvh, d).index_copy_(0, slots, rows)
+        cache[pages, offsets] = rows
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,6 +1,13 @@
 """PagePool: the KV memory of one model, cut into fixed-size pages.
 
-K and V are tensors [layers, pages, page_size, kv_heads, head_dim]. A request
+K and V are tensors [layers, pages, page_size, kv_heads, head_dim]. In a float8
+pool V is token-major: stored as [layers, pages, kv_heads, head_dim, page_size] and
+seen through a permuted view, so a page's 16 tokens of one dimension are adjacent
+bytes. Attention multiplies P by V along the tokens, and the tensor-core operands
+want neighbouring tokens packed together: one-byte values in the usual layout are
+gathered byte by byte, which bound the float8 decode kernel (389 against 470 us at
+batch 480, benchmarks/RESULTS.md). 16-bit pages keep the usual layout (transposing
+loads serve them). A request
 holds a page table (its pages, in order); the radix tree holds pages of cached
 prefixes. Ownership is counted per page:
 
@@ -37,7 +44,11 @@ class PagePool:
         self.num_pages = num_pages
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.float8_e4m3fn:
+            stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
+            self.v = torch.zeros(stored, dtype=dtype, device=device).permute(0, 1, 4, 2, 3)
+        else:
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never free
         self._free: deque[int] = deque(range(1, num_pages))

@@ -62,6 +62,13 @@ def _decode_case(seq_lens, page_size, gqa, d, dtype, kvh=2, seed=0):
     return q, k_cache, v_cache, page_table, lens
 
 
+def token_major(cache):
+    """The same values with each page's tokens adjacent (a float8 PagePool's V layout)."""
+    out = cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert torch.equal(out, cache) and (out.stride(1) == 1 or out.shape[1] == 1)
+    return out
+
+
 def _decode_ref(q, k_cache, v_cache, page_table, seq_lens, scale):
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu, scale)
@@ -109,6 +116,21 @@ def test_paged_decode_splits_and_variants(num_splits, d, prefetch, head_major):
         head_major=head_major,
     )
     _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size,block_n", [(16, 16), (16, 32), (32, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("v_layout", ["d-major", "token-major"])
+def test_paged_decode_subtiles(dtype, page_size, block_n, num_splits, v_layout):
+    """Whole key blocks read as 16-token sub-tiles of pages (one or several sub-tiles per
+    page, several pages per block), the last partial block through the masked path; lengths
+    on and off block boundaries; V in either layout."""
+    q, kc, vc, pt, lens = _decode_case([1, 16, 31, 64, 100, 130], page_size, 4, 64, dtype, seed=3)
+    if v_layout == "token-major":
+        vc = token_major(vc)
+    out = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=num_splits, block_n=block_n, subtile=True)
+    _close(out, _decode_ref(q, kc, vc, pt, lens, 0.125), ATTN_TOL[dtype])
 
 
 def test_paged_decode_strided_query_and_max_seq_len_hint():
@@ -159,6 +181,18 @@ def test_paged_extend_matches_reference(dtype, page_size, gqa):
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = reference.paged_attention(q, kc, vc, pt, lens, cu, scale)
     _close(out, ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("page_size,subtile", [(1, None), (16, False), (16, True), (32, True)])
+@pytest.mark.parametrize("v_layout", ["d-major", "token-major"])
+def test_paged_extend_subtiles_and_v_layouts(page_size, subtile, v_layout):
+    """Key blocks addressed per token or as 16-token sub-tiles of pages, over V in either
+    layout (sub-tiles are the default for token-major V)."""
+    prefixes, q_lens = [0, 5, 40, 64], [9, 1, 30, 17]
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, page_size, 4, 64, torch.float32)
+    v = token_major(vc) if v_layout == "token-major" else vc
+    out = attention.paged_extend(q, kc, v, pt, lens, cu, 0.125, max(q_lens), block_n=16, subtile=subtile)
+    _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[torch.float32])
 
 
 def test_paged_extend_long_prefix_small_blocks():
@@ -248,9 +282,14 @@ def test_store_kv_matches_reference(page_size, dtype, cache_dtype):
         torch.randn(pages, page_size, kvh, d, generator=gen).to(cache_dtype).to(DEVICE) for _ in range(2)
     ]
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    v_tm, ref_v_tm = token_major(caches[1]), token_major(caches[1])
     reference.store_kv(k, v, ref_k, ref_v, slots)
     kv_store.store_kv(k, v, caches[0], caches[1], slots)
     assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+    # a token-major V cache gets the same values, through the kernel and the reference
+    kv_store.store_kv(k, v, caches[0], v_tm, slots)
+    reference.store_kv(k, v, ref_k, ref_v_tm, slots)
+    assert torch.equal(v_tm, ref_v) and torch.equal(ref_v_tm, ref_v)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

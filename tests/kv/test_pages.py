@@ -15,6 +15,15 @@ def pool(n=9, page_size=4):
 def test_kv_tensors_have_the_paged_shape():
     p = pool()
     assert p.k.shape == (2, 9, 4, 1, 4) and p.v.shape == p.k.shape
+    assert p.k.is_contiguous() and p.v.is_contiguous()
+
+
+def test_float8_pool_keeps_v_token_major():
+    """Same shape, but each page's tokens of one (head, dim) are adjacent bytes."""
+    p = PagePool(num_layers=2, num_pages=3, page_size=16, kv_heads=2, head_dim=8,
+                 dtype=torch.float8_e4m3fn, device="cpu")
+    assert p.v.shape == p.k.shape == (2, 3, 16, 2, 8) and p.k.is_contiguous()
+    assert p.v.stride()[2:] == (1, 8 * 16, 16)
 
 
 def test_page_zero_is_reserved_scratch():
