@@ -231,10 +231,11 @@ def bench_attn_subtile() -> None:
         rows = []
         for name, v, kw in [("before: per-token, d-major V", vc, {"subtile": False}),
                             ("sub-tiles, d-major V", vc, {}), ("default: sub-tiles, token-major V", vt, {})] + [
-                (f"token-major V, reg{r} st{st} n{bn} s{sp}", vt,
-                 {"maxnreg": r, "num_stages": st, "block_n": bn, "num_splits": sp})
-                for r, st, bn, sp in [(184, 3, 32, 1), (200, 3, 32, 1), (216, 3, 32, 1), (0, 2, 32, 1),
-                                      (0, 4, 32, 1), (0, 3, 32, 2), (0, 3, 64, 1)]]:
+                (f"token-major V, w{w} reg{r} st{st} n{bn} s{sp}", vt,
+                 {"num_warps": w, "maxnreg": r, "num_stages": st, "block_n": bn, "num_splits": sp})
+                for w, r, st, bn, sp in [(1, 216, 3, 32, 1), (1, 0, 2, 32, 1), (1, 0, 3, 32, 2), (1, 0, 3, 64, 1),
+                                         (2, 0, 3, 32, 1), (2, 0, 3, 64, 1), (4, 0, 3, 64, 1), (4, 0, 3, 128, 1),
+                                         (4, 0, 2, 128, 1), (8, 0, 3, 128, 1)]]:
             err = (attention.paged_decode(q, kc, v, pt, sl, 0.088, **kw).float() - ref.float()).abs().max().item()
             t = _time_us(lambda: attention.paged_decode(q, kc, v, pt, sl, 0.088, **kw), reps=20)
             rows.append(f"   {t:6.0f} us {tb / t * 1e6:4.2f} TB/s  {name}  (max diff {err:.1e})")

@@ -378,16 +378,18 @@ _DECODE_PREFETCH = False
 _DECODE_HEAD_MAJOR = True  # measured faster on H200 (3.0 vs 2.5 TB/s at B=64, L=2048)
 
 
-def _choose_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
-    """Host-side heuristic from shapes only (CUDA-graph safe)."""
+def _choose_splits(
+    batch: int, kv_heads: int, max_seq_len: int, block_n: int, device: torch.device, per_sm: int = 4
+) -> int:
+    """Host-side heuristic from shapes only (CUDA-graph safe). per_sm: programs resident per SM."""
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4
-    # about 4 programs per SM (one resident wave), but each split keeps >= 2 key blocks
+    # about one resident wave of programs, but each split keeps >= 2 key blocks
     # (benchmarks/decode_attn_bench.py, batch 1, 1024 tokens of a 2048-token graph: 16
     # splits 6.9 us against 8.3 for 8; shorter contexts use fewer splits either way)
-    want = (4 * sms) // max(1, batch * kv_heads)
+    want = (per_sm * sms) // max(1, batch * kv_heads)
     most = max(1, triton.cdiv(max_seq_len, 2 * block_n))
     return int(max(1, min(want, most, 64)))
 
@@ -461,8 +463,6 @@ def paged_decode(
             block_n = 32
     if max_seq_len is None:
         max_seq_len = page_table.shape[1] * page_size
-    if num_splits is None:
-        num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device)
     if subtile is None:
         subtile = k_cache.dtype == torch.float8_e4m3fn
     subtile = subtile and page_size % 16 == 0 and block_n % 16 == 0 and block_d == d
@@ -486,6 +486,11 @@ def paged_decode(
         maxnreg = 128
     if num_stages is None:
         num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
+    if num_splits is None:
+        # the one-warp float8 kernel fits 8 programs per SM: batch 64 x 1,000-2,000 tokens
+        # took 87 us in 2 splits against 97 in 1 (profile_gpu.py attn-subtile)
+        per_sm = 8 if fp8_pages and num_warps == 1 else 4
+        num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device, per_sm)
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
         part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)
