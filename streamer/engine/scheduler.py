@@ -166,15 +166,18 @@ class Scheduler:
                 continue
             chunks.append((req, n))
             budget -= n
-        # decodes first, the longest context first: the decode kernel's programs start in
-        # batch order, so the longest sequences do not form the tail of its last wave; and
-        # decodes leading a mixed step can go through the decode kernel (runner.prepare).
-        # Decodes all grow by one token a step, so the list is nearly sorted already.
-        chunks.sort(key=lambda c: (c[1] != 1, -c[0].num_computed))
         if not preempted and suspect is None:
             budget = self._admit(chunks, budget)
         if not chunks:
             return None
+        # One-token chunks first (decodes, and admitted requests whose prompt was cached but
+        # for its last token), the longest context first: the decode kernel's programs start
+        # in batch order, so the longest sequences do not form the tail of its last wave; and
+        # one-token chunks leading a mixed step can go through the decode kernel
+        # (runner.prepare), which reads a sequence's pages once per KV head where the extend
+        # kernel reads them once per query head. Decodes all grow by one token a step, so
+        # the list is nearly sorted already.
+        chunks.sort(key=lambda c: (c[1] != 1, -c[0].num_computed))
         self.steps_ahead += ahead
         return self._build(chunks, ahead)
 

@@ -103,3 +103,20 @@ def test_decodes_lead_the_batch_longest_context_first():
     batch = s.schedule()
     assert [(c.request_id, len(c.token_ids)) for c in batch.seqs] == [("long", 1), ("short", 1), ("chunked", 38)]
     assert [c.start for c in batch.seqs] == [51, 22, 62]
+
+
+def test_a_request_cached_but_its_last_token_joins_the_leading_decodes():
+    """Its one new token needs only a decode's attention: placed among the leading one-token
+    chunks, not after a running prefill, it can go through the decode kernel in a mixed step."""
+    s = scheduler(max_num_batched_tokens=256)
+    prompt = list(range(100, 133))  # two full pages (32 tokens) can be cached
+    submit(s, "first", prompt, max_tokens=50)
+    finish_step(s, s.schedule())
+    submit(s, "big", [9] * 300, max_tokens=50)  # 255 tokens next to first's decode, then 45
+    finish_step(s, s.schedule())
+    submit(s, "again", prompt, max_tokens=50)  # 32 tokens cached: its last one is computed
+    batch = s.schedule()
+    assert [(c.request_id, len(c.token_ids), c.start) for c in batch.seqs] == [
+        ("first", 1, 34), ("again", 1, 32), ("big", 45, 255)
+    ]
+    assert batch.seqs[1].sample
