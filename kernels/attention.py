@@ -14,7 +14,9 @@ new tokens); cu_q_lens [B+1].
   kernel merges the splits. The split count is chosen on the host from shapes
   only (batch, KV heads, page_table width or the `max_seq_len` hint, SM count)
   - never from device values - so the launch is CUDA-graph safe; inside the
-  kernel each sequence's keys are divided evenly between the splits.
+  kernel each sequence's keys are divided evenly between the splits. Over float8
+  pages a program is one warp, and key blocks are read as 16-token sub-tiles of pages
+  (`_load_kv_subtiles`; V token-major, as a float8 `PagePool` holds it).
 * `paged_extend`: packed variable-length queries, grid
   (cdiv(max_q_len, BLOCK_M), H, B), or (len(tiles), H) with a tile list (see
   `extend_tiles`): the grid then depends only on the tile list's length, so a
