@@ -1,9 +1,9 @@
 """Triton paged attention: split-KV decode and causal varlen extend/prefill.
 
 Layouts (see `kernels.reference`): q [T|B, H, D]; k_cache, v_cache
-[P, S, KVH, D] (v_cache may also be token-major: stride 1 over S); page_table [B, max_pages] (int32/int64 page ids, entries past a
-sequence's length are never read); seq_lens [B] (context length including the
-new tokens); cu_q_lens [B+1].
+[P, S, KVH, D] (v_cache may also be token-major: stride 1 over S); page_table
+[B, max_pages] (int32/int64 page ids, entries past a sequence's length are never
+read); seq_lens [B] (context length including the new tokens); cu_q_lens [B+1].
 
 * `paged_decode`: one query per sequence. Grid (KVH, B, num_splits) (KV heads
   of a sequence are neighbouring programs, so they stream the same pages at
