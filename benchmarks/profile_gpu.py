@@ -2,9 +2,11 @@
 
     python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
     python3 benchmarks/profile_gpu.py gemm-fp8 # bf16 against float8 linear layers at W3's row counts
+    python3 benchmarks/profile_gpu.py gemm-rows  # linear layers by row count: where padding is free
     python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
     python3 benchmarks/profile_gpu.py attn-kv  # decode attention over bf16 vs float8 pages, large batches
     python3 benchmarks/profile_gpu.py attn-fp8 --out DIR  # float8 pages: launch-config sweep, occupancy, asm
+    python3 benchmarks/profile_gpu.py overlap  # attention beside the GEMMs: micro-batches on two streams
     python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
     python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
     python3 benchmarks/profile_gpu.py grammar --model DIR  # device work of JSON-constrained steps
@@ -363,6 +365,197 @@ def bench_gemm_fp8() -> None:
             print(f"{name:8} {m:5d} {bf:8.1f} {fl / bf:5.0f} {qu:8.1f} {f8:8.1f} {fl / f8:5.0f} {fl / (qu + f8):8.0f}")
 
 
+def bench_gemm_rows() -> None:
+    """bf16 F.linear (cuBLAS) by row count around W3's decode batch (~487, padded up the
+    decode-graph ladder), in CUDA graphs: does the cost step with the row tiles (so padding
+    within a tile is free) or grow with every row?"""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+              "lm_head": (4096, 128256)}
+    rows_ = (256, 384, 448, 464, 480, 487, 496, 512, 528, 544, 576, 640, 768, 1024)
+    total = dict.fromkeys(rows_, 0.0)
+    print(f"{'M':>5} " + " ".join(f"{name:>13}" for name in shapes) + "   layer us (x32 + LM head, ms)")
+    for m in rows_:
+        cells = []
+        for name, (k, n) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            t = _time_graph_us([lambda x=x: F.linear(x, w) for x in xs])
+            total[m] += t * (32 if name != "lm_head" else 1)
+            cells.append(f"{t:6.1f} ({2 * m * n * k / t / 1e6:4.0f})")
+        print(f"{m:5d} " + " ".join(cells) + f"   {total[m] / 1e3:6.2f} ms/step, {total[m] / m:6.2f} us/row",
+              flush=True)
+
+
+def bench_overlap(layers: int = 16) -> None:
+    """Can decode attention (bound by bandwidth) hide behind the GEMMs (bound by tensor cores)?
+
+    A decode step of W3's shape (Llama-3.1-8B layers, float8 pages over 1,000-2,000 tokens,
+    token-major V) reduced to its GEMMs, SiLU-and-mul and attention, `layers` layers with
+    their own weights and pages, each variant captured in one CUDA graph:
+    - serial: the whole batch, one stream (today's step);
+    - halves: two micro-batches one after the other, one stream (the cost of splitting);
+    - 2 chains: each micro-batch's layers on its own stream, free-running;
+    - pipelined: GEMMs on one stream, attention on another (optionally high priority), the
+      attention of one micro-batch beside the GEMMs of the other;
+    with cuBLAS told to leave N SMs free (torch's SM carveout) for the attention programs."""
+    import torch.nn.functional as F
+
+    from kernels import activation, attention
+
+    dev, bf = "cuda", torch.bfloat16
+    hid, inter, h, kvh, d = 4096, 14336, 32, 8, 128
+    ws = [(torch.randn(6144, hid, device=dev, dtype=bf) * 0.02, torch.randn(hid, hid, device=dev, dtype=bf) * 0.02,
+           torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02, torch.randn(hid, inter, device=dev, dtype=bf) * 0.02)
+          for _ in range(layers)]
+    for b in (480, 256):
+        pages = 2000 // 16 + 1
+        pt = (torch.randperm(b * pages, device=dev, dtype=torch.int32) + 1).view(b, pages)
+        sl = torch.sort(torch.randint(1000, 2000, (b,), device=dev, dtype=torch.int32), descending=True)[0]
+        # halves interleave long and short sequences, so both get the same bytes
+        order = torch.cat([torch.arange(0, b, 2, device=dev), torch.arange(1, b, 2, device=dev)])
+        pt, sl = pt[order].contiguous(), sl[order].contiguous()
+        kcs = [torch.randn(b * pages + 1, 16, kvh, d, device=dev, dtype=bf).to(torch.float8_e4m3fn)
+               for _ in range(layers)]
+        vts = [torch.randn(b * pages + 1, kvh, d, 16, device=dev, dtype=bf).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
+               for _ in range(layers)]
+        x0 = torch.randn(b, hid, device=dev, dtype=bf)
+        half = b // 2
+        parts = [(slice(0, half)), (slice(half, b))]
+        keep: list = []
+
+        def qkv(x, w):
+            return F.linear(x, w[0])
+
+        def attn(y, li, rows):
+            q = y[:, : h * d].view(-1, h, d)
+            o = attention.paged_decode(q, kcs[li], vts[li], pt[rows], sl[rows], 0.088, max_seq_len=2000)
+            keep.append(o)
+            return o
+
+        def mlp(o, x, w):
+            a = F.linear(o.view(-1, h * d), w[1]) + x
+            return F.linear(activation.silu_and_mul(F.linear(a, w[2])), w[3]) + a
+
+        def serial(parts_):
+            for rows in parts_:
+                x = x0[rows]
+                for li, w in enumerate(ws):
+                    y = qkv(x, w)
+                    x = mlp(attn(y, li, rows), x, w)
+                keep.append(x)
+
+        def chains():
+            main = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(main)
+            for rows, s in zip(parts, (main, side)):
+                with torch.cuda.stream(s):
+                    serial([rows])
+            main.wait_stream(side)
+
+        def pipelined(priority: int):
+            # main: GEMMs; side: attention. Attention of micro-batch A (layer li+1) runs
+            # beside the MLP of B (layer li), and B's beside A's.
+            main = torch.cuda.current_stream()
+            side = torch.cuda.Stream(priority=priority)
+            xs = [x0[r] for r in parts]
+            done: list = [None, None]
+            outs: list = [None, None]
+
+            def launch_attn(i, li, y):
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    outs[i] = attn(y, li, parts[i])
+                    done[i] = torch.cuda.Event()
+                    done[i].record()
+                keep.append(y)
+
+            for i in (0, 1):
+                launch_attn(i, 0, qkv(xs[i], ws[0]))
+            for li, w in enumerate(ws):
+                for i in (0, 1):
+                    main.wait_event(done[i])
+                    xs[i] = mlp(outs[i], xs[i], w)
+                    if li + 1 < layers:
+                        launch_attn(i, li + 1, qkv(xs[i], ws[li + 1]))
+            main.wait_stream(side)
+            keep.extend(xs)
+
+        def graph_us(fn) -> float:
+            keep.clear()
+            fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            keep.clear()
+            with torch.cuda.graph(g):
+                fn()
+            for _ in range(2):
+                g.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(5):
+                g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            del g
+            keep.clear()
+            return 1e3 * e0.elapsed_time(e1) / 5 / layers
+
+        # the carveout reaches cuBLASLt's GEMMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET)
+        carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        rows = [("serial, whole batch", lambda: serial([slice(0, b)]), None, "cublas"),
+                ("serial, whole batch, cuBLASLt", lambda: serial([slice(0, b)]), None, "cublaslt"),
+                ("halves, one stream", lambda: serial(parts), None, "cublas")]
+        for carve, lib in [(None, "cublas"), (None, "cublaslt"), (16, "cublaslt"), (32, "cublaslt"),
+                           (48, "cublaslt")]:
+            rows += [(f"2 chains, carveout {carve}, {lib}", chains, carve, lib),
+                     (f"pipelined, carveout {carve}, {lib}", lambda: pipelined(0), carve, lib),
+                     (f"pipelined, attention high priority, carveout {carve}, {lib}", lambda: pipelined(-1), carve,
+                      lib)]
+        # parts alone: what a perfect overlap would give
+        gem = graph_us(lambda: [mlp(torch.zeros(half, h, d, device=dev, dtype=bf), qkv(x0[:half], w)[:, :hid], w)
+                                for w in ws])
+        att = graph_us(lambda: [attn(torch.zeros(half, 6144, device=dev, dtype=bf), li, parts[0])
+                                for li in range(layers)])
+        print(f"overlap B={b}: per layer, half batch: GEMMs+SiLU {gem:.0f} us, attention {att:.0f} us; "
+              f"perfect overlap of the halves {2 * max(gem, att):.0f} us, none {2 * (gem + att):.0f} us", flush=True)
+        for name, fn, carve, lib in rows:
+            try:
+                torch.backends.cuda.preferred_blas_library(lib)
+                if carve is not None:
+                    if carveout is None:
+                        continue
+                    carveout(carve)
+                t = graph_us(fn)
+                print(f"   {t:7.0f} us per layer  {name}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   failed: {name}: {type(e).__name__}: {e}", flush=True)
+            finally:
+                if carveout is not None:
+                    carveout(None)
+                torch.backends.cuda.preferred_blas_library("cublas")
+        # does the carveout reach the GEMMs at all?
+        w = ws[0][2]
+        xx = torch.randn(half, hid, device=dev, dtype=bf)
+        for carve, lib in [(None, "cublas"), (None, "cublaslt"), (32, "cublas"), (32, "cublaslt"), (66, "cublaslt")]:
+            if carve is not None and carveout is None:
+                continue
+            torch.backends.cuda.preferred_blas_library(lib)
+            if carveout is not None:
+                carveout(carve)
+            print(f"   gate_up GEMM at {half} rows, carveout {carve}, {lib}: "
+                  f"{_time_graph_us([lambda: F.linear(xx, w)]):.0f} us", flush=True)
+        if carveout is not None:
+            carveout(None)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        kcs.clear()
+        vts.clear()
+        torch.cuda.empty_cache()
+
+
 def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: bool = False,
                  quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -547,7 +740,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "small-ops", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -558,7 +751,8 @@ def main() -> None:
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "small-ops": bench_small_ops,
-             "gemm-fp8": bench_gemm_fp8}
+             "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap,
+             "gemm-rows": bench_gemm_rows}
     if a.part in plain:
         plain[a.part]()
     elif a.part == "attn-fp8":

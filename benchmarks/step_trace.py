@@ -61,6 +61,12 @@ def main() -> None:
         print(f"CPU: event loop thread {loop:.3f} s ({100 * loop / span:.0f}% of the span), launch thread "
               f"{launches:.3f} s ({100 * launches / span:.0f}%); per step {1e3 * loop / (len(recs) - 1):.2f} + "
               f"{1e3 * launches / (len(recs) - 1):.2f} ms")
+    if "gc" in recs[0]:
+        pauses = [r["gc"] for r in recs]
+        late = [r for r in recs if r["ahead"] and r["idle_before"] > 2e-4]
+        print(f"GC: {sum(r['gc_count'] for r in recs)} collections, {sum(pauses):.3f} s in all, the longest "
+              f"{1e3 * max(pauses):.1f} ms; late steps with a collection since the line before: "
+              f"{sum(r['gc'] > 0 for r in late)} of {len(late)}")
     print(f"\n{'kind':8} {'steps':>6} {'seqs':>6} {'tokens':>7} {'device ms':>9} {'idle ms':>8} {'late':>5} {'mask ms':>8}")
     for k in ("decode", "mixed", "prefill"):
         rs = [r for r in recs if kind(r) == k]

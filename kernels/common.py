@@ -47,6 +47,25 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def log_compiles(log) -> bool:
+    """Log every kernel variant Triton builds (or loads from its disk cache) from now on: its
+    name and argument specialization (STREAMER_LOG_COMPILES=1, diagnostics). A variant built
+    after the warm-up stalls a step for ~1 s of compilation the first time it is needed.
+    False where this Triton has no such hook."""
+    import time
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return False
+
+    def hook(*, repr: str, **_: object) -> bool:
+        log.warning("triton variant at %.3f: %s", time.perf_counter(), repr)
+        return False  # (compile as usual)
+
+    runtime.jit_cache_hook = hook
+    return True
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,16 @@ log = logging.getLogger("streamer.engine")
 # hand-over can wait for the launcher's slice to end. Measured on the H200 (8B shape, a
 # lone 512-token prompt): 23 ms to the first token at 5 ms, 16 ms at 0.1 ms.
 GIL_SWITCH_INTERVAL_S = 1e-4
+
+# Allocations between young collections of the cyclic GC while the engine runs (Python's
+# default: 700). A decode step at batch 512 makes ~3,000 containers (messages, token lists),
+# so at the default a full collection came every ~22 steps, and it walks every live
+# request's token lists: ~25 ms with the event loop and the launch thread stopped, long
+# enough for the GPU to run dry (W3 on the H200: 95 such stalls, 3 s of a 86 s run).
+GC_GEN0_THRESHOLD = 50_000
+_running_engines = 0
+_gc_threshold = gc.get_threshold()
+"""The thresholds to restore once the last running engine of the process stops."""
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
@@ -65,6 +76,8 @@ class AsyncEngine:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_path = resolve_model_path(self.config)
         self.runner = ModelRunner(self.config, str(self.model_path))
+        self._counted = False
+        """start() raised the GC threshold on this engine's behalf (stop() undoes it)."""
         self.hf_tokenizer = load_tokenizer(self.model_path)
         hf = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
@@ -118,14 +131,25 @@ class AsyncEngine:
             task = asyncio.create_task(coro, name=f"streamer-{name}")
             task.add_done_callback(self._actor_done)
             self._tasks.append(task)
+        if self.runner.device.type == "cuda" and os.environ.get("STREAMER_LOG_COMPILES"):
+            from kernels.common import log_compiles
+
+            log_compiles(log)
         if self.config.warmup and self.runner.device.type == "cuda":
             await self._warm_up()
+        log.info("engine ready at %.3f", time.perf_counter())
         # What exists now (modules, the model, tokenizers: ~340k objects) lives as long as
         # the engine: out of the cyclic collector's reach, a full collection takes ~15 ms
         # instead of ~180 ms, a pause of the event loop, and so of the GPU, every few
         # thousand tokens (measured on the server at saturation, CPU machine)
         gc.collect()
         gc.freeze()
+        global _running_engines, _gc_threshold
+        if _running_engines == 0:
+            _gc_threshold = gc.get_threshold()
+            gc.set_threshold(max(GC_GEN0_THRESHOLD, _gc_threshold[0]), *_gc_threshold[1:])
+        _running_engines += 1
+        self._counted = True
 
     async def _warm_up(self) -> None:
         """A few short requests of different lengths, so that Triton compiles the kernel
@@ -157,11 +181,19 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Stop the actors in pipeline order, so requests still open get a final "abort"."""
+        global _running_engines
+        if not self._tasks:
+            return
         for q, task in zip((self.q_tok, self.q_sched, self.q_exec, self.q_detok), self._tasks):
             q.put_nowait(None)
             await asyncio.gather(task, return_exceptions=True)
         self._tasks = []
         gc.unfreeze()  # (what start froze can be collected again once unreachable)
+        if self._counted:
+            self._counted = False
+            _running_engines -= 1
+            if _running_engines == 0:
+                gc.set_threshold(*_gc_threshold)
 
     def new_request_id(self) -> str:
         self._counter += 1

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections import Counter, deque
@@ -200,7 +201,9 @@ class Scheduler:
     def _admit(self, chunks: list[tuple[Request, int]], budget: int, only: Request | None = None) -> int:
         """Move waiting requests to running while the budget and the pages allow. Suspects
         are admitted alone, through `only`."""
-        if not self.waiting or budget == 0:
+        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            # (a full batch admits nobody: spare the cache-aware ordering's tree walks, one
+            # per waiting prompt, that every step would otherwise repeat)
             return budget
         order = [only] if only is not None else [r for r in self.waiting if not r.suspect]
         matches: dict[str, tuple[list[int], Any]] = {}
@@ -773,13 +776,26 @@ class StepTrace:
     executor's host milestones (launch_begin, launch_end, sample_begin, sample_end, ready),
     filled (its grammar masks were sent, masks_deferred), process_begin and processed (the
     scheduler's handling of its output); *_cpu: CPU seconds of launch, sample and process;
-    loop_cpu: the event loop thread's CPU clock (time.thread_time) as process began.
+    loop_cpu: the event loop thread's CPU clock (time.thread_time) as process began; gc,
+    gc_count: the cyclic collector's pauses since the line before (seconds, collections).
     """
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered, open for the engine's life
         self.filled: dict[int, float] = {}
         self.encoder = msgspec.json.Encoder()
+        self.gc_s = 0.0
+        """Seconds the cyclic GC ran (every thread stopped) since the last line."""
+        self.gc_count = 0
+        self._gc_began = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_began
+            self.gc_count += 1
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -803,7 +819,10 @@ class StepTrace:
             "process_cpu": time.thread_time() - loop_cpu,
             "loop_cpu": loop_cpu,
             "processed": time.perf_counter(),
+            "gc": self.gc_s,
+            "gc_count": self.gc_count,
         }
+        self.gc_s, self.gc_count = 0.0, 0
         filled = self.filled.pop(batch.step, None)
         if filled is not None:
             rec["filled"] = filled

@@ -120,3 +120,17 @@ def test_a_request_cached_but_its_last_token_joins_the_leading_decodes():
         ("first", 1, 34), ("again", 1, 32), ("big", 45, 255)
     ]
     assert batch.seqs[1].sample
+
+
+def test_a_full_batch_does_not_walk_the_cache_for_waiting_prompts(monkeypatch):
+    s = scheduler(max_num_seqs=2)
+    for i in range(4):
+        submit(s, f"r{i}", [i + 10] * 40, max_tokens=50)
+    finish_step(s, s.schedule())  # r0 and r1 admitted; r2 and r3 wait
+    walks = []
+    real = s.tree.peek
+    monkeypatch.setattr(s.tree, "peek", lambda tokens: walks.append(len(tokens)) or real(tokens))
+    batch = s.schedule()
+    assert sorted(c.request_id for c in batch.seqs) == ["r0", "r1"]
+    assert walks == [], "nobody can be admitted: the waiting prompts are not looked up"
+    finish_step(s, batch)
