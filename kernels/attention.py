@@ -183,8 +183,15 @@ def _decode_step(
 
 
 # The page-table width and split count change from batch to batch; left to specialize, Triton
-# would compile new variants (divisible by 16, equal to 1) in the middle of serving.
-@triton.jit(do_not_specialize=["stride_ptb", "num_splits"])
+# would compile new variants (divisible by 16, equal to 1) in the middle of serving. So does
+# the alignment of the page table and lengths where a mixed step hands the decode and the
+# extend kernel slices of them (kernels.ops.paged_attention): 16-byte aligned or not,
+# depending on the number of decodes and the table's width. Each is read one scalar at a
+# time, so alignment buys nothing.
+_INDEX_ARGS = ["pt_ptr", "seq_lens_ptr", "cu_ptr", "tiles_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=_INDEX_ARGS[:2])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -643,7 +650,7 @@ def _extend_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["stride_ptb"])
+@triton.jit(do_not_specialize=["stride_ptb"], do_not_specialize_on_alignment=_INDEX_ARGS)
 def _extend_kernel(
     q_ptr,
     k_ptr,

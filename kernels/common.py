@@ -58,8 +58,8 @@ def log_compiles(log) -> bool:
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         return False
 
-    def hook(*, repr: str, **_: object) -> bool:
-        log.warning("triton variant at %.3f: %s", time.perf_counter(), repr)
+    def hook(*, key: object, fn: object, **_: object) -> bool:
+        log.warning("triton variant at %.3f: %s %s", time.perf_counter(), getattr(fn, "name", fn), key)
         return False  # (compile as usual)
 
     runtime.jit_cache_hook = hook

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -152,25 +153,47 @@ class AsyncEngine:
         self._counted = True
 
     async def _warm_up(self) -> None:
-        """A few short requests of different lengths, so that Triton compiles the kernel
-        variants of prefill, mixed and decode steps now rather than during a user's request:
-        first together (a step replayed from a CUDA graph), then two longer than the graphs
-        take (eager steps), if the token budget allows them."""
+        """Short requests that make Triton build the kernel variants of every kind of step
+        now rather than in the middle of serving (a variant first needed by a user's step
+        stalled it for 1-2 s on the H200): prompts of different lengths together (a step
+        replayed from a CUDA graph); steps of more tokens than the graphs take (eager), in
+        prompts short enough for the context; and a mixed step through the split path (its
+        decodes through the decode kernel), which serving takes only once decodes hold
+        `split_decode_tokens` of context."""
         vocab = self.runner.hf_config.vocab_size
         c = self.config
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        room = self.max_model_len - 8  # the longest prompt with room for its new tokens
+        numbers = itertools.count()
 
-        def request(n: int) -> GenerateRequest:
-            ids = [(i * 7919 + n) % vocab for i in range(n)]
-            return GenerateRequest(request_id=f"warmup-{n}", prompt_token_ids=ids, params=params)
+        def request(n: int, max_tokens: int = 4) -> GenerateRequest:
+            k = next(numbers)  # (distinct prompts: a cached prefix would skip the work)
+            ids = [(i * 7919 + 104729 * k + n) % vocab for i in range(n)]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            return GenerateRequest(request_id=f"warmup-{k}", prompt_token_ids=ids, params=params)
 
         t0 = time.monotonic()
-        lengths = sorted({min(n, self.max_model_len - 8) for n in (7, 100, 700)})
+        lengths = sorted({min(n, room) for n in (7, 100, 700)})
         await asyncio.gather(*(self.generate(request(n)) for n in lengths if n > 0))
-        eager = c.cuda_graph_max_tokens + 64 if c.cuda_graphs else 0
-        for n in (eager, eager + 1):  # Triton specializes integers on divisibility by 16
-            if 0 < n <= min(c.max_num_batched_tokens, self.max_model_len - 8):
-                await self.generate(request(n))
+        if c.cuda_graphs and room > 0:
+            for total in (c.cuda_graph_max_tokens + 64, c.cuda_graph_max_tokens + 65):
+                # (two totals: Triton specializes integers on divisibility by 16)
+                parts = -(-total // room)
+                if total > c.max_num_batched_tokens or parts > c.max_num_seqs:
+                    continue
+                sizes = [total // parts + (i < total % parts) for i in range(parts)]
+                await asyncio.gather(*(self.generate(request(n)) for n in sizes))
+        if room >= 64 and c.max_num_seqs > 1:
+            runner = self.runner
+            saved, runner.split_decode_tokens = runner.split_decode_tokens, 0
+            try:
+                joining: asyncio.Task | None = None
+                async for _ in self.submit(request(16, max_tokens=16)):
+                    if joining is None:  # decoding now: a prompt joins its steps
+                        joining = asyncio.create_task(self.generate(request(min(room, 300))))
+                if joining is not None:
+                    await joining
+            finally:
+                runner.split_decode_tokens = saved
         log.info("warm-up done in %.1f s", time.monotonic() - t0)
 
     def _actor_done(self, task: asyncio.Task) -> None:
