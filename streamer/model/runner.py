@@ -236,11 +236,14 @@ class ModelRunner:
         if isinstance(graph, ExtendGraphs):
             hidden = graph.replay(x)
             return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], {}
+        # int32 index arrays, as in the graphs' buffers: the attention kernels of eager steps
+        # are then the variants built at capture (the decode kernel of a mixed step's split,
+        # int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3)
         ctx = ForwardContext(
             slot_mapping=x["slot_mapping"],
-            page_table=x["page_table"],
-            seq_lens=x["seq_lens"],
-            cu_q_lens=x["cu_q_lens"],
+            page_table=x["page_table"].to(torch.int32),
+            seq_lens=x["seq_lens"].to(torch.int32),
+            cu_q_lens=x["cu_q_lens"].to(torch.int32),
             max_q_len=x["max_q_len"],
             k_cache=self.pool.k,
             v_cache=self.pool.v,
