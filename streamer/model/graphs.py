@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps and for short prefill / mixed steps.
 
 A decode step of batch size B replays the graph captured for the smallest
-ladder size >= B, or a larger one measured cheaper at capture (cheapest_at_or_above). Inputs are copied into static buffers; rows past B are
+ladder size >= B. Inputs are copied into static buffers; rows past B are
 padding: they write their K/V to slot -1 (skipped) and read page 0 (scratch),
 and their logits are dropped. Each captured graph runs the whole model and the
 LM head, so a replay is one launch from the host.
@@ -56,23 +56,8 @@ def capture_ladder(
 
 
 def ladder(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 513, 16)) + list(range(544, 1025, 32))
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in sizes if s <= max_bs] or [1]
-
-
-def cheapest_at_or_above(sizes: list[int], cost: dict[int, float], margin: float = 0.03) -> dict[int, int]:
-    """For each ladder size, the graph to replay a batch padded to it: the cheapest of the
-    sizes at or above it, by measured replay time, if cheaper by more than `margin` (noise).
-    cuBLAS's choice of kernel varies with the row count: at Llama-3.1-8B's shapes on the H200
-    the linear layers of a 448-row step took 14.2 ms and of a 480-row step 11.2 (gate_up: 276
-    against 175 us), so a batch of 440 is better padded to 480."""
-    use: dict[int, int] = {}
-    best = sizes[-1]
-    for s in reversed(sizes):
-        if cost[s] * (1 - margin) <= cost[best]:
-            best = s
-        use[s] = best
-    return use
 
 
 class DecodeGraphs:
@@ -92,31 +77,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.cost: dict[int, float] = {}
-        """Measured replay time of each graph (seconds)."""
-        self.use: dict[int, int] = {s: s for s in self.sizes}
-        """Ladder size -> the graph that replays batches padded to it (cheapest_at_or_above)."""
 
     def capture(self) -> None:
         self.graphs, self.logits, self.pool = capture_ladder(self.sizes, self._run, self.pool)
-        self.cost = self._replay_times()
-        self.use = cheapest_at_or_above(self.sizes, self.cost)
-
-    def _replay_times(self, reps: int = 3) -> dict[int, float]:
-        """Device seconds of one replay of each graph. The captured inputs (one-token
-        contexts) make attention nearly free: what is timed is the part that grows with the
-        padded size (linear layers, norms, the LM head)."""
-        cost: dict[int, float] = {}
-        for n, g in self.graphs.items():
-            g.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                g.replay()
-            end.record()
-            end.synchronize()
-            cost[n] = start.elapsed_time(end) / 1e3 / reps
-        return cost
 
     def _run(self, bs: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -141,7 +104,7 @@ class DecodeGraphs:
     def replay(self, x: dict[str, Any]) -> torch.Tensor:
         """Logits [B, vocab] of a decode batch prepared by ModelRunner.prepare."""
         b = x["input_ids"].shape[0]
-        bs = self.use[next(s for s in self.sizes if s >= b)]
+        bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(x["input_ids"], non_blocking=True)
         self.positions[:b].copy_(x["positions"], non_blocking=True)
         self.slot_mapping[:b].copy_(x["slot_mapping"], non_blocking=True)
