@@ -188,10 +188,7 @@ def _decode_step(
 # extend kernel slices of them (kernels.ops.paged_attention): 16-byte aligned or not,
 # depending on the number of decodes and the table's width. Each is read one scalar at a
 # time, so alignment buys nothing.
-_INDEX_ARGS = ["pt_ptr", "seq_lens_ptr", "cu_ptr", "tiles_ptr"]
-
-
-@triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=_INDEX_ARGS[:2])
+@triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["pt_ptr", "seq_lens_ptr"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -650,7 +647,9 @@ def _extend_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["stride_ptb"], do_not_specialize_on_alignment=_INDEX_ARGS)
+@triton.jit(
+    do_not_specialize=["stride_ptb"], do_not_specialize_on_alignment=["pt_ptr", "seq_lens_ptr", "cu_ptr", "tiles_ptr"]
+)
 def _extend_kernel(
     q_ptr,
     k_ptr,

@@ -43,9 +43,35 @@ GIL_SWITCH_INTERVAL_S = 1e-4
 # request's token lists: ~25 ms with the event loop and the launch thread stopped, long
 # enough for the GPU to run dry (W3 on the H200: 95 such stalls, 3 s of a 86 s run).
 GC_GEN0_THRESHOLD = 50_000
-_running_engines = 0
-_gc_threshold = gc.get_threshold()
-"""The thresholds to restore once the last running engine of the process stops."""
+
+
+class _Collector:
+    """The cyclic GC's settings while engines run in this process (one instance)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.saved = gc.get_threshold()
+
+    def engine_started(self) -> None:
+        # What exists now (modules, the model, tokenizers: ~340k objects) lives as long as
+        # the engine: out of the collector's reach, a full collection takes ~15 ms instead of
+        # ~180 ms, a pause of the event loop, and so of the GPU, every few thousand tokens
+        # (measured on the server at saturation, CPU machine)
+        gc.collect()
+        gc.freeze()
+        if self.running == 0:
+            self.saved = gc.get_threshold()
+            gc.set_threshold(max(GC_GEN0_THRESHOLD, self.saved[0]), *self.saved[1:])
+        self.running += 1
+
+    def engine_stopped(self) -> None:
+        gc.unfreeze()  # (what start froze can be collected again once unreachable)
+        self.running -= 1
+        if self.running == 0:
+            gc.set_threshold(*self.saved)
+
+
+_collector = _Collector()
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
@@ -77,8 +103,8 @@ class AsyncEngine:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_path = resolve_model_path(self.config)
         self.runner = ModelRunner(self.config, str(self.model_path))
-        self._counted = False
-        """start() raised the GC threshold on this engine's behalf (stop() undoes it)."""
+        self._collector_started = False
+        """start() told _collector (stop() undoes it)."""
         self.hf_tokenizer = load_tokenizer(self.model_path)
         hf = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
@@ -138,19 +164,8 @@ class AsyncEngine:
             log_compiles(log)
         if self.config.warmup and self.runner.device.type == "cuda":
             await self._warm_up()
-        log.info("engine ready at %.3f", time.perf_counter())
-        # What exists now (modules, the model, tokenizers: ~340k objects) lives as long as
-        # the engine: out of the cyclic collector's reach, a full collection takes ~15 ms
-        # instead of ~180 ms, a pause of the event loop, and so of the GPU, every few
-        # thousand tokens (measured on the server at saturation, CPU machine)
-        gc.collect()
-        gc.freeze()
-        global _running_engines, _gc_threshold
-        if _running_engines == 0:
-            _gc_threshold = gc.get_threshold()
-            gc.set_threshold(max(GC_GEN0_THRESHOLD, _gc_threshold[0]), *_gc_threshold[1:])
-        _running_engines += 1
-        self._counted = True
+        _collector.engine_started()
+        self._collector_started = True
 
     async def _warm_up(self) -> None:
         """Short requests that make Triton build the kernel variants of every kind of step
@@ -204,19 +219,15 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Stop the actors in pipeline order, so requests still open get a final "abort"."""
-        global _running_engines
         if not self._tasks:
             return
         for q, task in zip((self.q_tok, self.q_sched, self.q_exec, self.q_detok), self._tasks):
             q.put_nowait(None)
             await asyncio.gather(task, return_exceptions=True)
         self._tasks = []
-        gc.unfreeze()  # (what start froze can be collected again once unreachable)
-        if self._counted:
-            self._counted = False
-            _running_engines -= 1
-            if _running_engines == 0:
-                gc.set_threshold(*_gc_threshold)
+        if self._collector_started:
+            self._collector_started = False
+            _collector.engine_stopped()
 
     def new_request_id(self) -> str:
         self._counter += 1
