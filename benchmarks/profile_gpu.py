@@ -365,7 +365,7 @@ def bench_gemm_fp8() -> None:
             print(f"{name:8} {m:5d} {bf:8.1f} {fl / bf:5.0f} {qu:8.1f} {f8:8.1f} {fl / f8:5.0f} {fl / (qu + f8):8.0f}")
 
 
-def bench_gemm_rows() -> None:
+def bench_gemm_rows(rows: tuple[int, ...] | None = None) -> None:
     """bf16 F.linear (cuBLAS) by row count around W3's decode batch (~487, padded up the
     decode-graph ladder), in CUDA graphs: does the cost step with the row tiles (so padding
     within a tile is free) or grow with every row?"""
@@ -373,7 +373,7 @@ def bench_gemm_rows() -> None:
 
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
               "lm_head": (4096, 128256)}
-    rows_ = (256, 384, 448, 464, 480, 487, 496, 512, 528, 544, 576, 640, 768, 1024)
+    rows_ = rows or (256, 384, 448, 464, 480, 487, 496, 512, 528, 544, 576, 640, 768, 1024)
     total = dict.fromkeys(rows_, 0.0)
     print(f"{'M':>5} " + " ".join(f"{name:>13}" for name in shapes) + "   layer us (x32 + LM head, ms)")
     for m in rows_:
@@ -747,13 +747,15 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="step: the engine's quantization (fp8)")
     p.add_argument("--graphs", action="store_true", help="step: decode steps replayed from CUDA graphs")
     p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
+    p.add_argument("--rows", default=None, help="gemm-rows: comma-separated row counts")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "small-ops": bench_small_ops,
-             "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap,
-             "gemm-rows": bench_gemm_rows}
-    if a.part in plain:
+             "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap}
+    if a.part == "gemm-rows":
+        bench_gemm_rows(tuple(int(r) for r in a.rows.split(",")) if a.rows else None)
+    elif a.part in plain:
         plain[a.part]()
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)

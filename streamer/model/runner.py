@@ -27,6 +27,7 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+from streamer.model.kernel_profile import StepProfiler
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.staging import PinnedRing
@@ -75,6 +76,7 @@ class ModelRunner:
         self.split_decode_tokens = 65536
         """Mixed steps whose leading decodes hold at least this many context tokens run
         their attention split (see prepare)."""
+        self.profiler = StepProfiler.from_env()
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
 
@@ -266,11 +268,16 @@ class ModelRunner:
                 i += n
         return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], prompt_logprobs
 
-    @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
         so the next batch can be launched before these values reach the host. A batch with
         masks_deferred only runs its forward: sample() finishes it once the masks are in."""
+        if self.profiler is not None and self.profiler.wants(batch.step):
+            return self.profiler.run(batch, lambda: self._launch(batch))
+        return self._launch(batch)
+
+    @torch.inference_mode()
+    def _launch(self, batch: Batch) -> Launched:
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_start = None
         after = self.last_done
