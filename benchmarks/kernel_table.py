@@ -27,10 +27,15 @@ def main() -> None:
         recs = [json.loads(line) for line in f if line.strip()]
     for r in recs:
         total = r["total_us"]
+        span = r.get("span_us", 0.0)
+        gaps = sum(k[3] for k in r["kernels"] if len(k) > 3)
         print(f"\n== step {r['step']}: {kind(r)}, {r['seqs']} seqs, {r['tokens']} tokens "
-              f"({r['decodes']} decodes); kernels {total / 1e3:.2f} ms")
-        for name, n, us in r["kernels"][: a.top]:
-            print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{n:<4d} {us / n:8.1f} us  {name}")
+              f"({r['decodes']} decodes); kernels {total / 1e3:.2f} ms, span {span / 1e3:.2f} ms, "
+              f"device idle between kernels {gaps / 1e3:.2f} ms")
+        print("        ms  share  calls  us/call  idle before (ms)")
+        for name, n, us, *gap in r["kernels"][: a.top]:
+            g = f"{gap[0] / 1e3:6.3f}" if gap else "     -"
+            print(f"  {us / 1e3:8.3f} {100 * us / total:5.1f}%  x{n:<4d} {us / n:8.1f}  {g}  {name}")
 
 
 if __name__ == "__main__":

@@ -261,6 +261,63 @@ def bench_attn_subtile() -> None:
     print(f"attn-subtile extend, {n} prompts of {qlen} tokens:", *rows, sep="\n", flush=True)
 
 
+def bench_attn_w3() -> None:
+    """Attention at the shapes the kernel profile of a W3 run showed (float8 pages, token-major
+    V, pages scattered over a pool of 100,000 like the engine's): decode at batch 512 x 1,190 /
+    488 x 1,390 / 512 x 1,935 tokens (all sequences about one length) and 480 x 1,000-2,000,
+    by variant; extend over 8 prompts of 1,000 tokens by block sizes and dot dtype."""
+    from kernels import attention
+
+    pool = 100_000
+    kc = torch.randn(pool, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    vt = torch.randn(pool, 8, 128, 16, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
+    cases = [(512, 1190, None), (488, 1390, None), (512, 1935, None), (480, None, None)]
+    variants = [("default", {}), ("splits 2", {"num_splits": 2}), ("maxnreg 200", {"maxnreg": 200}),
+                ("maxnreg 168", {"maxnreg": 168}), ("block 64", {"block_n": 64}), ("stages 2", {"num_stages": 2}),
+                ("stages 4", {"num_stages": 4}), ("head-major", {"head_major": True})]
+    for b, ctx, _ in cases:
+        if ctx is None:
+            sl = torch.sort(torch.randint(1000, 2000, (b,), device="cuda", dtype=torch.int32), descending=True)[0]
+        else:
+            sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        pages = 2000 // 16 + 1
+        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+        tb = 2 * int(sl.sum()) * 8 * 128 / 1e12
+        for layout in ("scattered", "contiguous"):
+            if layout == "scattered":
+                pt = torch.randperm(pool - 1, device="cuda")[: b * pages].to(torch.int32).view(b, pages) + 1
+            else:
+                pt = torch.arange(1, b * pages + 1, device="cuda", dtype=torch.int32).view(b, pages)
+            cells = []
+            for name, kw in variants if layout == "scattered" else variants[:1]:
+                try:
+                    t = _time_us(lambda kw=kw: attention.paged_decode(q, kc, vt, pt, sl, 0.088, **kw), reps=20)
+                    cells.append(f"{name} {t:.0f} us {tb / t * 1e6:.2f} TB/s")
+                except Exception as e:  # noqa: BLE001
+                    cells.append(f"{name} failed {type(e).__name__}")
+            print(f"attn-w3 decode B={b} ctx={ctx or '1000-2000'} {layout}: " + "; ".join(cells), flush=True)
+    n, qlen = 8, 1000
+    pages = qlen // 16 + 1
+    pt = torch.randperm(pool - 1, device="cuda")[: n * pages].to(torch.int32).view(n, pages) + 1
+    lens = torch.full((n,), qlen, device="cuda", dtype=torch.int32)
+    cu = torch.arange(0, (n + 1) * qlen, qlen, device="cuda", dtype=torch.int32)
+    q = torch.randn(n * qlen, 32, 128, device="cuda", dtype=torch.bfloat16)
+    flop = 4 * n * (qlen * (qlen + 1) / 2) * 32 * 128
+    ref = attention.paged_extend(q, kc, vt, pt, lens, cu, 0.088, qlen)
+    for cd in (torch.bfloat16, torch.float16):
+        for bm, bn, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 128, 4, 2), (128, 64, 8, 2),
+                              (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 2), (128, 64, 4, 2)]:
+            kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, compute_dtype=cd)
+            try:
+                out = attention.paged_extend(q, kc, vt, pt, lens, cu, 0.088, qlen, **kw)
+                err = (out.float() - ref.float()).abs().max().item()
+                t = _time_us(lambda kw=kw: attention.paged_extend(q, kc, vt, pt, lens, cu, 0.088, qlen, **kw), reps=10)
+                print(f"attn-w3 extend {str(cd)[6:]} m{bm} n{bn} w{w} st{st}: {t:.0f} us "
+                      f"{flop / t / 1e6:.0f} TFLOP/s (max diff {err:.1e})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"attn-w3 extend {str(cd)[6:]} m{bm} n{bn} w{w} st{st}: failed {type(e).__name__}: {e}"[:300])
+
+
 def bench_attn_order() -> None:
     """Decode attention over lengths spread over 1,000-2,000 (W3) in batch order: as they
     come, longest first (the GPU starts programs in grid order, so the long ones do not form
@@ -740,7 +797,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -751,7 +808,7 @@ def main() -> None:
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
-             "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "small-ops": bench_small_ops,
+             "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "small-ops": bench_small_ops,
              "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap}
     if a.part == "gemm-rows":
         bench_gemm_rows(tuple(int(r) for r in a.rows.split(",")) if a.rows else None)

@@ -518,3 +518,23 @@ def test_mixed_step_split_into_decode_and_extend_matches_reference(dtype, monkey
     scale = 1 / math.sqrt(64)
     out = ops.paged_attention(q, kc, vc, pt, lens, cu, scale, max(q_lens), num_decodes=3)
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])
+
+
+def test_attention_kernels_write_into_a_given_output_view():
+    """paged_decode and paged_extend given `out` (rows of a larger tensor, as a mixed step's
+    split passes them) write their result there, and only there: no copy afterwards."""
+    from kernels import attention
+
+    q, kc, vc, pt, lens = _decode_case([33, 7, 20], 16, 4, 64, torch.float32)
+    whole = torch.full((5, *q.shape[1:]), 7.0, device=q.device)
+    got = attention.paged_decode(q, kc, vc, pt, lens, 0.125, out=whole[1:4])
+    assert got.data_ptr() == whole[1].data_ptr()
+    _close(whole[1:4], attention.paged_decode(q, kc, vc, pt, lens, 0.125), 1e-6)
+    assert (whole[0] == 7).all() and (whole[4] == 7).all()
+
+    q, kc, vc, pt, lens, cu = _extend_case([5, 0], [9, 12], 16, 2, 64, torch.float32)
+    whole = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0, device=q.device)
+    got = attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 12, out=whole[2:])
+    assert got.data_ptr() == whole[2].data_ptr()
+    _close(whole[2:], attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 12), 1e-6)
+    assert (whole[:2] == 7).all()

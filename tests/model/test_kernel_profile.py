@@ -33,3 +33,4 @@ def test_named_steps_are_profiled_and_tokens_unchanged(tiny_models, tmp_path, mo
         names = [k[0] for k in r["kernels"]]
         assert any("mm" in n or "linear" in n for n in names), names
         assert r["total_us"] > 0 and abs(sum(k[2] for k in r["kernels"]) - r["total_us"]) < 1 + 1e-3 * r["total_us"]
+        assert all(len(k) == 4 and k[3] >= 0 for k in r["kernels"])
