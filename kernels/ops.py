@@ -102,40 +102,25 @@ def paged_attention(
     tiles: torch.Tensor | None = None,
     block_m: int = 0,
     num_decodes: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """max_q_len is known on the host; 1 selects the split-KV decode kernel. tiles and
     block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid.
     num_decodes: the first sequences have one query each and go through the decode kernel,
     the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
-    pages once per query head, the decode kernel once per KV head)."""
+    pages once per query head, the decode kernel once per KV head). out: where to write
+    (rows of a larger tensor; by default a new tensor like q)."""
     batch = seq_lens.shape[0]
     if 0 < num_decodes < batch:
         nd = num_decodes
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         # each kernel writes its rows of `out` in place (copying them in cost 2 x 17 us per
         # layer of a W3 mixed step)
-        _attend(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1], scale, 1,
-                None, 0, out[:nd])
-        _attend(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale, max_q_len,
-                None, 0, out[nd:])
+        paged_attention(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1], scale, 1,
+                        out=out[:nd])
+        paged_attention(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale,
+                        max_q_len, out=out[nd:])
         return out
-    return _attend(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len, tiles, block_m)
-
-
-def _attend(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    scale: float,
-    max_q_len: int,
-    tiles: torch.Tensor | None,
-    block_m: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One kernel over all the sequences given (into `out` when given)."""
     if _triton(q):
         from kernels import attention
 
