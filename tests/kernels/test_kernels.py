@@ -526,11 +526,12 @@ def test_attention_kernels_write_into_a_given_output_view():
     from kernels import attention
 
     q, kc, vc, pt, lens = _decode_case([33, 7, 20], 16, 4, 64, torch.float32)
-    whole = torch.full((5, *q.shape[1:]), 7.0, device=q.device)
-    got = attention.paged_decode(q, kc, vc, pt, lens, 0.125, out=whole[1:4])
-    assert got.data_ptr() == whole[1].data_ptr()
-    _close(whole[1:4], attention.paged_decode(q, kc, vc, pt, lens, 0.125), 1e-6)
-    assert (whole[0] == 7).all() and (whole[4] == 7).all()
+    for splits in (1, 2):  # (2: the partial results' reduce writes the view)
+        whole = torch.full((5, *q.shape[1:]), 7.0, device=q.device)
+        got = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=splits, out=whole[1:4])
+        assert got.data_ptr() == whole[1].data_ptr()
+        _close(whole[1:4], attention.paged_decode(q, kc, vc, pt, lens, 0.125), 1e-6)
+        assert (whole[0] == 7).all() and (whole[4] == 7).all()
 
     q, kc, vc, pt, lens, cu = _extend_case([5, 0], [9, 12], 16, 2, 64, torch.float32)
     whole = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0, device=q.device)
