@@ -4,8 +4,9 @@ STREAMER_PROFILE_STEPS="40,41,900" runs each listed step alone under torch.profi
 appends one JSON line per step to STREAMER_PROFILE_OUT (default ./kernel_profile.jsonl):
 step, seqs, tokens, decodes, total_us (sum of kernel times), span_us (first kernel's start
 to the last one's end) and kernels: [name, count, us, gap_us] sorted by time, gap_us being
-the device's idle time just before that kernel's launches. Kernels replayed from a CUDA graph are listed one by one. On the CPU the
-table lists torch operators by their own (self) CPU time instead.
+the device's idle time just before that kernel's launches. Kernels replayed from a CUDA
+graph are listed one by one. On the CPU the table lists torch operators by their own
+(self) CPU time instead.
 
 Why one step at a time: the device must finish the step before it (which the profiler
 would otherwise mix in) and this one before the profile stops, so a profiled step drains
@@ -64,7 +65,8 @@ class StepProfiler:
             times[name] += ev.device_time_total if cuda else ev.self_cpu_time_total
             counts[name] += 1
             if cuda:
-                # the device idle before this kernel (negative when launched early, as PDL does)
+                # the device idle before this kernel (none when it began before the last one
+                # ended, as programmatic dependent launch allows)
                 gaps[name] += max(0.0, ev.time_range.start - end)
                 end = max(end, ev.time_range.end)
         rec = {
