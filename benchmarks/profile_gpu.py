@@ -318,6 +318,110 @@ def bench_attn_w3() -> None:
                 print(f"attn-w3 extend {str(cd)[6:]} m{bm} n{bn} w{w} st{st}: failed {type(e).__name__}: {e}"[:300])
 
 
+def bench_attn_one(batch: int = 512, ctx: int = 1500, reps: int = 5) -> None:
+    """The default float8 decode kernel at one W3 shape (pages scattered over a 100,000-page
+    pool, token-major V), `reps` launches: a target for Nsight Compute
+    (`ncu --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 1 ...`)."""
+    from kernels import attention
+
+    pool = 100_000
+    kc = torch.randn(pool, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    vt = torch.randn(pool, 8, 128, 16, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
+    pages = ctx // 16 + 1
+    pt = torch.randperm(pool - 1, device="cuda")[: batch * pages].to(torch.int32).view(batch, pages) + 1
+    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(reps):
+        attention.paged_decode(q, kc, vt, pt, sl, 0.088)
+    torch.cuda.synchronize()
+    t = _time_us(lambda: attention.paged_decode(q, kc, vt, pt, sl, 0.088), reps=20)
+    print(f"attn-one B={batch} ctx={ctx}: {t:.0f} us, {2 * batch * ctx * 8 * 128 / t / 1e6:.2f} TB/s", flush=True)
+
+
+def _power_loop(fn, seconds: float = 3.0) -> tuple[float, float, float]:
+    """(us per call, mean board power in W, mean SM clock in MHz) of `fn` run back to back
+    for `seconds`, power and clock read by nvidia-smi every 50 ms over the last two thirds."""
+    import subprocess
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    mon = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm", "--format=csv,noheader,nounits", "-lms", "50"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    e0.record()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            fn()
+        n += 10
+        torch.cuda.synchronize()
+    e1.record()
+    torch.cuda.synchronize()
+    mon.terminate()
+    rows = [line.split(", ") for line in mon.communicate()[0].splitlines() if line.count(",") == 2]
+    rows = rows[len(rows) // 3 :]
+    watts = sum(float(r[1]) for r in rows) / max(1, len(rows))
+    mhz = sum(float(r[2]) for r in rows) / max(1, len(rows))
+    return 1e3 * e0.elapsed_time(e1) / n, watts, mhz
+
+
+def bench_power() -> None:
+    """Board power and SM clock while one kernel runs back to back: W3 runs at the 700 W cap
+    (SM clock ~1.5-1.7 GHz of 1.98), so the energy of each kernel, not only its time alone,
+    sets the step time. Decode attention variants at 512 x 1,500 float8 tokens, a copy of the
+    same bytes, bf16 pages, and the GEMMs of a decode and a mixed step."""
+    from kernels import attention
+
+    pool = 100_000
+    b, ctx = 512, 1500
+    kc = torch.randn(pool, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    vt = torch.randn(pool, 8, 128, 16, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
+    pages = ctx // 16 + 1
+    pt = torch.randperm(pool - 1, device="cuda")[: b * pages].to(torch.int32).view(b, pages) + 1
+    sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * b * ctx * 8 * 128
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def report(name, fn, moved=None, flop=None):
+        us, w, mhz = _power_loop(fn)
+        extra = f", {moved / us / 1e6:.2f} TB/s" if moved else ""
+        extra += f", {flop / us / 1e6:.0f} TFLOP/s" if flop else ""
+        print(f"power {name}: {us:.1f} us{extra}, {w:.0f} W, SM {mhz:.0f} MHz, {w * us / 1e3:.1f} mJ per call", flush=True)
+
+    report("copy (same bytes read + written)", lambda: dst.copy_(src), moved=nbytes)
+    # K head-major inside a page ([P, KVH, S, D] seen as [P, S, KVH, D]): one program's 16 keys
+    # of a page are 2 KB of adjacent bytes, as token-major V's are, not 16 rows 1 KB apart
+    kh = torch.empty(pool, 8, 16, 128, device="cuda", dtype=kc.dtype).permute(0, 2, 1, 3)
+    kh.copy_(kc)
+    for name, kw, k_ in [("attn fp8 default", {}, kc), ("attn fp8 K head-major", {}, kh),
+                         ("attn fp8 K head-major, 2 splits", {"num_splits": 2}, kh),
+                         ("attn fp8 bf16 dots", {"compute_dtype": torch.bfloat16}, kc),
+                         ("attn fp8 2 splits", {"num_splits": 2}, kc), ("attn fp8 maxnreg 168", {"maxnreg": 168}, kc)]:
+        report(name, lambda kw=kw, k_=k_, v_=vt: attention.paged_decode(q, k_, v_, pt, sl, 0.088, **kw), moved=nbytes)
+    del kc, vt, kh
+    kb = torch.randn(40_000, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn(40_000, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ptb = torch.randperm(40_000 - 1, device="cuda")[: 256 * pages].to(torch.int32).view(256, pages) + 1
+    report("attn bf16 pages, batch 256",
+           lambda k_=kb, v_=vb: attention.paged_decode(q[:256], k_, v_, ptb, sl[:256], 0.088), moved=nbytes)
+    kb = kb.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    vb = vb.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    report("attn bf16 pages head-major, batch 256",
+           lambda k_=kb, v_=vb: attention.paged_decode(q[:256], k_, v_, ptb, sl[:256], 0.088), moved=nbytes)
+    del kb, vb
+    for rows in (512, 8192):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16)
+        report(f"gate_up GEMM, {rows} rows", lambda x=x, w=w: torch.nn.functional.linear(x, w),
+               flop=2 * rows * 4096 * 28672)
+
+
 def bench_attn_order() -> None:
     """Decode attention over lengths spread over 1,000-2,000 (W3) in batch order: as they
     come, longest first (the GPU starts programs in grid order, so the long ones do not form
@@ -797,7 +901,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -808,7 +912,7 @@ def main() -> None:
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
-             "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "small-ops": bench_small_ops,
+             "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "attn-one": bench_attn_one, "power": bench_power, "small-ops": bench_small_ops,
              "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap}
     if a.part == "gemm-rows":
         bench_gemm_rows(tuple(int(r) for r in a.rows.split(",")) if a.rows else None)
