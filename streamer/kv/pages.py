@@ -1,13 +1,17 @@
 """PagePool: the KV memory of one model, cut into fixed-size pages.
 
-K and V are tensors [layers, pages, page_size, kv_heads, head_dim]. In a float8
-pool V is token-major: stored as [layers, pages, kv_heads, head_dim, page_size] and
-seen through a permuted view, so a page's 16 tokens of one dimension are adjacent
-bytes. Attention multiplies P by V along the tokens, and the tensor-core operands
-want neighbouring tokens packed together: one-byte values in the usual layout are
-gathered byte by byte, which bound the float8 decode kernel (389 against 470 us at
-batch 480, benchmarks/RESULTS.md). 16-bit pages keep the usual layout (transposing
-loads serve them). A request
+K and V are tensors [layers, pages, page_size, kv_heads, head_dim]. A float8 pool
+stores them otherwise and shows them through permuted views of that shape:
+- V is token-major, stored as [layers, pages, kv_heads, head_dim, page_size], so a
+  page's 16 tokens of one dimension are adjacent bytes. Attention multiplies P by V
+  along the tokens, and the tensor-core operands want neighbouring tokens packed
+  together: one-byte values in the usual layout are gathered byte by byte, which bound
+  the float8 decode kernel (389 against 470 us at batch 480, benchmarks/RESULTS.md).
+- K is head-major, stored as [layers, pages, kv_heads, page_size, head_dim], so one KV
+  head's keys of a page are 2 KB of adjacent bytes rather than 16 rows 1 KB apart (the
+  decode kernel reads them per KV head): 438 -> 426 us at batch 512 x 1,500 tokens, run
+  at the H200's power cap (`profile_gpu.py power`).
+16-bit pages keep the usual layout (transposing loads serve them). A request
 holds a page table (its pages, in order); the radix tree holds pages of cached
 prefixes. Ownership is counted per page:
 
@@ -43,11 +47,13 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
         if dtype == torch.float8_e4m3fn:
-            stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
-            self.v = torch.zeros(stored, dtype=dtype, device=device).permute(0, 1, 4, 2, 3)
+            k_stored = (num_layers, num_pages, kv_heads, page_size, head_dim)
+            self.k = torch.zeros(k_stored, dtype=dtype, device=device).permute(0, 1, 3, 2, 4)
+            v_stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
+            self.v = torch.zeros(v_stored, dtype=dtype, device=device).permute(0, 1, 4, 2, 3)
         else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never free

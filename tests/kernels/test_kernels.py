@@ -69,6 +69,13 @@ def token_major(cache):
     return out
 
 
+def head_major(cache):
+    """The same values with each page's rows of one head adjacent (a float8 PagePool's K layout)."""
+    out = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert torch.equal(out, cache) and out.stride(1) == cache.shape[-1]
+    return out
+
+
 def _decode_ref(q, k_cache, v_cache, page_table, seq_lens, scale):
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu, scale)

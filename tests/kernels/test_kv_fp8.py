@@ -12,7 +12,15 @@ import torch
 
 from kernels import attention, kv_store, reference
 from tests.kernels.device import DEVICE
-from tests.kernels.test_kernels import ATTN_TOL, EXTEND_MIX, _close, _decode_case, _extend_case, token_major
+from tests.kernels.test_kernels import (
+    ATTN_TOL,
+    EXTEND_MIX,
+    _close,
+    _decode_case,
+    _extend_case,
+    head_major,
+    token_major,
+)
 
 FP8 = torch.float8_e4m3fn
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -32,7 +40,7 @@ def test_store_rounds_and_saturates_like_torch(dtype):
     slots[3] = -1  # padding: not written
     kc, vc, kr, vr = (torch.zeros(10, 4, kvh, d, dtype=FP8) for _ in range(4))
     kc, vc = kc.to(DEVICE), vc.to(DEVICE)
-    vc = token_major(vc)  # as a float8 PagePool holds V (the K check covers the usual layout)
+    kc, vc = head_major(kc), token_major(vc)  # as a float8 PagePool holds them
     kv_store.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
     reference.store_kv(k, v, kr, vr, slots)
     for out, ref, x in ((kc.cpu(), kr, k), (vc.cpu(), vr, v)):
@@ -53,13 +61,16 @@ def _fp8(*caches):
 
 @DTYPES
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("v_layout", ["d-major", "token-major"])
+@pytest.mark.parametrize("v_layout", ["d-major", "token-major", "pool"])
 def test_decode_reads_fp8_pages(dtype, num_splits, v_layout):
-    """Float8 pages of either V layout; the default path reads whole blocks as sub-tiles."""
+    """Float8 pages of either V layout, or the pool's (V token-major, K head-major); the
+    default path reads whole blocks as sub-tiles."""
     q, kc, vc, pt, lens = _decode_case([1, 17, 40, 64, 130], 16, 4, 64, dtype, seed=1)
     kc, vc = _fp8(kc, vc)
-    if v_layout == "token-major":
+    if v_layout != "d-major":
         vc = token_major(vc)
+    if v_layout == "pool":
+        kc = head_major(kc)
     out = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=num_splits)
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, 0.125), ATTN_TOL[dtype])
@@ -83,13 +94,15 @@ def test_decode_fp16_dots_read_every_fp8_value():
 
 
 @DTYPES
-@pytest.mark.parametrize("v_layout", ["d-major", "token-major"])
+@pytest.mark.parametrize("v_layout", ["d-major", "token-major", "pool"])
 def test_extend_reads_fp8_pages(dtype, v_layout):
     prefixes, q_lens = EXTEND_MIX
-    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, 16, 4, 64, dtype, kvh=1)
+    q, kc, vc, pt, lens, cu = _extend_case(prefixes, q_lens, 16, 4, 64, dtype, kvh=2)
     kc, vc = _fp8(kc, vc)
-    if v_layout == "token-major":
+    if v_layout != "d-major":
         vc = token_major(vc)
+    if v_layout == "pool":
+        kc = head_major(kc)
     scale = 1 / math.sqrt(64)
     out = attention.paged_extend(q, kc, vc, pt, lens, cu, scale, max(q_lens))
     _close(out, reference.paged_attention(q, kc, vc, pt, lens, cu, scale), ATTN_TOL[dtype])

@@ -18,12 +18,14 @@ def test_kv_tensors_have_the_paged_shape():
     assert p.k.is_contiguous() and p.v.is_contiguous()
 
 
-def test_float8_pool_keeps_v_token_major():
-    """Same shape, but each page's tokens of one (head, dim) are adjacent bytes."""
+def test_float8_pool_keeps_v_token_major_and_k_head_major():
+    """Same shape, but each page's tokens of one (head, dim) of V are adjacent bytes, and
+    each page's keys of one head are adjacent rows."""
     p = PagePool(num_layers=2, num_pages=3, page_size=16, kv_heads=2, head_dim=8,
                  dtype=torch.float8_e4m3fn, device="cpu")
-    assert p.v.shape == p.k.shape == (2, 3, 16, 2, 8) and p.k.is_contiguous()
+    assert p.v.shape == p.k.shape == (2, 3, 16, 2, 8)
     assert p.v.stride()[2:] == (1, 8 * 16, 16)
+    assert p.k.stride()[2:] == (8, 16 * 8, 1)
 
 
 def test_page_zero_is_reserved_scratch():
