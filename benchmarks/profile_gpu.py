@@ -395,14 +395,14 @@ def bench_power() -> None:
         print(f"power {name}: {us:.1f} us{extra}, {w:.0f} W, SM {mhz:.0f} MHz, {w * us / 1e3:.1f} mJ per call", flush=True)
 
     report("copy (same bytes read + written)", lambda: dst.copy_(src), moved=nbytes)
-    # K head-major inside a page ([P, KVH, S, D] seen as [P, S, KVH, D]): one program's 16 keys
-    # of a page are 2 KB of adjacent bytes, as token-major V's are, not 16 rows 1 KB apart
+    # K head-major inside a page ([P, KVH, S, D] seen as [P, S, KVH, D], as a float8 PagePool
+    # holds it): one program's 16 keys of a page are 2 KB of adjacent bytes, not 16 rows 1 KB apart
     kh = torch.empty(pool, 8, 16, 128, device="cuda", dtype=kc.dtype).permute(0, 2, 1, 3)
     kh.copy_(kc)
-    for name, kw, k_ in [("attn fp8 default", {}, kc), ("attn fp8 K head-major", {}, kh),
+    for name, kw, k_ in [("attn fp8 K token-major", {}, kc), ("attn fp8 K head-major (the pool's)", {}, kh),
                          ("attn fp8 K head-major, 2 splits", {"num_splits": 2}, kh),
-                         ("attn fp8 bf16 dots", {"compute_dtype": torch.bfloat16}, kc),
-                         ("attn fp8 2 splits", {"num_splits": 2}, kc), ("attn fp8 maxnreg 168", {"maxnreg": 168}, kc)]:
+                         ("attn fp8 K head-major, bf16 dots", {"compute_dtype": torch.bfloat16}, kh),
+                         ("attn fp8 K head-major, maxnreg 168", {"maxnreg": 168}, kh)]:
         report(name, lambda kw=kw, k_=k_, v_=vt: attention.paged_decode(q, k_, v_, pt, sl, 0.088, **kw), moved=nbytes)
     del kc, vt, kh
     kb = torch.randn(40_000, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
