@@ -80,8 +80,8 @@ def rotary_store(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """rotary(q, k), then store_kv of the rotated k and v; returns the rotated q (one Triton
-    launch when the caches hold q's dtype)."""
-    if _triton(q) and k_cache.dtype == q.dtype:
+    launch on the GPU, for caches in q's dtype or in float8)."""
+    if _triton(q) and k_cache.dtype in (q.dtype, torch.float8_e4m3fn):
         from kernels import rope
 
         return rope.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

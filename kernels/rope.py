@@ -1,5 +1,6 @@
 """Triton neox-style (rotate-half) rotary embedding for q and k in one launch; and
-`rotary_store`, which also writes the rotated k and v into the paged KV cache.
+`rotary_store`, which also writes the rotated k and v into the paged KV cache (16-bit or
+float8 pages).
 
 Matches `kernels.reference.rotary`: cos/sin are rounded to q.dtype, and
 `x * cos` and `rotate_half(x) * sin` are each rounded to q.dtype before the add,
@@ -38,8 +39,11 @@ def _rotate(
     BLOCK_HALF: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
-    """Rotate the NH heads of token t of x into o (o row t); nothing is stored if sel < 0."""
+    """Rotate the NH heads of token t of x into o (o row t); nothing is stored if sel < 0.
+    OUT_DTYPE: o's dtype; the rotated values are rounded to DTYPE first, as `rotary` then
+    `kv_store.store_kv` would store them."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NH) & (offs_d[None, :] < HALF)
@@ -52,8 +56,13 @@ def _rotate(
     b2 = _round_to(x1 * sin, DTYPE, INTERP).to(tl.float32)
     obase = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     mask = mask & ((offs_h * 0 + sel) >= 0)[:, None]  # (a scalar mask trips the interpreter)
-    tl.store(obase, _round_to(a1 + b1, DTYPE, INTERP), mask=mask)
-    tl.store(obase + HALF, _round_to(a2 + b2, DTYPE, INTERP), mask=mask)
+    o1 = _round_to(a1 + b1, DTYPE, INTERP)
+    o2 = _round_to(a2 + b2, DTYPE, INTERP)
+    if OUT_DTYPE != DTYPE:
+        o1 = _round_to(o1.to(tl.float32), OUT_DTYPE, INTERP)
+        o2 = _round_to(o2.to(tl.float32), OUT_DTYPE, INTERP)
+    tl.store(obase, o1, mask=mask)
+    tl.store(obase + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -117,6 +126,7 @@ def _rotary_kernel(
         BLOCK_HALF,
         DTYPE,
         INTERP,
+        DTYPE,
     )
     _rotate(
         k_ptr,
@@ -135,6 +145,7 @@ def _rotary_kernel(
         BLOCK_HALF,
         DTYPE,
         INTERP,
+        DTYPE,
     )
 
 
@@ -208,9 +219,13 @@ def _rotary_store_kernel(
     stride_vh,
     stride_qot,
     stride_qoh,
-    stride_cp,
-    stride_cs,
-    stride_ch,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     stride_cos,
     H: tl.constexpr,
     KVH: tl.constexpr,
@@ -220,6 +235,7 @@ def _rotary_store_kernel(
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DTYPE: tl.constexpr,
+    CACHE_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -227,19 +243,23 @@ def _rotary_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
-            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP)
+            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     safe = tl.maximum(slot, 0)
-    row = (safe // PAGE_SIZE) * stride_cp + (safe % PAGE_SIZE) * stride_cs
-    _rotate(k_ptr + t * stride_kt, kc_ptr + row, 0, 0, stride_kh, 0, stride_ch, cos, sin, slot,
-            KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP)
+    page = safe // PAGE_SIZE
+    off = safe % PAGE_SIZE
+    _rotate(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs, 0, 0, stride_kh, 0, stride_kch,
+            cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE)
     offs_h = tl.arange(0, BLOCK_KVH)
     offs_f = tl.arange(0, 2 * BLOCK_HALF)
     ok = (offs_h * 0 + slot) >= 0
     vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
-    tl.store(vc_ptr + row + offs_h[:, None] * stride_ch + offs_f[None, :], v, mask=vmask)
+    if CACHE_DTYPE != DTYPE:
+        v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
+    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_f[None, :] * stride_vcd
+    tl.store(vc, v, mask=vmask)
 
 
 def rotary_store(
@@ -254,12 +274,14 @@ def rotary_store(
 ) -> torch.Tensor:
     """`rotary` then `kv_store.store_kv` of the rotated k and of v, in one launch: returns
     the rotated q; k and v go only to their cache slots (a decode step is a chain of
-    small launches, so one fewer per layer is time saved). Caches in q's dtype."""
+    small launches, so one fewer per layer is time saved). Caches in q's dtype or in
+    float8 e4m3 (values rounded as `store_kv` rounds them), of any strides with a unit
+    stride over K's head_dim (a float8 PagePool's V is token-major)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and k.dtype == q.dtype == v.dtype
     assert k_cache.shape[-2:] == (kvh, d) and v_cache.shape == k_cache.shape
-    assert k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
     assert k_cache.stride(-1) == 1
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if cos_sin.stride(-1) != 1:
@@ -272,7 +294,9 @@ def rotary_store(
             q, k, v, q_out, k_cache, v_cache, positions.reshape(-1), slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+            cos_sin.stride(0),
             H=h,
             KVH=kvh,
             HALF=half,
@@ -281,6 +305,7 @@ def rotary_store(
             BLOCK_KVH=triton.next_power_of_2(kvh),
             BLOCK_HALF=triton.next_power_of_2(half),
             DTYPE=_TL_DTYPES[q.dtype],
+            CACHE_DTYPE=_TL_DTYPES[k_cache.dtype],
             INTERP=_interpreting(),
             PDL=pdl,
             num_warps=4,

@@ -62,17 +62,21 @@ def _decode_case(seq_lens, page_size, gqa, d, dtype, kvh=2, seed=0):
     return q, k_cache, v_cache, page_table, lens
 
 
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+
+
 def token_major(cache):
     """The same values with each page's tokens adjacent (a float8 PagePool's V layout)."""
     out = cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    assert torch.equal(out, cache) and (out.stride(1) == 1 or out.shape[1] == 1)
+    assert _same_bits(out, cache) and (out.stride(1) == 1 or out.shape[1] == 1)
     return out
 
 
 def head_major(cache):
     """The same values with each page's rows of one head adjacent (a float8 PagePool's K layout)."""
     out = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    assert torch.equal(out, cache) and out.stride(1) == cache.shape[-1]
+    assert _same_bits(out, cache) and (out.stride(1) == cache.shape[-1] or out.shape[1] == 1)
     return out
 
 
@@ -323,6 +327,39 @@ def test_rotary_store_equals_rotary_then_store_kv(page_size, d, kvh, dtype):
     _close(q_out, q_ref, ELEM_TOL[dtype])
     _close(caches[0], ref_k, ELEM_TOL[dtype])
     assert torch.equal(caches[1], ref_v)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_into_float8_pool_pages_equals_rotary_then_store_kv(page_size, dtype):
+    """Float8 pages in a float8 PagePool's layouts (K head-major, V token-major): the fused
+    kernel stores the same bytes as the rotary kernel followed by the store kernel (k rounded
+    to q's dtype, then to e4m3, saturated), and returns the same q; padding slots write nothing."""
+    gen = torch.Generator().manual_seed(2)
+    t, h, kvh, d = 9, 4, 2, 64
+    pages = (2 * t) // page_size + 2
+    qkv = (torch.randn(t, h + 2 * kvh, d, generator=gen) * torch.logspace(-3, 3, t)[:, None, None]).to(dtype)
+    qkv = qkv.to(DEVICE)
+    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    positions = torch.randint(0, 50, (t,), generator=gen).to(DEVICE)
+    cs = _cos_sin(64, d).to(DEVICE)
+    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
+    slots[[0, 5]] = -1
+    slots = slots.to(DEVICE)
+    fp8 = torch.float8_e4m3fn
+    fresh = torch.randn(pages, page_size, kvh, d, generator=gen).to(fp8).to(DEVICE)
+    kc, vc = head_major(fresh.clone()), token_major(fresh.clone())
+    ref_k, ref_v = head_major(fresh.clone()), token_major(fresh.clone())
+    q_out = rope.rotary_store(q, k, v, positions, cs, kc, vc, slots)
+    q_rot, k_rot = rope.rotary(q, k, positions, cs)
+    kv_store.store_kv(k_rot, v, ref_k, ref_v, slots)
+    assert torch.equal(q_out, q_rot)
+    assert _same_bits(kc, ref_k) and _same_bits(vc, ref_v)
+    written = set(slots[slots >= 0].tolist())
+    assert written and not (kc.view(torch.uint8) == fresh.view(torch.uint8)).all()
+    for s in set(range(pages * page_size)) - written:
+        page, off = divmod(s, page_size)
+        assert _same_bits(kc[page, off], fresh[page, off]) and _same_bits(vc[page, off], fresh[page, off])
 
 
 # --------------------------------------------------------------------------- rms_norm
