@@ -318,19 +318,26 @@ def bench_attn_w3() -> None:
                 print(f"attn-w3 extend {str(cd)[6:]} m{bm} n{bn} w{w} st{st}: failed {type(e).__name__}: {e}"[:300])
 
 
-def bench_attn_one(batch: int = 512, ctx: int = 1500, reps: int = 5) -> None:
-    """The default float8 decode kernel at one W3 shape (pages scattered over a 100,000-page
-    pool, token-major V), `reps` launches: a target for Nsight Compute
-    (`ncu --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 1 ...`)."""
-    from kernels import attention
-
-    pool = 100_000
-    kc = torch.randn(pool, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+def _fp8_decode_case(batch: int, ctx: int, pool: int = 100_000):
+    """q, K and V pages, page table and lengths of a Llama-3.1-8B decode batch over float8 pages
+    in a float8 PagePool's layouts (K head-major, V token-major), `ctx` tokens per sequence on
+    pages scattered over a pool of `pool` pages like the engine's."""
+    kc = torch.randn(pool, 8, 16, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 2, 1, 3)
     vt = torch.randn(pool, 8, 128, 16, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
     pages = ctx // 16 + 1
     pt = torch.randperm(pool - 1, device="cuda")[: batch * pages].to(torch.int32).view(batch, pages) + 1
     sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    return q, kc, vt, pt, sl
+
+
+def bench_attn_one(batch: int = 512, ctx: int = 1500, reps: int = 5) -> None:
+    """The default float8 decode kernel at one W3 shape (`_fp8_decode_case`), `reps` launches:
+    a target for Nsight Compute (`ncu --kernel-name regex:_decode_kernel --launch-skip 2
+    --launch-count 1 ...`)."""
+    from kernels import attention
+
+    q, kc, vt, pt, sl = _fp8_decode_case(batch, ctx)
     for _ in range(reps):
         attention.paged_decode(q, kc, vt, pt, sl, 0.088)
     torch.cuda.synchronize()
@@ -376,14 +383,9 @@ def bench_power() -> None:
     same bytes, bf16 pages, and the GEMMs of a decode and a mixed step."""
     from kernels import attention
 
-    pool = 100_000
     b, ctx = 512, 1500
-    kc = torch.randn(pool, 16, 8, 128, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    vt = torch.randn(pool, 8, 128, 16, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
     pages = ctx // 16 + 1
-    pt = torch.randperm(pool - 1, device="cuda")[: b * pages].to(torch.int32).view(b, pages) + 1
-    sl = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
+    q, kh, vt, pt, sl = _fp8_decode_case(b, ctx)
     nbytes = 2 * b * ctx * 8 * 128
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -395,10 +397,9 @@ def bench_power() -> None:
         print(f"power {name}: {us:.1f} us{extra}, {w:.0f} W, SM {mhz:.0f} MHz, {w * us / 1e3:.1f} mJ per call", flush=True)
 
     report("copy (same bytes read + written)", lambda: dst.copy_(src), moved=nbytes)
-    # K head-major inside a page ([P, KVH, S, D] seen as [P, S, KVH, D], as a float8 PagePool
-    # holds it): one program's 16 keys of a page are 2 KB of adjacent bytes, not 16 rows 1 KB apart
-    kh = torch.empty(pool, 8, 16, 128, device="cuda", dtype=kc.dtype).permute(0, 2, 1, 3)
-    kh.copy_(kc)
+    # K token-major, the usual layout: one program's 16 keys of a page are 16 rows 1 KB apart
+    # (head-major, as a float8 PagePool holds them: 2 KB of adjacent bytes)
+    kc = kh.contiguous()
     for name, kw, k_ in [("attn fp8 K token-major", {}, kc), ("attn fp8 K head-major (the pool's)", {}, kh),
                          ("attn fp8 K head-major, 2 splits", {"num_splits": 2}, kh),
                          ("attn fp8 K head-major, bf16 dots", {"compute_dtype": torch.bfloat16}, kh),
