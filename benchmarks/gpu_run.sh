@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv | trace
-#                                        | record | probe | w3fp8 | tune | w8a8)
+#                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power)
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
 # probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
@@ -11,6 +11,12 @@
 # first?) and the launch configs of silu_and_mul and fused add + RMSNorm at batch 480.
 # w8a8: float8 linear layers (--quantization fp8) with float8 KV: W3 (1,000 at batch 512, ~2 min)
 # and W2 (~1 min).
+# w3ab: W3 (1,000 at batch 512, float8 KV) for the working tree, then for the code in .base, on the
+# same machine (~4.5 min; machines differ by up to ~4%, so compare only within one call). Make
+# .base here first and carry it with .whl:
+#   rm -rf .base && mkdir .base && git archive <commit> streamer kernels benchmarks pyproject.toml | tar -x -C .base
+# power: board power, SM clock and energy per call of decode attention variants, a copy and the
+# GEMMs, each run back to back (W3 runs at the 700 W cap: benchmarks/RESULTS.md, fourteenth session).
 # w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
 # check: tests/gpu and every kernel test, compiled (tests/kernels runs its random-input tests on
 # the GPU when there is one; `-m cuda` would keep only the GPU-size ones). Not the whole suite:
@@ -97,4 +103,15 @@ if [ "$part" = w3fp8 ]; then
   STREAMER_STEP_TRACE="$OUT/w3_steps.jsonl" bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 \
       --max-num-seqs 512 --json "$OUT/w3_fp8_512.json" | tail -1
   python3 benchmarks/step_trace.py "$OUT/w3_steps.jsonl" | head -14
+fi
+if [ "$part" = w3ab ]; then
+  w3="--workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 --max-num-seqs 512"
+  bench $w3 --json "$OUT/w3_tree.json" | tail -1
+  if [ -d .base ]; then
+    (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $w3 --json "$OUT/w3_base.json" 2>&1 \
+        | grep -v "\] [0-9]*/[0-9]* " | tail -1)
+  fi
+fi
+if [ "$part" = power ]; then
+  python3 benchmarks/profile_gpu.py power 2>&1 | grep "^power" | tee "$OUT/power.txt"
 fi
