@@ -303,6 +303,21 @@ def test_store_kv_matches_reference(page_size, dtype, cache_dtype):
     assert torch.equal(v_tm, ref_v) and torch.equal(ref_v_tm, ref_v)
 
 
+def _rotary_store_inputs(gen, t, h, kvh, d, page_size, dtype, padding, scale=None):
+    """q, k, v (strided views of one qkv projection, rows times `scale`), positions, cos/sin,
+    slots (those at `padding` are -1) and the page count of a rotary_store case."""
+    pages = (2 * t) // page_size + 2
+    qkv = torch.randn(t, h + 2 * kvh, d, generator=gen)
+    if scale is not None:
+        qkv = qkv * scale[:, None, None]
+    qkv = qkv.to(dtype).to(DEVICE)
+    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    positions = torch.randint(0, 50, (t,), generator=gen).to(DEVICE)
+    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
+    slots[padding] = -1
+    return q, k, v, positions, _cos_sin(64, d).to(DEVICE), slots.to(DEVICE), pages
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("d,kvh", [(64, 2), (80, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -310,15 +325,7 @@ def test_rotary_store_equals_rotary_then_store_kv(page_size, d, kvh, dtype):
     """The fused kernel: q rotated, k rotated into its slot, v copied into its slot; padding
     slots (-1) write nothing; inputs are strided views of one qkv projection."""
     gen = torch.Generator().manual_seed(1)
-    t, h = 7, 4
-    pages = (2 * t) // page_size + 2
-    qkv = torch.randn(t, h + 2 * kvh, d, generator=gen).to(dtype).to(DEVICE)
-    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
-    positions = torch.randint(0, 50, (t,), generator=gen).to(DEVICE)
-    cs = _cos_sin(64, d).to(DEVICE)
-    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
-    slots[[1, 4]] = -1
-    slots = slots.to(DEVICE)
+    q, k, v, positions, cs, slots, pages = _rotary_store_inputs(gen, 7, 4, kvh, d, page_size, dtype, [1, 4])
     caches = [torch.randn(pages, page_size, kvh, d, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     q_ref, k_rot = reference.rotary(q, k, positions, cs)
@@ -336,16 +343,10 @@ def test_rotary_store_into_float8_pool_pages_equals_rotary_then_store_kv(page_si
     kernel stores the same bytes as the rotary kernel followed by the store kernel (k rounded
     to q's dtype, then to e4m3, saturated), and returns the same q; padding slots write nothing."""
     gen = torch.Generator().manual_seed(2)
-    t, h, kvh, d = 9, 4, 2, 64
-    pages = (2 * t) // page_size + 2
-    qkv = (torch.randn(t, h + 2 * kvh, d, generator=gen) * torch.logspace(-3, 3, t)[:, None, None]).to(dtype)
-    qkv = qkv.to(DEVICE)
-    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
-    positions = torch.randint(0, 50, (t,), generator=gen).to(DEVICE)
-    cs = _cos_sin(64, d).to(DEVICE)
-    slots = torch.randperm(pages * page_size, generator=gen)[:t].int()
-    slots[[0, 5]] = -1
-    slots = slots.to(DEVICE)
+    t, kvh, d = 9, 2, 64
+    q, k, v, positions, cs, slots, pages = _rotary_store_inputs(
+        gen, t, 4, kvh, d, page_size, dtype, [0, 5], scale=torch.logspace(-3, 3, t)
+    )
     fp8 = torch.float8_e4m3fn
     fresh = torch.randn(pages, page_size, kvh, d, generator=gen).to(fp8).to(DEVICE)
     kc, vc = head_major(fresh.clone()), token_major(fresh.clone())
