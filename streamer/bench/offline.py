@@ -229,6 +229,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         quantization=args.quantization,
         max_model_len=max(longest + 16, 2048),
         max_num_seqs=args.max_num_seqs,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -291,6 +292,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="random weights")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run transformers too")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=512,
