@@ -550,6 +550,35 @@ def bench_gemm_rows(rows: tuple[int, ...] | None = None) -> None:
               flush=True)
 
 
+def bench_gemm_layouts(rows: tuple[int, ...] = (480, 488, 496, 504, 512, 8192)) -> None:
+    """The decode step's linear layers as cuBLAS sees them by call: F.linear (weight [N, K], the
+    engine's), a [K, N] copy of the weight (x @ w_t), F.linear with a zero bias (the cuBLASLt
+    path with an epilogue) and the transposed product (w @ x^T, output [N, M]); in CUDA graphs.
+    cuBLAS picks its kernel by shape and layout: at 488-512 rows the o projection ran at ~450
+    TFLOP/s inside W3 against ~750 for gate_up."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+    print(f"{'gemm':8} {'M':>5} " + " ".join(f"{v:>13}" for v in ("linear", "x @ w_t", "linear+bias", "w @ x^T")))
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w_t = w.t().contiguous()
+        zero = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        for m in rows:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            variants = (
+                [lambda x=x: F.linear(x, w) for x in xs],
+                [lambda x=x: x @ w_t for x in xs],
+                [lambda x=x: F.linear(x, w, zero) for x in xs],
+                [lambda x=x: w @ x.t() for x in xs],
+            )
+            cells = []
+            for fns in variants:
+                t = _time_graph_us(fns)
+                cells.append(f"{t:6.1f} ({2 * m * n * k / t / 1e6:4.0f})")
+            print(f"{name:8} {m:5d} " + " ".join(cells), flush=True)
+
+
 def bench_overlap(layers: int = 16) -> None:
     """Can decode attention (bound by bandwidth) hide behind the GEMMs (bound by tensor cores)?
 
@@ -902,7 +931,7 @@ def profile_serve_host(n: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops", "overlap", "gemm-rows", "step", "w1cpu", "serve", "grammar"])
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops", "overlap", "gemm-rows", "gemm-layouts", "step", "w1cpu", "serve", "grammar"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
     p.add_argument("-n", type=int, default=256)
@@ -914,7 +943,7 @@ def main() -> None:
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "attn-one": bench_attn_one, "power": bench_power, "small-ops": bench_small_ops,
-             "gemm-fp8": bench_gemm_fp8, "overlap": bench_overlap}
+             "gemm-fp8": bench_gemm_fp8, "gemm-layouts": bench_gemm_layouts, "overlap": bench_overlap}
     if a.part == "gemm-rows":
         bench_gemm_rows(tuple(int(r) for r in a.rows.split(",")) if a.rows else None)
     elif a.part in plain:

@@ -59,11 +59,14 @@ def capture_ladder(
 
 
 def ladder(max_bs: int) -> list[int]:
-    """Batch sizes of the decode graphs. Above 256 rows the linear layers are compute-bound,
-    so a padded row costs as much as a real one: 8 apart there (at most 3% padding); 16
-    apart below, where the weights' bytes dominate and padding is nearly free."""
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(264, 1025, 8))
-    return [s for s in sizes if s <= max_bs] or [1]
+    """Batch sizes of the decode graphs, ending at max_bs (so that the largest batches
+    allowed replay a graph too). 16 apart up to 256 rows, where the weights' bytes dominate
+    and padding is nearly free; above, the linear layers are compute-bound and a padded row
+    costs a real one's work: 1/32 apart (8 rows at 256, 16 at 512), at most ~3% padding."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    while sizes[-1] < max_bs:
+        sizes.append(sizes[-1] + sizes[-1] // 32 // 8 * 8)
+    return [s for s in sizes if s < max_bs] + [max(max_bs, 1)]
 
 
 class DecodeGraphs:

@@ -28,6 +28,16 @@ def test_decode_ladder_covers_every_batch_size():
     assert all(any(s >= b for s in sizes) for b in range(1, 257))
 
 
+def test_decode_ladder_pads_large_batches_by_about_3_percent():
+    # above 256 rows the GEMMs are compute-bound: a padded row costs a real row's work
+    sizes = ladder(4096)
+    assert sizes == sorted(set(sizes))
+    for b in range(257, 4097):
+        assert next(s for s in sizes if s >= b) - b < max(8, b / 32), b
+    for max_bs in (1, 3, 100, 500, 4000):
+        assert ladder(max_bs)[-1] == max_bs  # the largest batch allowed has a graph
+
+
 def small_extend_graphs(max_tokens: int, max_seqs: int, block_m: int) -> ExtendGraphs:
     cache = torch.zeros(1, 2, 4, 1, 8)  # [layers, pages, page_size, kv_heads, head_dim]
     return ExtendGraphs(None, cache, cache, max_tokens, max_seqs, max_pages=4, block_m=block_m)
