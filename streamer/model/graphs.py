@@ -6,8 +6,8 @@ padding: they write their K/V to slot -1 (skipped) and read page 0 (scratch).
 Each captured graph runs the whole model up to the final norm; the LM head runs
 eagerly on the B real rows only. That is one more launch per step, and it saves
 the LM head's padded rows (at batch 488 in the 512 graph: 0.87 against 0.79 ms of
-a 128k vocabulary) and a [size, vocab] logits buffer kept alive per graph (~3 GB
-for the ladder up to 512 of such a vocabulary).
+a 128k vocabulary) and a [size, vocab] logits buffer kept alive per graph (3.7 GB
+for the 52 graphs up to 512 at such a vocabulary; the hidden states are 0.1 GB).
 
 A step with multi-token chunks (a prefill, or decodes mixed with one) of T
 tokens replays the ExtendGraphs graph of the smallest token count >= T. Eagerly,
