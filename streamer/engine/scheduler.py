@@ -605,6 +605,7 @@ class Scheduler:
         """Every page is free, held by the tree, or held by a running request (or a finished
         or retrying one whose batch is still in flight); the refcounts say exactly that."""
         self.pool.check()
+        self.tree.check()
         expect = [0] * self.pool.num_pages
         expect[0] = 1
         for p in self.tree.held_pages():

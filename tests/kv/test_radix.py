@@ -102,9 +102,39 @@ def test_random_traffic_keeps_refcounts_equal_to_holders(seqs, seed):
                 expect[p] += 1
         assert expect == pool.refcount
         pool.check()
+        tree.check()
     for t, p, n in live:
         tree.insert(t, p)
         pool.decref(p)
         tree.unlock(n)
+    tree.check()
     tree.evict(pool.num_pages)
     assert pool.num_free == pool.capacity
+    assert tree.evictable == 0 == tree.cached_pages
+
+
+def test_evictable_pages_follow_locks_splits_and_evictions():
+    pool, tree = setup()
+    cache_sequence(pool, tree, list(range(12)))  # 3 pages, one edge
+    assert tree.evictable == 3
+    _, node = tree.match_prefix(list(range(8)) + [99] * 4)  # splits the edge after 2 pages
+    tree.lock(node)
+    assert tree.evictable == 1, "the locked path's 2 pages cannot be dropped"
+    tree.check()
+    assert tree.evict(100) == 1 and tree.evictable == 0
+    assert tree.evict(100) == 0, "nothing unlocked: nothing to walk"
+    tree.unlock(node)
+    assert tree.evictable == 2
+    tree.check()
+
+
+def test_eviction_with_every_node_locked_does_not_walk_the_tree(monkeypatch):
+    """A full pool makes the scheduler call evict for every request that needs a page, every
+    step: with nothing evictable that must cost nothing, whatever the tree's size."""
+    pool, tree = setup(64)
+    for i in range(8):  # eight running requests, each holding its one cached page
+        _, node = tree.insert([i] * 4, pool.alloc(1))
+        tree.lock(node)
+    assert tree.evictable == 0
+    monkeypatch.setattr(tree, "_nodes", lambda: (_ for _ in ()).throw(AssertionError("walked the tree")))
+    assert tree.evict(5) == 0
