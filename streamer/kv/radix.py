@@ -143,8 +143,8 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Drop LRU unlocked leaves until num_pages pages are free again; returns pages freed."""
         if self.evictable == 0:
-            # (the walk below visits every node: with the pool full and every node locked,
-            # W3's 448 requests in bf16 spent ~15 ms of host time per step here)
+            # (the walk below visits every node: with the pool full and every node locked, a
+            # replay of W3 at 448 at once in bf16 KV spent 81% of its host time walking here)
             return 0
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
