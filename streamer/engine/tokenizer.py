@@ -2,11 +2,13 @@
 
 Inbox:  GenerateRequest, None to stop.
 Outbox: TokenizedRequest -> scheduler; TokenDelta(error) -> detokenizer for a
-        request that cannot be served (too long, bad parameters, bad grammar).
-Invariants: tokenization and grammar compilation run in a worker thread, never
-on the event loop (a request that is already token ids, short and without a
-grammar, is only validated, in place: the thread hop cost more than that); requests
-leave in the order they arrived.
+        request that cannot be served (too long, bad parameters, bad grammar), and
+        TokenDelta(abort) at stop for requests still waiting for their grammar.
+Invariants: tokenization and grammar compilation run in worker threads, never on
+the event loop (a request that is already token ids, short and without a grammar,
+is only validated, in place: the thread hop cost more than that). Requests leave in
+the order they arrived, except that one whose grammar is not compiled yet leaves when
+it is: a compilation can take up to its time limit, and nobody else waits for it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Tokenizer:
         return list(self.hf(req.prompt, add_special_tokens=True)["input_ids"])
 
     def __call__(self, req: GenerateRequest, arrival: float) -> TokenizedRequest:
+        """Validated token ids; the grammar is attached here only when it is compiled
+        already (grammar_state does the rest, in a thread of its own)."""
         req.params.validate()
         ids = self.encode_prompt(req)
         if not ids:
@@ -82,7 +86,7 @@ class Tokenizer:
         if req.params.grammar is not None:
             if self.grammars is None:
                 raise RequestError("structured output is not available for this model")
-            grammar = self.grammars.state_for(req.params.grammar)
+            grammar = self.grammars.cached(req.params.grammar)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
@@ -93,7 +97,17 @@ class Tokenizer:
         )
 
 
+    def grammar_state(self, out: TokenizedRequest) -> TokenizedRequest:
+        """out with its grammar's state (compiling the grammar: blocks up to its limits)."""
+        assert self.grammars is not None and out.params.grammar is not None
+        out.grammar = self.grammars.state_for(out.params.grammar)
+        return out
+
+
 INLINE_MAX_TOKENS = 4096
+GRAMMAR_THREADS = 4
+"""Grammars compiled at once (each first on trial in the grammar process, which runs at most
+EngineConfig.grammar_compile_workers of them and queues the rest)."""
 
 
 def inline(req: GenerateRequest) -> bool:
@@ -102,12 +116,34 @@ def inline(req: GenerateRequest) -> bool:
     return ids is not None and len(ids) <= INLINE_MAX_TOKENS and req.params.grammar is None
 
 
+def _error(rid: str, e: Exception) -> TokenDelta:
+    msg = str(e) if isinstance(e, RequestError) else f"cannot tokenize: {e}"
+    return TokenDelta(rid, [], finish_reason="error", error=msg)
+
+
 async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue, to_detok: asyncio.Queue) -> None:
     loop = asyncio.get_running_loop()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-tok") as thread:
+    compiling: dict[asyncio.Future, str] = {}  # grammar compilations in flight -> request id
+
+    async def with_grammar(out: TokenizedRequest) -> None:
+        try:
+            out = await loop.run_in_executor(grammar_threads, tok.grammar_state, out)
+        except Exception as e:  # noqa: BLE001 - a bad grammar must not stop the actor
+            to_detok.put_nowait([_error(out.request_id, e)])
+            return
+        to_scheduler.put_nowait(out)
+
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-tok")
+    grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="streamer-grammar")
+    try:
         while True:
             item = await inbox.get()
             if item is None:
+                # stopping: requests still waiting for a grammar end with "abort" (their
+                # compilations end with the engine's trial process; nobody reads them)
+                for task, rid in compiling.items():
+                    task.cancel()
+                    to_detok.put_nowait([TokenDelta(rid, [], finish_reason="abort")])
                 return
             req, arrival = item
             try:
@@ -115,12 +151,15 @@ async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue,
                     out = tok(req, arrival)
                 else:
                     out = await loop.run_in_executor(thread, tok, req, arrival)
-            except RequestError as e:
-                to_detok.put_nowait([TokenDelta(req.request_id, [], finish_reason="error", error=str(e))])
-                continue
             except Exception as e:  # noqa: BLE001 - a bad request must not stop the actor
-                to_detok.put_nowait(
-                    [TokenDelta(req.request_id, [], finish_reason="error", error=f"cannot tokenize: {e}")]
-                )
+                to_detok.put_nowait([_error(req.request_id, e)])
+                continue
+            if out.params.grammar is not None and out.grammar is None:
+                task = asyncio.ensure_future(with_grammar(out))
+                compiling[task] = out.request_id
+                task.add_done_callback(lambda t: compiling.pop(t, None))
                 continue
             to_scheduler.put_nowait(out)
+    finally:  # (without waiting: the event loop must not block on a thread's work)
+        thread.shutdown(wait=False, cancel_futures=True)
+        grammar_threads.shutdown(wait=False, cancel_futures=True)

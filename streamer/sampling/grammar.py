@@ -1,7 +1,8 @@
-"""Structured output with xgrammar: compile (cached, time-limited), match, mask.
+"""Structured output with xgrammar: compile (cached, on trial under limits), match, mask.
 
   GrammarCompiler(hf_tokenizer, vocab_size)   one per engine (TokenizerInfo over the model vocab)
     .state_for(GrammarSpec) -> GrammarState   a fresh matcher; RequestError for a bad spec
+    .cached(GrammarSpec) -> GrammarState|None the same when the spec is compiled already
   GrammarState                                one per request, used by the scheduler only
     .accept(token) .is_terminated() .fill(bitmask, row) .rollback(n) .jump_forward(limit)
   fill_bitmask(states, vocab_size)            int32 [len(states), ceil(V/32)]; None rows all ones
@@ -19,14 +20,18 @@ whitespace until max_tokens, and the fixed text between values (keys,
 separators) is forced, which is what jump-forward skips over.
 
 Compiled grammars are cached by (kind, value), errors included, so a repeated
-bad schema fails at once. Compilation runs in a daemon thread and is awaited
-for at most `timeout_s`; on a timeout the request fails but the compilation
-goes on and lands in the cache for the next request with the same spec.
+bad schema fails at once. A spec not in the cache is first compiled on trial in a
+process that is killed past a time and a memory limit (grammar_worker.py), then here.
+
+Jump-forward is bounded: xgrammar's own find_jump_forward_string runs until the forced
+text ends, which for `root ::= "a" root` is never (it froze the server and grew ~450 MB/s).
+Here the forced text is found a byte at a time from the token masks, JUMP_MAX_BYTES at most.
 """
 
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
 import logging
 import os
@@ -35,14 +40,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
+from streamer.sampling.grammar_worker import CompilerUnavailable, TrialCompiler
 
 log = logging.getLogger("streamer.grammar")
 
@@ -53,9 +59,17 @@ BATCH_FILL_MIN = 8
 BATCH_FILL_THREADS = min(8, (os.cpu_count() or 1) // 2)
 """...of this many threads; below 2 the pool only adds overhead and rows are filled in turn
 (measured on 2 cores: 4.6 us/row in turn vs 6.3 us/row through a 1-thread pool)."""
+JUMP_MAX_BYTES = 128
+"""The most forced text one request's jump-forward takes (the rest at the next step). A byte
+costs a mask fill and a look at it: ~4-20 us (SmolLM2's vocabulary, by grammar)..."""
+JUMP_STEP_BYTES = 1024
+"""...and all the jumps after one step together take at most this many bytes (~20 ms at
+worst), however many grammar requests run."""
+CACHE_BYTES = 1 << 30
+"""Compiled grammars kept, by xgrammar's own count of their memory (and at most cache_size)."""
 
 
-def _clean(err: BaseException) -> str:
+def clean_error(err: BaseException) -> str:
     """xgrammar's C++ errors start with a timestamp, a source path and a check text; drop them."""
     msg = str(err).strip()
     msg = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", msg)
@@ -69,13 +83,59 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in alts)
 
 
-class _Vocab:
-    """Decoded vocabulary, sorted, to ask whether a longer token starts with a token's text."""
+def build(c: xgr.GrammarCompiler, kind: str, value: str, any_whitespace: bool) -> xgr.CompiledGrammar:
+    """Compile one spec (here and in the trial process); RequestError for what is not valid."""
+    if kind == "json_object":
+        return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"invalid json_schema: not JSON ({e})") from None
+        except RecursionError:
+            raise RequestError("invalid json_schema: it nests too deeply") from None
+        if not isinstance(schema, dict | bool):
+            raise RequestError("invalid json_schema: a schema must be a JSON object")
+        return c.compile_json_schema(value, any_whitespace=any_whitespace)
+    if kind == "regex":
+        return c.compile_regex(value)
+    if kind == "ebnf":
+        return c.compile_grammar(value)
+    if kind == "choice":
+        try:
+            choices = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"invalid choice: not a JSON list of strings ({e})") from None
+        if not isinstance(choices, list) or not choices or not all(isinstance(s, str) for s in choices):
+            raise RequestError("invalid choice: give a non-empty JSON list of strings")
+        if not all(choices):
+            raise RequestError("invalid choice: the choices must not be empty strings")
+        return c.compile_grammar(choice_grammar(choices))
+    raise RequestError(f"unknown grammar kind {kind!r}; use one of {', '.join(KINDS)}")
 
-    def __init__(self, info: xgr.TokenizerInfo) -> None:
+
+class _Vocab:
+    """The decoded vocabulary, arranged to tell from a token mask which bytes may come next."""
+
+    def __init__(self, info: xgr.TokenizerInfo, vocab_size: int) -> None:
         self.decoded: list[bytes] = list(info.decoded_vocab)
         self.sorted = sorted(set(self.decoded))
         self.excluded = frozenset(info.stop_token_ids) | frozenset(info.special_token_ids)
+        self.words = (vocab_size + 31) // 32
+        self.stops = sorted(t for t in info.stop_token_ids if 0 <= t < vocab_size)
+        # A token is allowed only where its first byte is, and a byte b is allowed exactly when
+        # the one-byte token b is (masks are prefix-closed); bytes with no one-byte token are
+        # seen through the tokens that start with them ("orphans").
+        single: dict[int, int] = {}
+        for t, text in enumerate(self.decoded[:vocab_size]):
+            if len(text) == 1 and t not in self.excluded:
+                single.setdefault(text[0], t)
+        self.single_bytes = np.array(sorted(single), dtype=np.int64)
+        self.single_word, self.single_bit = _bit_of([single[b] for b in self.single_bytes])
+        orphans = [t for t, text in enumerate(self.decoded[:vocab_size])
+                   if text and text[0] not in single and t not in self.excluded]
+        self.orphan_word, self.orphan_bit = _bit_of(orphans)
+        self.orphan_bytes = np.array([self.decoded[t][0] for t in orphans], dtype=np.int64)
 
     def extensible(self, token: int) -> bool:
         """True if some other vocabulary token is a strict extension of this token's text."""
@@ -85,11 +145,29 @@ class _Vocab:
         i = bisect.bisect_right(self.sorted, text)
         return i < len(self.sorted) and self.sorted[i].startswith(text)
 
+    def forced_byte(self, mask: np.ndarray) -> int | None:
+        """The one byte that every allowed token starts with, where no stop token is allowed
+        (the output may end there); None when there is a choice."""
+
+        for t in self.stops:
+            if mask[t >> 5] >> (t & 31) & 1:
+                return None
+        found = self.single_bytes[(mask[self.single_word] & self.single_bit) != 0]
+        if len(self.orphan_bytes):
+            found = np.union1d(found, self.orphan_bytes[(mask[self.orphan_word] & self.orphan_bit) != 0])
+        return int(found[0]) if len(found) == 1 else None
+
+
+def _bit_of(ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Where token ids sit in an int32 bitmask row: word indices, and each bit as an int32."""
+    a = np.array(ids, dtype=np.int64)
+    return a >> 5, (np.ones_like(a) << (a & 31)).astype(np.uint32).view(np.int32)
+
 
 class GrammarState:
     """One request's matcher. Advances with every output token (sampled or jumped over)."""
 
-    __slots__ = ("matcher", "spec", "num_accepted", "rejected", "_encode", "_vocab")
+    __slots__ = ("matcher", "spec", "num_accepted", "rejected", "jump_bytes", "_encode", "_vocab")
 
     def __init__(
         self,
@@ -103,6 +181,8 @@ class GrammarState:
         self.num_accepted = 0
         self.rejected = False
         """Set when a token was refused: the request cannot continue under its grammar."""
+        self.jump_bytes = 0
+        """Forced bytes the last jump_forward_string found (its cost: a mask fill each)."""
         self._encode = encode
         self._vocab = vocab
 
@@ -132,11 +212,37 @@ class GrammarState:
             self.num_accepted -= n
             self.rejected = False
 
-    def jump_forward_string(self) -> str:
-        """The longest text the grammar forces from here ("" when there is a choice)."""
-        return self.matcher.find_jump_forward_string()
+    def jump_forward_string(self, max_bytes: int = JUMP_MAX_BYTES) -> str:
+        """The text the grammar forces from here, at most max_bytes of it ("" when there is a
+        choice). Whole UTF-8 characters only: a character cut by the limit (or begun by the
+        last token) is left to the next jump."""
+        v = self._vocab
+        self.jump_bytes = 0
+        if v is None or self.matcher.is_terminated():
+            return ""
+        mask = torch.empty((1, v.words), dtype=torch.int32)
+        words = mask.numpy()[0]
+        forced = bytearray()
+        walker: xgr.GrammarMatcher | None = None  # a fork, advanced byte by byte
+        while len(forced) < max_bytes:
+            (walker or self.matcher).fill_next_token_bitmask(mask, 0)
+            b = v.forced_byte(words)
+            if b is None:
+                break
+            if walker is None:
+                walker = self.matcher.fork()
+            if not walker.accept_string(bytes([b])):
+                break
+            forced.append(b)
+        self.jump_bytes = len(forced)
+        if forced and forced[0] & 0xC0 == 0x80:
+            return ""  # it starts inside a character (the last token split one), as xgrammar's does
+        try:  # (final=False: an incomplete last character is held back, not an error)
+            return codecs.getincrementaldecoder("utf-8")().decode(bytes(forced), final=False)
+        except UnicodeDecodeError:
+            return ""
 
-    def jump_forward(self, limit: int) -> list[int]:
+    def jump_forward(self, limit: int, max_bytes: int = JUMP_MAX_BYTES) -> list[int]:
         """Tokens of the forced continuation, already accepted; at most `limit` of them.
 
         The forced text is tokenized with the model's tokenizer. Its last token is left to
@@ -145,9 +251,10 @@ class GrammarState:
         stops at the first one the matcher refuses, so the output stays in the grammar
         whatever the tokenizer does at the edges.
         """
-        if limit <= 0 or self._encode is None or self._vocab is None:
+        self.jump_bytes = 0
+        if limit <= 0 or max_bytes <= 0 or self._encode is None or self._vocab is None:
             return []
-        text = self.matcher.find_jump_forward_string()
+        text = self.jump_forward_string(max_bytes)
         if not text:
             return []
         try:
@@ -166,9 +273,8 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Compiles GrammarSpecs for one tokenizer, with a cache and a time limit."""
+    """Compiles GrammarSpecs for one tokenizer: a cache, and each new spec on trial first."""
 
-    timeout_s: float = 10.0
     any_whitespace: bool = False
     cache_size: int = 512
 
@@ -179,18 +285,27 @@ class GrammarCompiler:
         *,
         stop_token_ids: list[int] | None = None,
         max_threads: int = 8,
+        timeout_s: float = 10.0,
+        memory_bytes: int = 2 << 30,
+        workers: int = 2,
     ) -> None:
         """vocab_size: the model's (the LM head's width), which may exceed the tokenizer's.
         stop_token_ids: the tokens that end a finished grammar (the engine's EOS ids);
-        None lets xgrammar read them from the tokenizer."""
+        None lets xgrammar read them from the tokenizer. timeout_s, memory_bytes: the limits
+        of one compilation; workers: compilations on trial at once (the others queue)."""
         self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
         self.info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
         )
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        # (no cache of xgrammar's own: this class keeps the compiled grammars, within CACHE_BYTES)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
+        self.trials = TrialCompiler(self.info, any_whitespace=self.any_whitespace, timeout_s=timeout_s,
+                                    memory_bytes=memory_bytes, workers=workers)
         self._hf = hf_tokenizer
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache_bytes = 0
         self._vocab: _Vocab | None = None
 
     # ---- compile ----------------------------------------------------------
@@ -198,74 +313,73 @@ class GrammarCompiler:
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def _build(self, kind: str, value: str) -> xgr.CompiledGrammar:
-        c = self.compiler
-        ws = self.any_whitespace
-        if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
-        if kind == "json_schema":
-            try:
-                schema = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"invalid json_schema: not JSON ({e})") from None
-            if not isinstance(schema, dict | bool):
-                raise RequestError("invalid json_schema: a schema must be a JSON object")
-            return c.compile_json_schema(value, any_whitespace=ws)
-        if kind == "regex":
-            return c.compile_regex(value)
-        if kind == "ebnf":
-            return c.compile_grammar(value)
-        if kind == "choice":
-            try:
-                choices = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"invalid choice: not a JSON list of strings ({e})") from None
-            if not isinstance(choices, list) or not choices or not all(isinstance(s, str) for s in choices):
-                raise RequestError("invalid choice: give a non-empty JSON list of strings")
-            if not all(choices):
-                raise RequestError("invalid choice: the choices must not be empty strings")
-            return c.compile_grammar(choice_grammar(choices))
-        raise RequestError(f"unknown grammar kind {kind!r}; use one of {', '.join(KINDS)}")
-
-    def _start(self, kind: str, value: str) -> Future:
-        fut: Future = Future()
-
-        def work() -> None:
-            try:
-                fut.set_result(self._build(kind, value))
-            except RequestError as e:
-                fut.set_exception(e)
-            except Exception as e:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-                fut.set_exception(RequestError(f"invalid {kind}: {_clean(e)}"))
-
-        threading.Thread(target=work, name="streamer-grammar", daemon=True).start()
-        return fut
+        if kind != "json_object":  # (the one spec of fixed size needs no trial)
+            self.trials.trial(kind, value)
+        try:
+            return build(self.compiler, kind, value, self.any_whitespace)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
+            raise RequestError(f"invalid {kind}: {clean_error(e)}") from None
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of spec (cached); RequestError if invalid or too slow."""
+        """The compiled grammar of spec (cached); RequestError if invalid or over a limit.
+        Blocks for as long as the compilation takes: call it off the event loop."""
         if spec.kind not in KINDS:
             raise RequestError(f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
         key = (spec.kind, spec.value)
         with self._lock:
             fut = self._cache.get(key)
+            owner = fut is None
             if fut is None:
-                fut = self._cache[key] = self._start(*key)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                fut = self._cache[key] = Future()
             else:
                 self._cache.move_to_end(key)
-        try:
-            return fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise RequestError(
-                f"compiling the {spec.kind} grammar took longer than {self.timeout_s:g} s; "
-                "simplify the schema or pattern"
-            ) from None
+        if owner:
+            try:
+                compiled = self._build(*key)
+            except RequestError as e:
+                fut.set_exception(e)
+                if isinstance(e, CompilerUnavailable):  # says nothing of the spec: not kept
+                    with self._lock:
+                        self._cache.pop(key, None)
+            else:
+                fut.set_result(compiled)
+                self._account(compiled.memory_size_bytes)
+        return fut.result()
+
+    def _account(self, size: int) -> None:
+        """Evict the oldest compiled grammars past cache_size entries or CACHE_BYTES."""
+        with self._lock:
+            self._cache_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size or self._cache_bytes > CACHE_BYTES):
+                _, old = self._cache.popitem(last=False)
+                if old.done() and old.exception() is None:
+                    self._cache_bytes -= old.result().memory_size_bytes
+
+    def _state(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec) -> GrammarState:
+        if self._vocab is None:
+            self._vocab = _Vocab(self.info, self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled), spec, self._encode, self._vocab)
 
     def state_for(self, spec: GrammarSpec) -> GrammarState:
-        compiled = self.compile(spec)
-        if self._vocab is None:
-            self._vocab = _Vocab(self.info)
-        return GrammarState(xgr.GrammarMatcher(compiled), spec, self._encode, self._vocab)
+        return self._state(self.compile(spec), spec)
+
+    def cached(self, spec: GrammarSpec) -> GrammarState | None:
+        """A state for spec if it is compiled already (raises its cached error), else None."""
+        with self._lock:
+            fut = self._cache.get((spec.kind, spec.value))
+        if fut is None or not fut.done():
+            return None
+        return self._state(fut.result(), spec)
+
+    def start(self) -> None:
+        """Start the trial process now, in the background (else it starts with the first trial)."""
+        self.trials.start()
+
+    def close(self) -> None:
+        """Stop the trial process (it starts again on the next new spec)."""
+        self.trials.close()
 
 
 # ---- bitmasks --------------------------------------------------------------

@@ -35,6 +35,7 @@ CPU generator (seeded from EngineConfig.seed by the runner).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ from streamer.messages import SampledToken, SamplingParams
 from streamer.model.staging import PinnedRing
 
 LOGIT_MAX = 1e30
+BIAS_CACHE = 1024
+"""logit_bias dicts kept as tensors (the running requests' biases, and some)."""
 """Processed logits are capped here (divided by the smallest temperature, still finite)."""
 MIN_TEMPERATURE = 1e-6
 """A positive temperature below this is treated as this (1e-300 is 0 in float32)."""
@@ -130,6 +133,10 @@ class Sampler:
         self.one_kernel = self.device.type == "cuda"
         """Draw with kernels.sampling where a batch allows it (CPU: the torch path; tests may
         turn it on there, to run the kernel through the Triton interpreter)."""
+        self._biases: OrderedDict[int, tuple[dict, torch.Tensor, torch.Tensor]] = OrderedDict()
+        """id(params.logit_bias) -> (that dict, kept so the id stays its own; token ids;
+        biases): a request's bias, as tensors, built at its first step rather than at every
+        one (a 49k-entry bias at n=64 took the step from ~20 ms to ~1 s in Python loops)."""
 
     def forget(self, request_id: str) -> None:
         """Kept for callers; seeded draws hold no per-request state."""
@@ -195,20 +202,15 @@ class Sampler:
         dev = logits.device
         hist = inp.histories
         # logit_bias: one scatter-add over all (row, token) pairs
-        br: list[int] = []
-        bt: list[int] = []
-        bv: list[float] = []
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                for t, b in p.logit_bias.items():
-                    t = int(t)
-                    if 0 <= t < v:
-                        br.append(i)
-                        bt.append(t)
-                        bv.append(float(b))
-        if br:
+        rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if rows:
+            parts = [self._bias(params[i].logit_bias, v) for i in rows]  # type: ignore[arg-type]
+            lengths = torch.tensor([len(t) for t, _ in parts])
+            br = torch.repeat_interleave(torch.tensor(rows), lengths)
+            bt, bv = torch.cat([t for t, _ in parts]), torch.cat([b for _, b in parts])
             logits.index_put_(
-                (_t(br, dev), _t(bt, dev)), _up(bv, dev, logits.dtype), accumulate=True
+                (br.to(dev, non_blocking=True), bt.to(dev, non_blocking=True)),
+                bv.to(dev, logits.dtype, non_blocking=True), accumulate=True,
             )
         # penalties: counts of the distinct (row, token) pairs of the histories, sparse
         pr: list[int] = []
@@ -227,6 +229,20 @@ class Sampler:
             x = logits[rr, tt]
             x = torch.where(x > 0, x / rep, x * rep) - freq * count - pres
             logits[rr, tt] = x
+
+    def _bias(self, bias: dict[int, float], v: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (token ids, biases) of one request's logit_bias within the vocabulary, cached."""
+        hit = self._biases.get(id(bias))
+        if hit is not None and hit[0] is bias:
+            self._biases.move_to_end(id(bias))
+            return hit[1], hit[2]
+        pairs = [(int(t), float(b)) for t, b in bias.items() if 0 <= int(t) < v]
+        toks = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+        vals = torch.tensor([b for _, b in pairs], dtype=torch.float32)
+        self._biases[id(bias)] = (bias, toks, vals)
+        while len(self._biases) > BIAS_CACHE:
+            self._biases.popitem(last=False)
+        return toks, vals
 
     def _mask_and_ban(self, logits: torch.Tensor, inp: SampleInputs, bitmask: torch.Tensor | None) -> None:
         """Apply the grammar bitmask and the bans to logits in place."""

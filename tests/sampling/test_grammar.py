@@ -6,12 +6,19 @@ import json
 import re
 import time
 
+import psutil
 import pytest
 import torch
 
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
-from streamer.sampling.grammar import GrammarCompiler, GrammarState, choice_grammar, fill_bitmask
+from streamer.sampling.grammar import (
+    JUMP_MAX_BYTES,
+    GrammarCompiler,
+    GrammarState,
+    choice_grammar,
+    fill_bitmask,
+)
 
 VOCAB = 49152  # SmolLM2's model vocabulary
 
@@ -73,24 +80,59 @@ def test_cache_by_kind_and_value(compiler):
             compiler.compile(bad)
 
 
-def test_compile_timeout(hf_tokenizer, monkeypatch):
+def _trial_children(gc: GrammarCompiler) -> list[psutil.Process]:
+    """The compilations running in gc's trial process (its forked children)."""
+    proc = gc.trials._proc
+    return [] if proc is None else psutil.Process(proc.pid).children()
+
+
+def big_schema(n: int) -> GrammarSpec:
+    props = {f"p{i}": {"type": "string"} for i in range(n)}
+    return GrammarSpec("json_schema", json.dumps({"type": "object", "properties": props, "required": list(props)}))
+
+
+def test_a_compilation_past_its_time_limit_is_killed(hf_tokenizer):
+    """A schema of 10,000 properties compiles for minutes: refused at the limit, naming it,
+    and nothing goes on compiling it afterwards; the refusal is cached."""
+    gc = GrammarCompiler(hf_tokenizer, VOCAB, timeout_s=1.0)
+    try:
+        gc.state_for(GrammarSpec("regex", "[0-9]+"))  # (the trial process has started)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError, match=r"took longer than 1 s \(the limit, --grammar-compile-timeout\)"):
+            gc.state_for(big_schema(10_000))
+        assert time.monotonic() - t0 < 2.0
+        assert _trial_children(gc) == []
+        t0 = time.monotonic()
+        with pytest.raises(RequestError, match="took longer than"):
+            gc.state_for(big_schema(10_000))
+        assert time.monotonic() - t0 < 0.1
+        assert isinstance(gc.state_for(GrammarSpec("regex", "[a-z]{3}")), GrammarState)  # service goes on
+    finally:
+        gc.close()
+
+
+def test_a_compilation_past_its_memory_limit_is_killed(hf_tokenizer):
+    gc = GrammarCompiler(hf_tokenizer, VOCAB, memory_bytes=32 << 20)
+    try:
+        gc.state_for(GrammarSpec("regex", "[0-9]+"))  # (the trial process has started)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError, match=r"needed more than 32 MB \(the limit, --grammar-compile-memory-mb\)"):
+            gc.state_for(big_schema(10_000))
+        assert time.monotonic() - t0 < 9.0  # (before the time limit, 10 s)
+        assert _trial_children(gc) == []
+    finally:
+        gc.close()
+
+
+def test_a_dead_trial_process_is_replaced(hf_tokenizer):
     gc = GrammarCompiler(hf_tokenizer, VOCAB)
-    gc.timeout_s = 0.2
-    real = gc._build
-
-    def slow(kind, value):
-        time.sleep(0.6)
-        return real(kind, value)
-
-    monkeypatch.setattr(gc, "_build", slow)
-    spec = GrammarSpec("regex", "slow")
-    t0 = time.monotonic()
-    with pytest.raises(RequestError, match=r"took longer than 0.2 s"):
-        gc.state_for(spec)
-    assert time.monotonic() - t0 < 0.5
-    # the compilation went on in the background and serves the next request
-    time.sleep(0.6)
-    assert isinstance(gc.state_for(spec), GrammarState)
+    try:
+        gc.state_for(GrammarSpec("regex", "x+"))
+        gc.trials._proc.kill()
+        gc.trials._proc.wait()
+        assert isinstance(gc.state_for(GrammarSpec("regex", "y+")), GrammarState)
+    finally:
+        gc.close()
 
 
 def test_fill_bitmask_none_rows_are_all_ones(compiler):
@@ -192,6 +234,48 @@ def test_jump_forward_respects_limit(compiler):
     assert len(s.jump_forward(2)) == 2 and s.num_accepted == 2
     rest = s.jump_forward(1000)
     assert rest and s.num_accepted == 2 + len(rest)
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "a" root', 'root ::= "b" | "a" x\nx ::= "a" x'])
+def test_jump_forward_of_a_grammar_that_never_ends_is_bounded(compiler, hf_tokenizer, grammar):
+    """xgrammar's own jump-forward never returns here (it froze the server); this one takes
+    JUMP_MAX_BYTES at most per call, and `limit` tokens at most."""
+    s = compiler.state_for(GrammarSpec("ebnf", grammar))
+    if "b" in grammar:
+        assert s.jump_forward_string() == ""  # a choice first
+        feed(s, hf_tokenizer, "a")
+    t0 = time.monotonic()
+    text = s.jump_forward_string()
+    assert text == "a" * JUMP_MAX_BYTES
+    toks = s.jump_forward(5)
+    assert 0 < len(toks) <= 5 and s.num_accepted == len(toks) + ("b" in grammar)
+    assert time.monotonic() - t0 < 0.5
+
+
+FINITE = [
+    GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["alpha", "beta"]}},
+        "when": {"type": "string", "format": "date"}}, "required": ["name", "tags", "when"]})),
+    GrammarSpec("regex", r"(red|green)-[0-9]{2}\.héllo wörld (yes|no)"),
+    GrammarSpec("choice", '["north-east", "north-west", "south"]'),
+    GrammarSpec("ebnf", 'root ::= "<" tag ">" [a-z]+ "</" tag ">"\ntag ::= "item" | "itemize"'),
+]
+
+
+@pytest.mark.parametrize("spec", FINITE, ids=lambda s: s.kind)
+def test_jump_forward_string_is_xgrammars_along_random_walks(compiler, spec):
+    """Where xgrammar's own search ends (finite forced text), the bounded one finds the same
+    text, at every state of random walks through the grammar."""
+    g = torch.Generator().manual_seed(1)
+    stop = set(compiler.info.stop_token_ids)
+    for _ in range(6):
+        s = compiler.state_for(spec)
+        for _ in range(40):
+            assert s.jump_forward_string() == s.matcher.find_jump_forward_string()
+            ok = [t for t in allowed(s).nonzero().flatten().tolist() if t not in stop]
+            if not ok:
+                break
+            assert s.accept(ok[int(torch.randint(len(ok), (1,), generator=g))])
 
 
 def test_json_object_is_an_object(compiler, hf_tokenizer):

@@ -265,6 +265,19 @@ def test_ban_that_would_empty_a_grammar_row_is_dropped():
     assert [o.token_id for o in out] == [6, 2]
 
 
+def test_logit_bias_rows_are_built_once_per_request():
+    """A request's bias becomes tensors at its first step; rows of one batch keep their own."""
+    s = sampler()
+    a, b = {3: 50.0}, {4: 50.0, 5: -50.0}
+    params = [SamplingParams(temperature=0.0, logit_bias=a), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias=b), SamplingParams(temperature=0.0, logit_bias=a)]
+    logits = torch.zeros(4, V)
+    for _ in range(2):
+        out = s(logits.clone(), SampleInputs(params, [[]] * 4, [[]] * 4))
+        assert [t.token_id for t in out] == [3, int(torch.zeros(V).argmax()), 4, 3]
+    assert len(s._biases) == 2 and s._biases[id(a)][0] is a
+
+
 def test_mask_and_bias_and_penalty_compose():
     allowed = torch.tensor([[True, True, True, False, False, False, False, False]])
     p = SamplingParams(temperature=0.0, logit_bias={2: 1.5}, presence_penalty=1.0)

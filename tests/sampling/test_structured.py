@@ -190,6 +190,26 @@ def run_counted(llm, prompts, params):
     return outs, s1.steps - s0.steps, s1.jump_forward_tokens - s0.jump_forward_tokens
 
 
+def test_grammars_that_never_end_run_to_max_tokens(llm):
+    """Forced text without end (`root ::= "a" root`, a schema whose required property is the
+    schema itself): each request stops at exactly max_tokens with "length", in a few steps,
+    and no step takes more than JUMP_STEP_BYTES of jumps for all of them together."""
+    from streamer.sampling.grammar import JUMP_STEP_BYTES
+
+    recursive = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    specs = [GrammarSpec("ebnf", 'root ::= "a" root'), GrammarSpec("json_schema", json.dumps(recursive))]
+    n, max_tokens = 8, 200
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, grammar=specs[i % 2]) for i in range(n)]
+    outs, steps, jumped = run_counted(llm, ["Go:"] * n, params)
+    for i, o in enumerate(outs):
+        assert o.finish_reason == "length" and len(o.token_ids) == max_tokens, o.finish_reason
+        assert set(o.text) == {"a"} if i % 2 == 0 else o.text.startswith('{"a": {"a": ')
+    print(f"{steps} steps, {jumped} of {n * max_tokens} tokens jumped")
+    assert jumped > n * max_tokens / 2 and steps < max_tokens / 4
+    assert steps * JUMP_STEP_BYTES >= jumped  # (every forced token here is at least one byte)
+    llm.check()
+
+
 def test_jump_forward_saves_decode_steps(llm):
     names = ["person", "nested", "enums", "list"]
     prompts = [f"{n} as JSON:" for n in names]
