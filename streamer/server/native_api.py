@@ -9,37 +9,53 @@ POST /generate
                        "stop": str | [str], "stop_token_ids", "ignore_eos", "min_tokens",
                        "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
                        at most one of "regex", "json_schema" (object or text), "json_object": true,
-                       "ebnf", "choices": [str]},
+                       "ebnf", "choices": [str]; "cache_salt", "timeout" as in the OpenAI API},
    "return_logprob": false, "top_logprobs_num": 0, "prompt_logprobs_from": null, "stream": false}
   -> {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
       "finish_reason", "prompt_logprobs"?, "output_logprobs"? [[logprob, id], ...], "output_top_logprobs"?}}
   A list of prompts answers a list of those (no streaming). stream=true answers Server-Sent
   Events, one `data: {...}` per increment with the *new* text and ids (and meta_info so far;
   "finished": true on the last), then `data: [DONE]`.
-  Errors: 400 {"error": {"message", "type", "code"}}; in a stream, a `data: {"error": ...}` event.
+  Errors: 400 {"error": {"message", "type", "param", "code"}} (OpenAI's shape, as every route);
+  in a stream, a `data: {"error": ...}` event.
 
 POST /tokenize            {"text": str | [str]} -> {"input_ids": [ids] | [[ids], ...]}
                           (as the engine tokenizes a text prompt)
 POST /apply_chat_template {"conversations": [[message, ...], ...]} -> {"texts": [str, ...]}
                           (no generation prompt; an empty conversation renders as "")
+
+These routes live in server/app.py's app and share its guards with the OpenAI routes: the
+API key, JSON bodies under the size limit, decoding through protocol.decode_body (400 for
+malformed or too deep JSON; token ids are strict ints, so `true` is refused), the request
+limits (server/limits.py) before any work, admission (--max-queue counts every prompt of a
+batch), and ServerState.stream, so that a client that goes away aborts its engine requests,
+streaming or not. Tokenizing and chat templates run in a small thread pool, off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from streamer.engine.outputs import merge_outputs
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
-from streamer.server.protocol import ApiError
+from streamer.server.openai_api import Merged, failure, start, until_disconnect
+from streamer.server.protocol import ApiError, decode_body
 from streamer.sse import encode_data
+
+if TYPE_CHECKING:
+    from streamer.server.app import ServerState
+
+T = TypeVar("T")
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
@@ -62,11 +78,15 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     json_object: bool = False
     ebnf: str | None = None
     choices: list[str] | None = None
+    cache_salt: str | None = None
+    timeout: float | None = None
 
 
 class GenerateBody(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None
+    input_ids: list[int | list[int]] | None = None
+    """Token ids, or a list of such lists (msgspec allows one list type per union, so the
+    shape is checked in prompts(); the ids themselves are strict ints either way)."""
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -88,11 +108,6 @@ def ok(body: Any) -> Response:
 
 def sse(body: Any) -> str:
     return f"data: {encode_data(body)}\n\n"
-
-
-def error(message: str, status: int = 400, code: str = "invalid_request") -> Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status)
 
 
 def grammar_of(sp: NativeSampling) -> GrammarSpec | None:
@@ -125,7 +140,7 @@ def sampling_params(body: GenerateBody) -> SamplingParams:
         stop=stop, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens, grammar=grammar_of(sp),
         logprobs=body.top_logprobs_num if body.return_logprob else None,
-        prompt_logprobs_from=body.prompt_logprobs_from,
+        prompt_logprobs_from=body.prompt_logprobs_from, cache_salt=sp.cache_salt, timeout=sp.timeout,
     )
     if params.prompt_logprobs_from is not None and params.prompt_logprobs_from < 1:
         raise RequestError(f"prompt_logprobs_from must be >= 1, got {params.prompt_logprobs_from}")
@@ -146,11 +161,11 @@ def prompts(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
     ids = body.input_ids or []
     if not ids:
         raise RequestError("input_ids must not be empty")
-    batch = isinstance(ids[0], list)
-    rows = ids if batch else [ids]
-    if not all(isinstance(r, list) and r and all(isinstance(t, int) for t in r) for r in rows):
-        raise RequestError("input_ids must be a list of token ids or a list of such lists")
-    return [list(r) for r in rows], batch
+    if all(isinstance(t, int) for t in ids):
+        return [list(ids)], False  # type: ignore[arg-type]
+    if all(isinstance(r, list) and r for r in ids):
+        return list(ids), True  # type: ignore[arg-type]
+    raise RequestError("input_ids must be a list of token ids or a list of non-empty such lists")
 
 
 def meta_info(out: RequestOutput, body: GenerateBody) -> dict[str, Any]:
@@ -168,23 +183,34 @@ def meta_info(out: RequestOutput, body: GenerateBody) -> dict[str, Any]:
     return meta
 
 
-class InFlight:
-    """Under the app of server/app.py, requests count as in flight until done() (a shutdown aborts them)."""
+async def outputs(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """What openai_api.start returned, as one iterator: the first outputs, then the rest."""
+    for item in buffered:
+        yield item
+    async for item in gen:
+        yield item
 
-    def __init__(self, state: Any, reqs: list[GenerateRequest]) -> None:
-        self.state, self.ids = state, {r.request_id for r in reqs}
-        if state is not None:
-            state.inflight.update(self.ids)
 
-    def done(self) -> None:
-        if self.state is not None:
-            self.state.inflight.difference_update(self.ids)
+async def whole(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    """Each engine request's increments merged into one output, in request order."""
+    outs: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in outputs(gen, buffered):
+            outs[i] = merge_outputs(outs[i], out) if i in outs else out
+    finally:
+        await gen.aclose()
+    return [outs[i] for i in range(count)]
 
 
 def routes(engine: Any) -> list[Route]:
-    """The native routes over `engine` (an AsyncEngine). Mounted in server/app.py's app, they
-    also go through its admission (503 while draining or when the queue is full) and its
-    in-flight tracking; in a bare Starlette app they talk to the engine directly."""
+    """The native routes over `engine`, for server/app.py's app (its ServerState is
+    request.app.state.server)."""
+    # tokenizing and templating hold the GIL for most of their time: two threads keep the
+    # loop responsive, and more concurrent requests wait their turn rather than share it
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streamer-native")
+
+    async def off_loop(fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def request(prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
         rid = engine.new_request_id()
@@ -193,96 +219,97 @@ def routes(engine: Any) -> list[Route]:
         return GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
 
     async def generate(req: Request) -> Response:
+        st: ServerState = req.app.state.server
+        body: GenerateBody = decode_body(await req.body(), GenerateBody)
+        sp = body.sampling_params
+        st.limits.stop(sp.stop, sp.stop_token_ids, "sampling_params.")
+        st.limits.choices(sp.choices, "sampling_params.choices")
         try:
-            body = msgspec.json.decode(await req.body(), type=GenerateBody)
             batch, is_batch = prompts(body)
-            params = sampling_params(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, RequestError) as e:
-            return error(str(e))
-        state = getattr(req.app.state, "server", None)
-        try:
-            if state is not None:
-                state.admit(len(batch))
-            elif engine.dead:
-                raise ApiError(f"the engine is down: {engine.dead}", 503, code="unavailable")
-        except ApiError as e:
-            return error(e.message, e.status, e.code or "unavailable")
-        if body.stream:
-            if is_batch:
-                return error("stream needs a single prompt")
-            return await stream(request(batch[0], params), body, state)
+            params = st.apply_policy(sampling_params(body), req.scope)
+        except RequestError as e:
+            raise ApiError(str(e)) from None
+        param = "text" if body.text is not None else "input_ids"
+        st.limits.batch(len(batch), param)
+        st.limits.prompts(batch, param)
+        if body.stream and is_batch:
+            raise ApiError("stream needs a single prompt", param="stream")
+        st.admit(len(batch))
         reqs = [request(p, params) for p in batch]
-        flight = InFlight(state, reqs)
-        try:
-            outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            flight.done()
+        if body.stream:
+            return await stream(req, st, reqs[0], body)
+
+        async def run() -> list[RequestOutput]:
+            gen, buffered = await start(st, reqs)  # an engine refusal is a 400 here
+            return await whole(gen, buffered, len(reqs))
+
+        outs = await until_disconnect(req, run())  # the client gone: every engine request aborted
+        if outs is None:
+            return Response(status_code=499)  # nobody reads this
         failed = next((o for o in outs if o.error is not None), None)
         if failed is not None:
-            return error(failed.error or "", 400)
+            raise failure(failed)
         results = [{"text": o.text, "output_ids": o.token_ids, "meta_info": meta_info(o, body)} for o in outs]
         return ok(results if is_batch else results[0])
 
-    async def stream(r: GenerateRequest, body: GenerateBody, state: Any) -> Response:
-        flight = InFlight(state, [r])
-        outputs = engine.submit(r)
-        try:
-            first = await anext(outputs)  # a refused request must still become a 400
-        except BaseException:
-            flight.done()
-            raise
-        if first.error is not None:
-            await outputs.aclose()
-            flight.done()
-            return error(first.error)
+    async def stream(req: Request, st: ServerState, r: GenerateRequest, body: GenerateBody) -> Response:
+        started = await until_disconnect(req, start(st, [r]))  # a refused request must still become a 400
+        if started is None:
+            return Response(status_code=499)
+        gen, buffered = started
 
         async def events() -> AsyncIterator[str]:
-            out: RequestOutput | None = first
-            prompt_logprobs = first.prompt_logprobs
+            prompt_logprobs = None
             try:
-                while out is not None:
+                async for _, out in outputs(gen, buffered):
                     if out.prompt_logprobs is not None:
                         prompt_logprobs = out.prompt_logprobs
                     if out.error is not None:
-                        yield sse({"error": {"message": out.error, "type": "server_error", "code": "engine_error"}})
+                        if out.finish_reason == "timeout":  # what was generated, then why it stopped
+                            meta = meta_info(msgspec.structs.replace(out, prompt_logprobs=prompt_logprobs), body)
+                            yield sse({"text": out.text, "output_ids": out.token_ids, "meta_info": meta,
+                                       "finished": True})
+                        yield sse(msgspec.to_builtins(failure(out).body()))
                         break
                     meta = meta_info(msgspec.structs.replace(out, prompt_logprobs=prompt_logprobs), body)
-                    event = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta,
-                             "finished": out.finished}
-                    yield sse(event)
-                    out = None if out.finished else await anext(outputs, None)
+                    yield sse({"text": out.text, "output_ids": out.token_ids, "meta_info": meta,
+                               "finished": out.finished})
+                    if out.finished:
+                        break
                 yield "data: [DONE]\n\n"
             finally:
-                await outputs.aclose()  # the client went away: the engine aborts the request
-                flight.done()
+                await gen.aclose()  # the client went away: the engine aborts the request
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def tokenize(req: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await req.body(), type=TokenizeBody)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return error(str(e))
+    def tokenizer() -> Any:
         if engine.hf_tokenizer is None:
-            return error("this model has no tokenizer")
+            raise ApiError("this model has no tokenizer")
+        return engine.hf_tokenizer
+
+    async def tokenize(req: Request) -> Response:
+        st: ServerState = req.app.state.server
+        body: TokenizeBody = decode_body(await req.body(), TokenizeBody)
         texts = [body.text] if isinstance(body.text, str) else body.text
-        ids = await asyncio.to_thread(lambda: engine.hf_tokenizer(texts, add_special_tokens=True)["input_ids"])
-        ids = [list(x) for x in ids]
+        st.limits.batch(len(texts), "text", "texts")
+        st.limits.prompts(texts, "text")
+        hf = tokenizer()
+        ids = await off_loop(lambda: [list(x) for x in hf(texts, add_special_tokens=True)["input_ids"]] if texts else [])
         return ok({"input_ids": ids[0] if isinstance(body.text, str) else ids})
 
     async def apply_chat_template(req: Request) -> Response:
+        st: ServerState = req.app.state.server
+        body: ChatTemplateBody = decode_body(await req.body(), ChatTemplateBody)
+        convs = body.conversations
+        st.limits.at_most(len(convs), "max_conversations", "conversations", "conversations")
+        chars = sum(st.limits.messages(c, "conversations") for c in convs)
+        st.limits.at_most(chars, "max_prompt_chars", "characters of message content", "conversations")
+        hf = tokenizer()
         try:
-            body = msgspec.json.decode(await req.body(), type=ChatTemplateBody)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return error(str(e))
-        hf = engine.hf_tokenizer
-        if hf is None:
-            return error("this model has no tokenizer")
-        try:
-            texts = [hf.apply_chat_template(c, tokenize=False) if c else "" for c in body.conversations]
+            texts = await off_loop(lambda: [hf.apply_chat_template(c, tokenize=False) if c else "" for c in convs])
         except Exception as e:  # noqa: BLE001 - template errors come from the messages
-            return error(f"cannot apply the chat template: {e}")
+            raise ApiError(f"cannot apply the chat template: {e}", param="conversations") from None
         return ok({"texts": texts})
 
     return [

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from streamer.errors import RequestError
-from streamer.messages import GrammarSpec, SamplingParams
+from streamer.messages import MAX_CACHE_SALT, GrammarSpec, SamplingParams
 
 # ---- errors ------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class SamplingFields(Struct, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Prob | None = None
-    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    n: Annotated[int, Meta(ge=1)] = 1  # at most --max-n (server/limits.py)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
@@ -105,6 +105,10 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    """Prefix-cache namespace: cached prompt pages are shared only with requests of the same salt."""
+    timeout: Annotated[float, Meta(gt=0.0)] | None = None
+    """Seconds until the request ends with a timeout error (capped by --request-timeout)."""
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -312,6 +316,8 @@ def to_sampling_params(
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         grammar=grammar_of(body),
+        cache_salt=body.cache_salt,
+        timeout=body.timeout,
     )
     try:
         params.validate()
@@ -343,7 +349,8 @@ def openapi_document(version: str) -> dict[str, Any]:
     )
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": err}}}
               for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
-                           (503, "queue full or shutting down"))}
+                           (503, "queue full, shutting down, or the engine down or not responding"),
+                           (504, "the request's deadline passed (timeout, --request-timeout)"))}
 
     def post(req: dict, res: dict, summary: str) -> dict:
         ok = {"description": "a response, or an SSE stream of chunks when stream is true",
@@ -362,7 +369,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/completions": post(req_c, res_c, "Text completion"),
             "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
             "/v1/models": get("Served models", models),
-            "/health": get("Liveness: 200 while the engine runs"),
+            "/health": get("200 while the engine serves; 503 when it is down or stalled (no heartbeat)"),
             "/metrics": get("Prometheus metrics", media="text/plain"),
         },
         "components": {"schemas": comps},

@@ -9,7 +9,9 @@ The fuzzer may generate any body, valid or not; these hooks only steer it:
 - a random `model` name is dropped (it would be refused before anything else);
 - generation is kept small on a 2-core CPU server: at most a few new tokens,
   few choices and few prompts per request. Values of the wrong type are left
-  alone (they must still be answered 400, never 5xx).
+  alone (they must still be answered 400, never 5xx);
+- a numeric `timeout` is dropped: a request whose deadline passes is answered
+  504 (request_timeout) by design, which the not-a-server-error check counts.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def steer(body: Any) -> Any:
             body[key] = int(v)
     if isinstance(body.get("model"), str):
         del body["model"]
+    if isinstance(body.get("timeout"), int | float) and not isinstance(body.get("timeout"), bool):
+        del body["timeout"]
     _clamp(body, "max_tokens", MAX_NEW, default=MAX_NEW)
     _clamp(body, "max_completion_tokens", MAX_NEW)
     _clamp(body, "min_tokens", MAX_NEW)

@@ -91,7 +91,7 @@ def test_bad_input_does_not_disturb_requests_in_flight(live, http):
     t = threading.Thread(target=stream)
     t.start()
     for path, body, _ in BAD[:16]:
-        assert http.post(path, content=body).status_code == 400
+        assert http.post(path, content=body, headers={"content-type": "application/json"}).status_code == 400
     t.join(60)
     lines = result["lines"]
     assert lines[-1] == "[DONE]"

@@ -56,11 +56,13 @@ def test_disconnect_aborts_and_frees_pages(live):
     before = live.stats().generated_tokens_total
     host, port = live.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
     got = b""
     while got.count(b"data: ") < 4:  # a few tokens streamed
-        got += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, got  # (closed before streaming)
+        got += chunk
     assert b"200 OK" in got
     sock.close()
     stats = live.wait_idle()
