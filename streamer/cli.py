@@ -43,6 +43,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-decode-gemv", action="store_true",
                    help="linear layers of batch-1 decode steps use cuBLAS, not the Triton GEMV")
     g.add_argument("--seed", type=int, default=0, help="seed of the unseeded sampling and dummy weights")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds one structured-output grammar may take to compile; past it the compilation "
+                        "is killed and the request refused (default 10)")
+    g.add_argument("--grammar-compile-memory-mb", type=int, default=2048,
+                   help="memory one grammar compilation may take; past it likewise (default 2048)")
+    g.add_argument("--grammar-compile-workers", type=int, default=2,
+                   help="grammar compilations at once, each in a process of its own (default 2)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -84,7 +91,9 @@ def cmd_models(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from streamer.server.app import serve
 
-    serve(args, engine_config(args))
+    config = engine_config(args)
+    config.grammar_prestart = True  # a server's first structured request should not wait for it
+    serve(args, config)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

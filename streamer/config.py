@@ -15,6 +15,7 @@ from streamer.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
+CACHE_ISOLATIONS = ("none", "per-key")
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
@@ -80,6 +81,17 @@ class EngineConfig:
     seed: int = 0
     fcfs_queue_threshold: int = 128
     """Past this many waiting requests, admission is plain FCFS (no prefix sort)."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds one grammar (JSON schema, regex, EBNF, choice) may take to compile; past it the
+    compilation is killed and the request refused (sampling/grammar_worker.py)."""
+    grammar_compile_memory_mb: int = 2048
+    """Memory one grammar compilation may take, in MB; past it, likewise killed and refused."""
+    grammar_compile_workers: int = 2
+    """Grammar compilations at once (each in a process of its own); more wait their turn."""
+    grammar_prestart: bool = False
+    """Start the grammar compilation process with the engine (`streamer serve` does: it takes
+    a few seconds, which the first structured-output request would otherwise wait), not on
+    the first grammar that needs it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -104,6 +116,9 @@ class EngineConfig:
             raise ConfigError(f"hold_ahead_ms must be >= 0, not {self.hold_ahead_ms}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.grammar_compile_timeout <= 0 or self.grammar_compile_memory_mb < 1 or self.grammar_compile_workers < 1:
+            raise ConfigError("grammar_compile_timeout must be > 0, grammar_compile_memory_mb and "
+                              "grammar_compile_workers >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -118,11 +133,54 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    """Keys accepted as `Authorization: Bearer KEY` (empty: no key needed)."""
     served_model_name: str | None = None
     max_queue: int = 1024
     """Waiting requests beyond this are answered 503 with Retry-After."""
     session_idle_timeout: float = 600.0
+    cache_isolation: str = "none"
+    """none: one prefix cache for everyone; a request's cache_salt alone namespaces it.
+    per-key: every request is also salted by (a hash of) the API key it authenticated with,
+    so tenants of different keys never share cached KV (nor learn, from cached_tokens or
+    timing, what another tenant's prompts were). Needs api_keys."""
+    request_timeout: float | None = None
+    """Seconds a request may take from its arrival at the engine to its end (None: no limit);
+    also the cap of a request's own `timeout` field. See SamplingParams.timeout."""
+    # ---- hostile input (server/limits.py, server/guard.py, server/transport.py) ----
+    max_request_bytes: int = 8 << 20
+    """An HTTP body (413 beyond it) or a WebSocket message (closed with 1009)."""
+    max_prompt_chars: int | None = None
+    """Characters of text prompt per request (prompts, message contents, texts summed),
+    checked before tokenizing. None: 32 per token of the model's context."""
+    max_stop: int = 16
+    """Stop strings, and stop token ids, per request (each list)."""
+    max_stop_chars: int = 128
+    """Characters of one stop string (they are searched at every token)."""
+    max_logit_bias: int = 300
+    max_choices: int = 256
+    """guided_choice / choices entries."""
+    max_messages: int = 1024
+    """Messages of one chat (request, WebSocket session, /apply_chat_template conversation)."""
+    max_conversations: int = 256
+    """Conversations of one /apply_chat_template."""
+    max_batch: int = 256
+    """Engine requests one HTTP request may start (prompts x n; /generate and /tokenize lists)."""
+    max_n: int = 64
+    max_connections: int | None = None
+    """Open connections (HTTP and WebSocket); beyond it a new one gets 503 and is closed.
+    None: 2048, or fewer where the process may open fewer files (RLIMIT_NOFILE)."""
+    timeout_idle_connection: float = 10.0
+    """Seconds a connection may take to send a complete request head, from its opening or
+    from the end of the previous response (uvicorn's keep-alive); then it is closed."""
+    timeout_request_body: float = 60.0
+    """Seconds a request's body may take to arrive after its head (408 beyond it)."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header names ("*": any). None: the loopback names when bound to a loopback
+    address, any host otherwise."""
+    allowed_origins: tuple[str, ...] | None = None
+    """WebSocket Origins ("*": any). None: same origin as the Host, and loopback pages
+    when bound to a loopback address."""
     engine_process: bool | None = None
     """`streamer serve` runs the engine in a process of its own (engine/remote.py): the
     server's HTTP/SSE work and the engine's actors do not share one event loop and GIL.
@@ -130,3 +188,15 @@ class ServerConfig:
     the host falls behind), in the server's process on CPU (where the model's compute
     takes the cores, and a second process would only add its ~350 MB)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.cache_isolation not in CACHE_ISOLATIONS:
+            raise ConfigError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}, "
+                              f"not {self.cache_isolation!r}")
+        if self.cache_isolation == "per-key" and not self.api_keys:
+            raise ConfigError("--cache-isolation per-key salts the prefix cache by API key: give the keys "
+                              "with --api-key (repeated, or comma-separated)")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("an API key must not be empty")
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise ConfigError(f"request_timeout must be a positive number of seconds, not {self.request_timeout}")

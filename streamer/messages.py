@@ -13,11 +13,14 @@ At the end of the file, the frames between the server process and the engine pro
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from streamer.errors import RequestError
+
+MAX_CACHE_SALT = 1024
 
 
 class GrammarSpec(msgspec.Struct, frozen=True):
@@ -50,6 +53,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     prompt_logprobs_from: int | None = None
     """Report the logprob of every prompt token at this position and after (>= 1).
     The radix cache serves at most the tokens before it (their logits are needed)."""
+    cache_salt: str | None = None
+    """Prefix-cache namespace: requests share cached KV pages only with requests of the same
+    salt (None: the unsalted namespace), so neither `cached_tokens` nor timing tells one
+    tenant whether another's prompt is cached."""
+    timeout: float | None = None
+    """Seconds from the engine's receipt of the request to its deadline (None: none). At the
+    deadline the request ends wherever it is (tokenizing, queued, running), its pages are
+    freed, and its final output has finish_reason "timeout" (with what it generated so far)."""
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -72,6 +83,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"n must be at least 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
+            raise RequestError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
+        if self.timeout is not None and not 0 < self.timeout < math.inf:  # (NaN fails too)
+            raise RequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
 
     @property
     def greedy(self) -> bool:
@@ -215,6 +230,14 @@ class RequestOutput(msgspec.Struct):
     """Logprob of each prompt token from SamplingParams.prompt_logprobs_from on (first output)."""
     queue_time: float | None = None
     """First output only: seconds the request waited at the scheduler for its first batch."""
+    error_code: str | None = None
+    """With error, when the engine rather than the request failed: ENGINE_DOWN (it died) or
+    ENGINE_STALLED (it stopped answering). None: the request's own error, or an internal one
+    ("internal error: ..."). (A deadline is finish_reason "timeout", with an error message.)"""
+
+
+ENGINE_DOWN = "engine_down"
+ENGINE_STALLED = "engine_stalled"
 
 
 class Register(msgspec.Struct):
@@ -265,6 +288,9 @@ class EngineStats(msgspec.Struct):
     device_idle_s: float = 0.0
     """Seconds the device sat idle between steps, or inside one waiting for its grammar masks,
     while work was in flight (CUDA): host time the device waited for."""
+    step_age_s: float = 0.0
+    """Seconds the oldest batch in flight has been with the executor (0: none in flight); a
+    step that never returns (a stuck device or worker thread) shows here (engine.stalled)."""
 
 
 # ---- between the server process and the engine process (engine/remote.py) ----------

@@ -4,13 +4,16 @@
   enqueue(GenerateRequest, sink) -> the request's outputs go to sink.put_nowait instead
   abort(request_id)        -> the request stops wherever it is; its pages are freed
   stats()                  -> EngineStats
+  dead, stalled            -> why it cannot serve (crashed; a step that does not end), or None
 
-Closing the iterator early (a client went away) aborts the request.
+Closing the iterator early (a client went away) aborts the request. If an actor crashes,
+every request still open through submit() ends with an ENGINE_DOWN error output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import itertools
 import logging
@@ -23,7 +26,8 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
-from streamer.engine.outputs import collect, increments
+from streamer.engine.health import step_stalled
+from streamer.engine.outputs import collect, deadline_guard, engine_failed, increments
 from streamer.engine.scheduler import Scheduler
 from streamer.engine.tokenizer import load_tokenizer
 from streamer.messages import Abort, EngineStats, GenerateRequest, Register, RequestOutput, SamplingParams
@@ -70,8 +74,17 @@ class _Collector:
         if self.running == 0:
             gc.set_threshold(*self.saved)
 
+    def at_exit(self) -> None:
+        # An engine never stopped (an LLM never closed) leaves its objects frozen, and the
+        # interpreter's last collections skip frozen objects: cycles through Triton's module
+        # state then outlive finalization, and nanobind (libtriton's bindings) prints
+        # "nanobind: leaked N instances / types / functions" at every such program's exit.
+        if self.running:
+            gc.unfreeze()
+
 
 _collector = _Collector()
+atexit.register(_collector.at_exit)
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
@@ -117,6 +130,8 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self.dead: str | None = None
+        self._open: dict[str, asyncio.Queue[RequestOutput]] = {}
+        """Queues of the requests open through submit(): each gets a final output if an actor dies."""
 
     def _attach_grammar(self) -> None:
         if self.hf_tokenizer is None:
@@ -125,8 +140,11 @@ class AsyncEngine:
             from streamer.sampling.grammar import GrammarCompiler
         except ImportError:
             return
+        c = self.config
         self.tokenizer.grammars = GrammarCompiler(
-            self.hf_tokenizer, self.runner.hf_config.vocab_size, stop_token_ids=self.eos_token_ids
+            self.hf_tokenizer, self.runner.hf_config.vocab_size, stop_token_ids=self.eos_token_ids,
+            timeout_s=c.grammar_compile_timeout, memory_bytes=c.grammar_compile_memory_mb << 20,
+            workers=c.grammar_compile_workers,
         )
         # A jumped chunk makes a multi-token step, and a batch with jump-forward cannot be
         # scheduled ahead (its rows change length): with CUDA graphs the H200 measured the
@@ -154,6 +172,8 @@ class AsyncEngine:
         }
         if self.runner.device.type == "cuda":
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if self.config.grammar_prestart and self.tokenizer.grammars is not None:
+            self.tokenizer.grammars.start()
         for name, coro in actors.items():
             task = asyncio.create_task(coro, name=f"streamer-{name}")
             task.add_done_callback(self._actor_done)
@@ -216,6 +236,13 @@ class AsyncEngine:
             return
         self.dead = f"{task.get_name()} crashed: {task.exception()!r}"
         log.error("engine actor %s", self.dead, exc_info=task.exception())
+        for rid, queue in self._open.items():  # (the pipeline is broken: nothing else will end them)
+            queue.put_nowait(engine_failed(rid, self.dead))
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine, alive, makes no progress (a step that does not end), or None."""
+        return step_stalled(self.scheduler.step_age()) if self._tasks else None
 
     async def stop(self) -> None:
         """Stop the actors in pipeline order, so requests still open get a final "abort"."""
@@ -225,6 +252,8 @@ class AsyncEngine:
             q.put_nowait(None)
             await asyncio.gather(task, return_exceptions=True)
         self._tasks = []
+        if self.tokenizer.grammars is not None:
+            self.tokenizer.grammars.close()  # its trial process (started again if the engine is)
         if self._collector_started:
             self._collector_started = False
             _collector.engine_stopped()
@@ -247,14 +276,20 @@ class AsyncEngine:
             await self.start()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.enqueue(request, queue)
+        rid = request.request_id
+        self._open[rid] = queue
+        guard = deadline_guard(request, queue, self.abort)
         finished = False
         try:
             async for out in increments(queue):
                 finished = out.finished
                 yield out
         finally:
+            self._open.pop(rid, None)
+            if guard is not None:
+                guard.cancel()
             if not finished:
-                self.abort(request.request_id)
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self.q_sched.put_nowait(Abort(request_id))

@@ -1,19 +1,40 @@
 """LLM: the synchronous offline API over AsyncEngine (scripts, tests, benchmarks).
 
 The engine's event loop runs in a background thread; generate() submits every
-prompt at once and waits, so the scheduler batches them continuously.
+prompt at once and waits, so the scheduler batches them continuously. An LLM still open
+when the interpreter exits is closed then (_close_all), so that its engine stops in order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine.engine import AsyncEngine
 from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
+
+_open: weakref.WeakSet[LLM] = weakref.WeakSet()
+EXIT_STOP_S = 10.0
+
+
+@atexit.register
+def _close_all() -> None:
+    # A script that never closes its LLM exits with the engine's actors pending on a loop
+    # whose thread dies with the interpreter, and with what engine start froze out of the
+    # cyclic GC's reach (engine._Collector): the last collections then either destroy the
+    # pending tasks ("Task was destroyed but it is pending!") or skip the frozen cycles, and
+    # nanobind reports Triton's objects among them as leaked ("nanobind: leaked N
+    # instances"). Stopping the engine first ends the tasks and unfreezes the objects.
+    for llm in list(_open):
+        try:
+            llm.close(stop_timeout=EXIT_STOP_S)
+        except TimeoutError:  # (a step that never ends must not hold the exit)
+            pass
 
 
 class LLM:
@@ -25,9 +46,10 @@ class LLM:
         self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-llm", daemon=True)
         self._thread.start()
         self.call(self.engine.start())
+        _open.add(self)
 
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @property
     def tokenizer(self):
@@ -85,9 +107,10 @@ class LLM:
 
         self.call(_check())
 
-    def close(self) -> None:
+    def close(self, stop_timeout: float | None = None) -> None:
+        _open.discard(self)
         if self.loop.is_running():
-            self.call(self.engine.stop())
+            self.call(self.engine.stop(), stop_timeout)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
         # drop the model and the KV pool now, not at garbage collection (GPU memory)

@@ -7,9 +7,10 @@ Shared by AsyncEngine and EngineProcess (engine/remote.py), and free of the mode
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from streamer.messages import RequestOutput
+from streamer.engine.health import DEADLINE_GRACE_S
+from streamer.messages import ENGINE_DOWN, GenerateRequest, RequestOutput
 
 
 async def increments(queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -41,7 +42,34 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         error=b.error or a.error,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
+        error_code=b.error_code or a.error_code,
     )
+
+
+def engine_failed(request_id: str, reason: str, code: str = ENGINE_DOWN) -> RequestOutput:
+    """The final output of a request whose engine died (or stalled: ENGINE_STALLED)."""
+    what = "is down" if code == ENGINE_DOWN else "is not responding"
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                         error=f"the engine {what}: {reason}", error_code=code)
+
+
+def deadline_guard(request: GenerateRequest, queue: asyncio.Queue[RequestOutput],
+                   abort: Callable[[str], None]) -> asyncio.TimerHandle | None:
+    """For a request with a timeout: DEADLINE_GRACE_S after its deadline, end it on the
+    caller's side (a final "timeout" output into its queue) and abort it, in case the engine
+    did not end it itself (stopped, or not answering). Cancel the handle once it has ended."""
+    timeout = request.params.timeout
+    if timeout is None:
+        return None
+    rid = request.request_id
+
+    def expire() -> None:
+        queue.put_nowait(RequestOutput(
+            rid, [], "", finished=True, finish_reason="timeout",
+            error=f"the request timed out: its deadline ({timeout:g} s) passed and the engine did not end it"))
+        abort(rid)
+
+    return asyncio.get_running_loop().call_later(timeout + DEADLINE_GRACE_S, expire)
 
 
 async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -76,4 +104,5 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         error=last.error,
         prompt_logprobs=prompt_logprobs,
         queue_time=queue_time,
+        error_code=last.error_code,
     )

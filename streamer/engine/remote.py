@@ -10,6 +10,9 @@ Server side (EngineProcess, in the server's process):
           when the engine died; EOF when the engine process is gone.
   Outbox: Submit, Abort, Stop -> the socket; RequestOutput -> each request's own queue,
           read by submit()'s iterator (which merges what piled up, as AsyncEngine does).
+  Heartbeat: every frame counts; the engine side sends one at least every IDLE_STATS_S, so
+          a silence of health.HEARTBEAT_S means the engine process is stopped or its loop is
+          stuck (`stalled`), and at health.FAIL_STALLED_S its open requests end (_watch).
 Engine side (the spawned process, `_serve` around an AsyncEngine):
   Inbox:  Submit (-> AsyncEngine.enqueue, every request with the same sink), Abort, Stop;
           EOF (the server process went away) counts as Stop.
@@ -47,9 +50,12 @@ import msgspec
 
 from streamer import errors
 from streamer.config import EngineConfig
-from streamer.engine.outputs import collect, increments
+from streamer.engine.health import FAIL_STALLED_S, HEARTBEAT_S, step_stalled
+from streamer.engine.outputs import collect, deadline_guard, engine_failed, increments
 from streamer.engine.tokenizer import Tokenizer, load_tokenizer
 from streamer.messages import (
+    ENGINE_DOWN,
+    ENGINE_STALLED,
     Abort,
     EngineStats,
     Failed,
@@ -131,8 +137,12 @@ class EngineProcess:
         self._sock: socket.socket | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._stats: EngineStats | None = None
+        self._heard = 0.0
+        """time.monotonic() of the last frame from the engine process (its heartbeat)."""
+        self._stats_at = 0.0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._check = msgspec.msgpack.Decoder(ToEngine)
@@ -175,20 +185,23 @@ class EngineProcess:
         if self._process is None:
             await asyncio.to_thread(self.launch)
         reader, self._writer = await asyncio.open_connection(sock=self._sock)
+        self._heard = self._stats_at = time.monotonic()
         self._reading = asyncio.create_task(self._read(reader), name="streamer-engine-process")
+        self._watching = asyncio.create_task(self._watch(), name="streamer-engine-watch")
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         queues, decoder = self._queues, self._decoder
         try:
             while True:
                 msg = decoder.decode(await _read_frame(reader))
+                self._heard = time.monotonic()
                 if isinstance(msg, Outputs):
                     for out in msg.outputs:
                         q = queues.get(out.request_id)
                         if q is not None:  # (None: its consumer has gone, the request is aborted)
                             q.put_nowait(out)
                 elif isinstance(msg, Stats):
-                    self._stats = msg.stats
+                    self._stats, self._stats_at = msg.stats, self._heard
                 elif isinstance(msg, Failed):
                     reason = msg.error
                     break
@@ -206,8 +219,34 @@ class EngineProcess:
             self.dead = reason
             log.error("engine down: %s", reason)
         for rid, q in self._queues.items():
-            q.put_nowait(RequestOutput(rid, [], "", finished=True, finish_reason="error",
-                                       error=f"internal error: the engine is down: {reason}"))
+            q.put_nowait(engine_failed(rid, reason, ENGINE_DOWN))
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine process, alive, makes no progress (None: it does): no frame for
+        HEARTBEAT_S, or a step in flight for STEP_STALL_S (by its latest Stats)."""
+        if self._reading is None or self.dead:
+            return None
+        now = time.monotonic()
+        silent = now - self._heard
+        if silent >= HEARTBEAT_S:
+            return f"no heartbeat from the engine process for {silent:.1f} s"
+        age = self._stats.step_age_s if self._stats is not None else 0.0
+        return step_stalled(age + now - self._stats_at) if age else None
+
+    async def _watch(self) -> None:
+        """End the open requests once the engine process has been silent FAIL_STALLED_S."""
+        while True:
+            await asyncio.sleep(0.5)
+            silent = time.monotonic() - self._heard
+            if silent < FAIL_STALLED_S or not self._queues:
+                continue
+            reason = f"no heartbeat from the engine process for {silent:.0f} s"
+            log.error("engine stalled: %s; failing %d open requests", reason, len(self._queues))
+            for rid, q in self._queues.items():
+                q.put_nowait(engine_failed(rid, reason, ENGINE_STALLED))
+                self._send(Abort(rid))  # (read once it runs again: their pages come back)
+            self._queues.clear()
 
     def _send(self, msg: Any) -> None:
         if self._writer is not None and not self._writer.is_closing():
@@ -236,6 +275,9 @@ class EngineProcess:
         self._close()
 
     def _close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            self._watching = None
         if self._writer is not None:
             self._writer.close()
         elif self._sock is not None:
@@ -261,18 +303,23 @@ class EngineProcess:
                                 error=f"the request cannot be sent to the engine: {e}")
             return
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        rid = request.request_id
+        self._queues[rid] = queue
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(frame)
+        guard = deadline_guard(request, queue, self.abort)
         finished = False
         try:
             async for out in increments(queue):
                 finished = out.finished
                 yield out
         finally:
-            del self._queues[request.request_id]
+            if self._queues.get(rid) is queue:  # (_watch may have ended it already)
+                del self._queues[rid]
+            if guard is not None:
+                guard.cancel()
             if not finished:
-                self.abort(request.request_id)
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))

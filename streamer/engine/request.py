@@ -50,6 +50,8 @@ class Request:
     claim: int | None = None
     """Hash of the first page this request computes beyond its cached prefix, from admission
     until its prompt is in the radix tree (requests needing that page wait for it)."""
+    deadline: float | None = None
+    """time.monotonic() at which it ends with finish_reason "timeout" (SamplingParams.timeout)."""
 
     @property
     def num_output(self) -> int:

@@ -19,16 +19,21 @@ Invariants:
     goes to the executor;
   - every page is free, held by a running request, or held by the radix tree
     (PagePool refcounts count the holders);
-  - a request holds a lock on the radix node of its cached prefix while it runs.
+  - a request holds a lock on the radix node of its cached prefix while it runs;
+  - prefixes are matched, claimed and cached within the request's cache_salt only;
+  - a request with SamplingParams.timeout ends ("timeout") once its deadline has passed,
+    wherever it is: the loop wakes up for the earliest deadline even with no message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
 import logging
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -43,6 +48,7 @@ from streamer.messages import (
     EngineStats,
     Finish,
     MaskFill,
+    SamplingParams,
     SeqChunk,
     StepOutput,
     TokenDelta,
@@ -81,6 +87,8 @@ class Scheduler:
         self.isolated_failures = 0
         self.early_aborts: dict[str, float] = {}
         """Aborted before they reached the scheduler (still in the tokenizer)."""
+        self.deadlines: list[tuple[float, str]] = []
+        """Heap of (deadline, request id); entries of requests that ended stay until popped."""
         self.step_id = 0
         self.preemptions = 0
         self.prompt_tokens_total = 0
@@ -103,6 +111,8 @@ class Scheduler:
         self.deferred_masks: dict[int, list[Request]] = {}
         """Sampling requests of batches sent with masks_deferred, by step."""
         self.clock = AheadClock(config.hold_ahead_ms / 1e3)
+        self.jumps: list[tuple[Request, TokenDelta]] = []
+        """Requests whose grammar may force text after the last process() (jump-forward)."""
 
     # ---- arrivals -------------------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -110,6 +120,9 @@ class Scheduler:
         if self.early_aborts.pop(msg.request_id, None) is not None:
             return TokenDelta(msg.request_id, [], finish_reason="abort")
         p = msg.params
+        deadline = None if p.timeout is None else (msg.arrival or time.monotonic()) + p.timeout
+        if deadline is not None and deadline <= time.monotonic():  # (it spent it in the tokenizer)
+            return TokenDelta(msg.request_id, [], finish_reason="timeout", error=_timed_out(p, "tokenized"))
         need = len(msg.prompt_token_ids) + p.max_tokens
         if self.pool.pages_for(need) > self.pool.capacity:
             return TokenDelta(
@@ -128,10 +141,42 @@ class Scheduler:
             p,
             frozenset(msg.eos_token_ids),
             grammar=msg.grammar,
+            deadline=deadline,
         )
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if deadline is not None:
+            heapq.heappush(self.deadlines, (deadline, req.request_id))
         return None
+
+    # ---- deadlines (SamplingParams.timeout) -------------------------------
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a request still here: the actor loop wakes up for it."""
+        heap = self.deadlines
+        while heap and not self._pending(*heap[0]):
+            heapq.heappop(heap)  # (its request ended before its deadline)
+        if len(heap) > 4 * len(self.requests) + 1024:  # (ended ones deeper in the heap pile up)
+            self.deadlines = heap = [e for e in heap if self._pending(*e)]
+            heapq.heapify(heap)
+        return heap[0][0] if heap else None
+
+    def _pending(self, deadline: float, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.deadline == deadline
+
+    def expire(self, now: float) -> list[TokenDelta]:
+        """End every request whose deadline has passed, wherever it is (queued, running,
+        retrying): finish_reason "timeout"; its pages are freed (once no batch in flight
+        holds them)."""
+        out = []
+        heap = self.deadlines
+        while heap and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            if self._pending(deadline, rid):
+                req = self.requests[rid]
+                where = "running" if req.status == Status.RUNNING or req.admitted_once else "queued"
+                out.append(self._finish(req, "timeout", error=_timed_out(req.params, where)))
+        return out
 
     # ---- one iteration --------------------------------------------------
     def schedule(self, ahead: bool = False) -> Batch | None:
@@ -210,7 +255,7 @@ class Scheduler:
         if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
             # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
             for r in order:
-                matches[r.request_id] = self.tree.peek(r.tokens[: self._cacheable(r)])
+                matches[r.request_id] = self.tree.peek(r.tokens[: self._cacheable(r)], r.params.cache_salt)
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
         claimed = {r.claim for r in self.running if r.claim is not None}
         for req in order:
@@ -219,7 +264,7 @@ class Scheduler:
             pages: list[int] = []
             node = None
             if self.config.enable_prefix_caching:
-                pages, node = self.tree.match_prefix(req.tokens[: self._cacheable(req)])
+                pages, node = self.tree.match_prefix(req.tokens[: self._cacheable(req)], req.params.cache_salt)
                 claim = self._claim(req, len(pages))
                 if claim is not None and claim in claimed:
                     # another request is prefilling this very page on the same prefix: wait for
@@ -250,11 +295,12 @@ class Scheduler:
         return budget
 
     def _claim(self, req: Request, cached_pages: int) -> int | None:
-        """Identity of the first page req would compute (None: no full page to compute)."""
+        """Identity of the first page req would compute (None: no full page to compute), in
+        its cache namespace (requests of other salts do not wait for it: they cannot share)."""
         end = (cached_pages + 1) * self.pool.page_size
         if self._cacheable(req) < end:
             return None
-        return hash(tuple(req.tokens[:end]))
+        return hash((req.params.cache_salt, tuple(req.tokens[:end])))
 
     @staticmethod
     def _cacheable(req: Request) -> int:
@@ -401,10 +447,11 @@ class Scheduler:
                 del req.tokens[at + 1 :]  # placeholders of batches still in flight
             logprobs = [tok] if req.params.logprobs is not None else None
             new = [tok.token_id]
-            if reason is None and req.grammar is not None:
-                reason = self._jump_forward(req, new)
             if reason is None:
-                deltas.append(self._delta(req, new, logprobs))
+                d = self._delta(req, new, logprobs)
+                deltas.append(d)
+                if req.grammar is not None and self.jump_forward and req.params.logprobs is None:
+                    self.jumps.append((req, d))
             else:
                 error = self._grammar_error(req) if reason == "error" else None
                 d = self._finish(req, reason, error=error)
@@ -470,28 +517,51 @@ class Scheduler:
                     "output token(s): the constraint cannot be met with this tokenizer")
         return "internal error: the sampled token is not allowed by the grammar"
 
-    def _jump_forward(self, req: Request, new: list[int]) -> str | None:
-        """Append the tokens the grammar forces next (already accepted by its matcher).
+    # ---- jump-forward ---------------------------------------------------
+    # After process(), the requests in `jumps` may have text their grammar forces next. The
+    # actor loop finds it in a thread (compute_jumps: matcher work, bounded, but not for the
+    # event loop) and waits for it before anything else touches the scheduler; apply_jumps
+    # then appends the tokens, which the next step computes as one multi-token chunk. Not for
+    # requests that want logprobs (a forced token has no sampled distribution to report).
 
-        They are computed next step as one multi-token chunk. Not for requests that want
-        logprobs (a forced token has no sampled distribution to report).
-        """
-        p = req.params
-        if not self.jump_forward or p.logprobs is not None:
-            return None
-        limit = min(p.max_tokens - req.num_output, self.max_model_len - len(req.tokens))
-        for t in req.grammar.jump_forward(limit):
-            req.tokens.append(t)
-            new.append(t)
-            self.generated_tokens_total += 1
-            self.jump_forward_tokens += 1
-            if req.num_output >= p.min_tokens and (
-                t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
-            ):
-                return "stop"
-        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
-            return "length"
-        return None
+    def compute_jumps(self) -> list[list[int]]:
+        """The forced tokens of each request in `jumps` (already accepted by its matcher), at
+        most what its max_tokens and the context leave. Touches only those matchers."""
+        from streamer.sampling.grammar import JUMP_MAX_BYTES, JUMP_STEP_BYTES
+
+        out = []
+        budget = JUMP_STEP_BYTES  # (once spent, the others jump after the next step)
+        for req, _ in self.jumps:
+            assert req.grammar is not None
+            limit = min(req.params.max_tokens - req.num_output, self.max_model_len - len(req.tokens))
+            toks = req.grammar.jump_forward(limit, min(JUMP_MAX_BYTES, budget))
+            budget -= req.grammar.jump_bytes + 1
+            out.append(toks)
+        return out
+
+    def apply_jumps(self, forced: list[list[int]]) -> list[TokenDelta]:
+        """Append compute_jumps' tokens to their requests and deltas; the deltas of requests
+        that a forced token ends (a stop token, max_tokens, the context)."""
+        ended: list[TokenDelta] = []
+        for (req, d), toks in zip(self.jumps, forced):
+            p = req.params
+            reason = None
+            for t in toks:
+                req.tokens.append(t)
+                d.token_ids.append(t)
+                self.generated_tokens_total += 1
+                self.jump_forward_tokens += 1
+                if req.num_output >= p.min_tokens and (
+                    t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
+                ):
+                    reason = "stop"
+                    break
+            if reason is None and (req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                ended.append(self._finish(req, reason))
+        self.jumps = []
+        return ended
 
     def _delta(self, req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         d = TokenDelta(req.request_id, tokens, logprobs)
@@ -505,7 +575,7 @@ class Scheduler:
 
     def _cache_prompt(self, req: Request) -> None:
         """Share a freshly prefilled prompt with later arrivals (lock moves to the longer path)."""
-        _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages)
+        _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages, req.params.cache_salt)
         req.claim = None  # its prefix is in the tree now: waiting requests can share it
         self.tree.lock(node)
         if req.node is not None:
@@ -520,7 +590,7 @@ class Scheduler:
             known -= 1
         computed = min(req.num_computed, known)
         if self.config.enable_prefix_caching and computed:
-            self.tree.insert(req.tokens[:computed], req.pages)
+            self.tree.insert(req.tokens[:computed], req.pages, req.params.cache_salt)
         self.pool.decref(req.pages)
         if req.node is not None:
             self.tree.unlock(req.node)
@@ -599,7 +669,12 @@ class Scheduler:
             held_steps_late=self.clock.late,
             device_busy_s=self.device_busy_s,
             device_idle_s=self.device_idle_s,
+            step_age_s=self.step_age(),
         )
+
+    def step_age(self) -> float:
+        """Seconds the oldest batch in flight has been with the executor (0: none)."""
+        return time.monotonic() - min(self.clock.sent.values()) if self.clock.sent else 0.0
 
     def check(self) -> None:
         """Every page is free, held by the tree, or held by a running request (or a finished
@@ -681,8 +756,14 @@ def _decode_only(batch: Batch) -> bool:
     return all(len(s.token_ids) == 1 for s in batch.seqs)
 
 
+def _timed_out(p: SamplingParams, where: str) -> str:
+    return f"the request timed out: its deadline ({p.timeout:g} s) passed while it was {where}"
+
+
 _HOLD_OVER = object()
 """The scheduler's wake-up when a held batch is due."""
+_DEADLINE = object()
+"""The scheduler's wake-up when a request's deadline is due."""
 
 
 async def run(
@@ -698,6 +779,23 @@ async def run(
     tokens the first one samples on the device), so the GPU never waits for the host;
     while only decodes run, not at once but shortly before the first ends (AheadClock).
     """
+    loop = asyncio.get_running_loop()
+    jump_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-jump")
+    try:
+        await _loop(sched, inbox, to_executor, to_detokenizer, overlap, loop, jump_thread)
+    finally:
+        jump_thread.shutdown(wait=False)
+
+
+async def _loop(
+    sched: Scheduler,
+    inbox: asyncio.Queue,
+    to_executor: asyncio.Queue,
+    to_detokenizer: asyncio.Queue,
+    overlap: bool,
+    loop: asyncio.AbstractEventLoop,
+    jump_thread: ThreadPoolExecutor,
+) -> None:
     in_flight: deque[Batch] = deque()
     depth = 2 if overlap else 1
     clock = sched.clock
@@ -705,18 +803,20 @@ async def run(
     holding = False  # the batch after in_flight[0] has been held at least once
     while True:
         msg: Any
-        if hold is None:
+        deadline = sched.next_deadline()
+        wake = hold if deadline is None else deadline if hold is None else min(hold, deadline)
+        if wake is None:
             msg = await inbox.get()
         else:
             try:  # (time.monotonic, not loop.time: uvloop's clock moves in whole milliseconds)
-                async with asyncio.timeout(max(0.0, hold - time.monotonic())):
+                async with asyncio.timeout(max(0.0, wake - time.monotonic())):
                     msg = await inbox.get()
             except TimeoutError:
-                msg = _HOLD_OVER
+                msg = _HOLD_OVER if hold is not None and time.monotonic() >= hold else _DEADLINE
         hold_over = msg is _HOLD_OVER
         hold = None
-        deltas: list[TokenDelta] = []
-        while not hold_over:  # drain what is already queued, so one step sees every arrival
+        deltas: list[TokenDelta] = sched.expire(time.monotonic()) if deadline is not None else []
+        while not hold_over and msg is not _DEADLINE:  # drain what is queued: one step sees every arrival
             if isinstance(msg, TokenizedRequest):
                 refused = sched.add(msg)
                 if refused is not None:
@@ -726,6 +826,9 @@ async def run(
                 assert msg.step == done.step, "step outputs arrive in order"
                 clock.on_output(done, msg, time.monotonic())
                 deltas.extend(sched.process(done, msg))
+                if sched.jumps:
+                    forced = await loop.run_in_executor(jump_thread, sched.compute_jumps)
+                    deltas.extend(sched.apply_jumps(forced))
                 if in_flight and in_flight[0].masks_deferred:
                     # the next step's forward is running: its masks are filled now, on the CPU,
                     # and go straight to the executor's launch thread (executor.Inbox)

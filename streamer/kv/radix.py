@@ -16,6 +16,11 @@ Contract with the scheduler:
   evictable: pages on unlocked nodes, kept up to date by every change, so that
       evict returns at once when there is nothing to drop (a full pool makes the
       scheduler ask for every request that needs a page, every step).
+  salt: match_prefix, peek and insert take a namespace (a request's cache_salt). Prefixes
+      are shared only within one: a tenant's hit never reveals another tenant's prompt.
+      The unsalted namespace hangs from the root; each salt has a node of its own (no
+      key, no pages) under the root, made by the first insert, dropped with its last
+      child. Pages, locks and the LRU eviction stay global: one pool, one order.
 
   ┌ root ┐         lock_ref(node) = number of requests using node's path;
   │  A   │──┐      a locked node's ancestors are locked too (lock walks up).
@@ -48,6 +53,10 @@ class RadixCache:
         self.page_size = pool.page_size
         self.root = Node((), [], None)
         self.root.lock_ref = 1  # never evicted
+        self.spaces: dict[str, Node] = {}
+        """Salt -> the node its namespace hangs from (a child of root, outside root.children)."""
+        self._salts: dict[int, str] = {}
+        """id(namespace node) -> its salt."""
         self._clock = itertools.count(1)
         self.cached_pages = 0
         self.evictable = 0
@@ -80,8 +89,21 @@ class RadixCache:
         mid.children[self._first(node.key)] = node
         return mid
 
-    def _walk(self, tokens: list[int]) -> tuple[list[int], Node]:
-        node, pages, offset = self.root, [], 0
+    def _space(self, salt: str | None, make: bool = False) -> Node | None:
+        """The node a namespace hangs from (None: that salt has nothing cached)."""
+        if salt is None:
+            return self.root
+        node = self.spaces.get(salt)
+        if node is None and make:
+            node = self.spaces[salt] = Node((), [], self.root)
+            self._salts[id(node)] = salt
+        return node
+
+    def _walk(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], Node]:
+        space = self._space(salt)
+        if space is None:
+            return [], self.root  # (locking the root is what a miss does anyway)
+        node, pages, offset = space, [], 0
         now = next(self._clock)
         usable = len(tokens) - len(tokens) % self.page_size
         while offset < usable:
@@ -97,21 +119,23 @@ class RadixCache:
             node = child
         return pages, node
 
-    def peek(self, tokens: list[int]) -> tuple[list[int], Node]:
+    def peek(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], Node]:
         """match_prefix without counting it in the hit statistics (admission ordering)."""
-        return self._walk(tokens)
+        return self._walk(tokens, salt)
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
-        pages, node = self._walk(tokens)
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], Node]:
+        pages, node = self._walk(tokens, salt)
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(pages) * self.page_size
         return pages, node
 
-    def insert(self, tokens: list[int], pages: list[int]) -> tuple[int, Node]:
-        """Cache the full pages of `tokens` (whose KV is in `pages`)."""
+    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> tuple[int, Node]:
+        """Cache the full pages of `tokens` (whose KV is in `pages`) in the salt's namespace."""
         full = min(len(tokens) // self.page_size, len(pages))
         tokens = tokens[: full * self.page_size]
-        cached, node = self._walk(tokens)
+        if full:
+            self._space(salt, make=True)
+        cached, node = self._walk(tokens, salt)
         done = len(cached)
         if done < full:
             new = Node(tuple(tokens[done * self.page_size :]), list(pages[done:full]), node)
@@ -138,6 +162,8 @@ class RadixCache:
             assert n.lock_ref >= 0, "unlock without lock"
             if n.lock_ref == 0:
                 self.evictable += len(n.pages)
+                if n.parent is self.root and not n.key and not n.children:  # a namespace emptied meanwhile
+                    self._drop_space(n)
             n = n.parent
 
     def evict(self, num_pages: int) -> int:
@@ -160,21 +186,31 @@ class RadixCache:
             assert parent is not None
             del parent.children[self._first(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                if parent.key:
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                else:  # an emptied namespace: nothing to free, nothing to keep
+                    self._drop_space(parent)
         return freed
 
+    def _drop_space(self, node: Node) -> None:
+        del self.spaces[self._salts.pop(id(node))]
+
     def check(self) -> None:
-        """The counters match the nodes they count."""
+        """The counters match the nodes they count; namespace nodes hold no pages."""
         nodes = list(self._nodes())
         assert self.cached_pages == sum(len(n.pages) for n in nodes), "cached_pages is off"
         assert self.evictable == sum(len(n.pages) for n in nodes if n.lock_ref == 0), "evictable is off"
+        spaces = self.spaces.values()
+        assert all(n.parent is self.root and not n.key and not n.pages for n in spaces)
+        assert all(n.children or n.lock_ref for n in spaces), "an empty namespace outlived its users"
+        assert {id(n): s for s, n in self.spaces.items()} == self._salts, "namespace index is off"
 
     def reset(self) -> None:
         """Drop every unlocked node (used when prefix caching is turned off between runs)."""
         self.evict(self.pool.num_pages)
 
     def _nodes(self):
-        stack = list(self.root.children.values())
+        stack = [*self.root.children.values(), *self.spaces.values()]
         while stack:
             n = stack.pop()
             yield n

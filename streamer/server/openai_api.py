@@ -23,7 +23,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.messages import GenerateRequest, RequestOutput, SampledToken
+from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, GenerateRequest, RequestOutput, SampledToken
 from streamer.server import protocol as p
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
@@ -103,8 +103,8 @@ async def start(st: ServerState, reqs: list[GenerateRequest]) -> tuple[Merged, l
         while len(seen) < len(reqs):
             i, out = await anext(gen)
             buffered.append((i, out))
-            if i not in seen and out.finish_reason == "error":
-                raise failure(out.error)
+            if i not in seen and out.finish_reason in ("error", "timeout"):
+                raise failure(out)
             seen.add(i)
     except BaseException:
         await gen.aclose()
@@ -121,6 +121,7 @@ class Choice:
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -133,7 +134,7 @@ class Choice:
         self.completion_tokens = out.completion_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
-            self.error = out.error
+            self.error, self.error_code = out.error, out.error_code
 
 
 def usage(choices: dict[int, Choice], n: int) -> p.Usage:
@@ -186,11 +187,13 @@ async def completions(request: Request) -> Response:
     st.check_model(body.model)
     if body.echo:
         raise ApiError("echo is not supported", param="echo")
+    st.limits.sampling(body)
     prompts = prompts_of(body.prompt)
-    if len(prompts) * body.n > 256:
-        raise ApiError("at most 256 choices (prompts x n) per request", param="n")
+    st.limits.batch(len(prompts) * body.n, "prompt", "engine requests (prompts x n)")
+    st.limits.prompts(prompts, "prompt")
     params = p.to_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                   vocab_size=st.engine.tokenizer.vocab_size)
+    params = st.apply_policy(params, request.scope)
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     reqs = []
     for k, prompt in enumerate(prompts):
@@ -206,13 +209,17 @@ async def chat_completions(request: Request) -> Response:
     st.check_model(body.model)
     if not body.messages:
         raise ApiError("messages must not be empty", param="messages")
+    st.limits.sampling(body)
+    messages = chat_messages(body.messages)
+    st.limits.messages(messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = p.to_sampling_params(body, max_tokens=max_tokens, logprobs=top,
                                   vocab_size=st.engine.tokenizer.vocab_size,
                                   default_max_tokens=st.engine.max_model_len)
+    params = st.apply_policy(params, request.scope)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    base = GenerateRequest(request_id=rid, messages=chat_messages(body.messages), params=params,
+    base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt)
     st.admit(body.n)
     if max_tokens is None:
@@ -258,18 +265,28 @@ async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count:
     finally:
         await gen.aclose()
     for c in choices.values():
-        if c.finish_reason == "error":
-            raise failure(c.error)
+        if c.finish_reason in ("error", "timeout"):
+            raise failure(c)
     return choices
 
 
-def failure(error: str | None) -> ApiError:
-    """A request the engine ended with an error: the engine's own failures ("internal error:
-    ...") are 500s; the rest come from the request (a grammar this vocabulary cannot follow,
-    say) and are 400s, with the engine's message, also after some output."""
-    internal = error is None or error.startswith("internal error")
-    return ApiError(error or "generation failed", 500 if internal else 400,
-                    type="server_error" if internal else "invalid_request_error")
+def failure(out: RequestOutput | Choice) -> ApiError:
+    """A request the engine ended with an error (or at its deadline), as the API's error.
+
+    The engine down or not responding: 503, code engine_down / engine_stalled (retry later or
+    elsewhere). The request's deadline: 504, code request_timeout; a whole response is an error
+    rather than partial text with a finish_reason, which a client could take for a complete
+    answer (streams do send what was generated, then the finish chunk and the error). The
+    engine's own failures ("internal error: ..."): 500. The rest come from the request (a
+    grammar this vocabulary cannot follow, say): 400, with the engine's message, also after
+    some output."""
+    error = out.error or "generation failed"
+    if out.error_code in (ENGINE_DOWN, ENGINE_STALLED):
+        return ApiError(error, 503, type="server_error", code=out.error_code, headers={"Retry-After": "5"})
+    if out.finish_reason == "timeout":
+        return ApiError(error, 504, type="server_error", code="request_timeout")
+    internal = out.error is None or out.error.startswith("internal error")
+    return ApiError(error, 500 if internal else 400, type="server_error" if internal else "invalid_request_error")
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
@@ -348,7 +365,11 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         nonlocal left, failed
         choices[i].add(out)
         if out.error:
-            pending.append(data_event(p.ErrorResponse(p.ErrorInfo(out.error, failure(out.error).type))))
+            if out.finish_reason == "timeout":  # what was generated stands: its end, then why
+                if out.text or out.logprobs:
+                    pending.append(chunks.content(i, out, choices[i]))
+                pending.append(chunks.finish(i, out.finish_reason))
+            pending.append(data_event(failure(out).body()))
             failed = True
             return True
         if out.text or out.logprobs:

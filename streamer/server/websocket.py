@@ -6,8 +6,9 @@ Protocol (JSON text frames):
   client -> {"type": "user", "content": "...", [max_tokens, temperature, top_p, top_k, min_p,
              seed, stop, presence_penalty, frequency_penalty, repetition_penalty, ...]}
   server -> {"type": "delta", "text": "..."}                                      zero or more
-  server -> {"type": "done", "finish_reason": "stop" | "length" | "abort",
+  server -> {"type": "done", "finish_reason": "stop" | "length" | "abort" | "timeout",
              "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}   ends the turn
+             (on "timeout", also "error": the deadline; the reply so far stays in the history)
   client -> {"type": "cancel"}   stop the running turn (it ends with done, finish_reason "abort")
   client -> {"type": "reset"}    forget the conversation; server answers {"type": "reset"}
   server -> {"type": "error", "message": "..."}   bad input; the session stays open
@@ -19,14 +20,19 @@ after turn. A session whose client goes away aborts its running turn. A
 session idle (no message, no running turn) for session_idle_timeout seconds
 is closed with code 1000 and a reason. With an API key set, the key comes as
 `Authorization: Bearer KEY` or `?api_key=KEY` (browsers cannot set headers
-here); a wrong key closes the socket with code 1008.
+here); a wrong key closes the socket with code 1008. When the engine dies, every
+session gets an error message and is closed with 1011 (ServerState.watch_engine; a
+running turn's failure does the same).
+
+Before this module runs, guard.HostCheck has refused (403) a handshake from a foreign
+Origin; uvicorn closes a frame larger than --max-request-bytes with 1009; a turn over the
+request limits (server/limits.py, the history counted with the new message) is an error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -35,8 +41,9 @@ import msgspec
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamer.messages import GenerateRequest, SamplingParams
+from streamer.messages import ENGINE_DOWN, GenerateRequest, SamplingParams
 from streamer.server import protocol as p
+from streamer.server.openai_api import failure
 from streamer.server.protocol import ApiError
 
 if TYPE_CHECKING:
@@ -53,17 +60,22 @@ class ClientMessage(p.SamplingFields, kw_only=True):
 async def chat_session(ws: WebSocket) -> None:
     st: ServerState = ws.app.state.server
     await ws.accept()
-    key = st.config.api_key
-    if key:
-        from streamer.server.app import key_matches  # noqa: PLC0415 - app imports this module
+    keys = st.config.api_keys
+    if keys:
+        from streamer.server.app import KEY_ID, bearer, key_id, matching_key  # noqa: PLC0415 - app imports this module
 
-        given = ws.query_params.get("api_key")
-        ok = key_matches(key, ws.headers.get("authorization", "")) or (
-            given is not None and hmac.compare_digest(given.encode(), key.encode()))
-        if not ok:
+        key = (matching_key(keys, bearer(ws.headers.get("authorization", "")))
+               or matching_key(keys, ws.query_params.get("api_key")))
+        if key is None:
             await ws.close(1008, "missing or wrong API key")
             return
-    await Session(st, ws).run()
+        ws.scope[KEY_ID] = key_id(key)  # (its tenant's cache namespace: ServerState.apply_policy)
+    session = Session(st, ws)
+    st.sessions.add(session)
+    try:
+        await session.run()
+    finally:
+        st.sessions.discard(session)
 
 
 class Session:
@@ -76,6 +88,7 @@ class Session:
         self.turns = 0
         self.last_active = time.monotonic()
         self.send_lock = asyncio.Lock()
+        self.closed = False
 
     @property
     def busy(self) -> bool:
@@ -84,6 +97,17 @@ class Session:
     async def send(self, obj: dict[str, Any]) -> None:
         async with self.send_lock:
             await self.ws.send_text(msgspec.json.encode(obj).decode())
+
+    async def engine_down(self, reason: str | None) -> None:
+        """The engine died: tell the client, and close with 1011 (the session cannot go on)."""
+        async with self.send_lock:
+            if self.closed:
+                return
+            self.closed = True
+            with contextlib.suppress(Exception):  # (the client may be gone already)
+                await self.ws.send_text(msgspec.json.encode(
+                    {"type": "error", "message": f"the engine is down: {reason}"}).decode())
+                await self.ws.close(1011, "the engine is down")
 
     async def run(self) -> None:
         idle = self.st.config.session_idle_timeout
@@ -140,10 +164,14 @@ class Session:
             raise ApiError("a user message needs a non-empty content string")
         if msg.n != 1:
             raise ApiError("n must be 1 in a chat session")
+        self.st.limits.sampling(msg)
+        # the turn's prompt is the whole conversation: its limits apply to the history with this message
+        self.st.limits.messages([*self.messages, {"role": "user", "content": msg.content}], "content")
         self.st.check_model(msg.model)
         params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
                                       vocab_size=self.st.engine.tokenizer.vocab_size,
                                       default_max_tokens=self.st.engine.max_model_len)
+        params = self.st.apply_policy(params, self.ws.scope)
         self.turns += 1
         self.turn_rid = f"ws-{self.id}-{self.turns}"
         self.turn = asyncio.create_task(self.run_turn(msg.content, params, fit=msg.max_tokens is None))
@@ -169,7 +197,7 @@ class Session:
             async with contextlib.aclosing(self.st.stream([req])) as outputs:
                 async for _, out in outputs:
                     if out.finish_reason == "error":
-                        raise ApiError(out.error or "the request failed")
+                        raise failure(out)
                     if out.text:
                         reply.append(out.text)
                         await self.send({"type": "delta", "text": out.text})
@@ -177,7 +205,10 @@ class Session:
         except ApiError as e:
             self.messages.pop()
             self.st.metrics.requests.labels(ENDPOINT, str(e.status)).inc()
-            await self.send({"type": "error", "message": e.message})
+            if e.code == ENGINE_DOWN:
+                await self.engine_down(self.st.engine.dead)
+            else:
+                await self.send({"type": "error", "message": e.message})
             return
         finally:
             self.last_active = time.monotonic()
@@ -190,4 +221,7 @@ class Session:
         assert last is not None
         usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                  "cached_tokens": last.cached_tokens}
-        await self.send({"type": "done", "finish_reason": last.finish_reason, "usage": usage})
+        done: dict[str, Any] = {"type": "done", "finish_reason": last.finish_reason, "usage": usage}
+        if last.finish_reason == "timeout":
+            done["error"] = last.error  # (what was generated until the deadline is kept in the history)
+        await self.send(done)

@@ -22,9 +22,10 @@ import torch
 
 from streamer import LLM, SamplingParams
 from streamer.config import EngineConfig, ServerConfig
+from streamer.engine.health import DEADLINE_GRACE_S
 from streamer.engine.remote import EngineProcess
 from streamer.errors import ModelLoadError
-from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput
+from streamer.messages import ENGINE_STALLED, GenerateRequest, GrammarSpec, RequestOutput
 from streamer.server.app import create_app
 from tests.conftest import serve_in_thread
 
@@ -181,6 +182,51 @@ def test_sse_chat_through_the_engine_process(served: Served) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
     metrics = httpx.get(served.url + "/metrics").text
     assert "streamer_engine_steps" in metrics and "streamer_kv_pages_total 727.0" in metrics
+
+
+def _stopped(served: Served, req: GenerateRequest) -> tuple[RequestOutput, float]:
+    """Run req; once it streams, SIGSTOP the engine process until req has ended (then SIGCONT).
+    Its last output, and how long after the SIGSTOP it came."""
+    engine = served.engine
+    assert engine.pid is not None
+
+    async def scenario() -> tuple[RequestOutput, float]:
+        outputs = engine.submit(req)
+        await anext(outputs)
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            rest = [out async for out in outputs]
+            return rest[-1], time.monotonic() - t0
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+
+    last, took = served.run(scenario(), timeout=60)
+    deadline = time.monotonic() + 10
+    while engine.stalled is not None:  # (its heartbeat again)
+        assert time.monotonic() < deadline, engine.stalled
+        time.sleep(0.05)
+    served.wait_idle()  # the Aborts sent meanwhile freed its pages
+    ok = served.run(engine.generate(request(f"after-{req.request_id}", PROMPTS[0])))
+    assert ok.finish_reason == "length" and not engine.dead
+    return last, took
+
+
+def test_a_stopped_engine_process_fails_open_requests_as_stalled(served: Served, monkeypatch) -> None:
+    from streamer.engine import remote
+
+    monkeypatch.setattr(remote, "FAIL_STALLED_S", 1.5)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    last, took = _stopped(served, request("stopped", "Tell me a long story.", long))
+    assert last.finished and last.finish_reason == "error" and last.error_code == ENGINE_STALLED, last
+    assert took < 1.5 + 1.0, took
+
+
+def test_a_deadline_ends_a_request_even_while_the_engine_process_is_stopped(served: Served) -> None:
+    timed = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, timeout=1.0)
+    last, took = _stopped(served, request("timed", "Tell me a long story.", timed))
+    assert last.finish_reason == "timeout" and "did not end it" in (last.error or ""), last
+    assert took < 1.0 + DEADLINE_GRACE_S + 0.5, took  # (stopped after its first output)
 
 
 def test_killing_the_engine_process_fails_streams_and_health(served: Served) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from streamer.config import EngineConfig
@@ -134,3 +136,76 @@ def test_a_full_batch_does_not_walk_the_cache_for_waiting_prompts(monkeypatch):
     assert sorted(c.request_id for c in batch.seqs) == ["r0", "r1"]
     assert walks == [], "nobody can be admitted: the waiting prompts are not looked up"
     finish_step(s, batch)
+
+
+def run_to_end(s: Scheduler) -> dict[str, list]:
+    """Step the scheduler (fake tokens) until nothing is left; each request's deltas."""
+    deltas: dict[str, list] = {}
+    while (batch := s.schedule()) is not None:
+        for d in s.process(batch, StepOutput(batch.step, [SampledToken(7) for c in batch.seqs if c.sample])):
+            deltas.setdefault(d.request_id, []).append(d)
+    return deltas
+
+
+def salted(s: Scheduler, rid: str, prompt: list[int], salt: str | None, **kw) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, cache_salt=salt, **kw)
+    assert s.add(TokenizedRequest(request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[2])) is None
+
+
+def test_requests_share_cached_pages_only_within_their_cache_salt():
+    s = scheduler()
+    prompt = list(range(100, 164))  # 4 pages; 3 full pages (48 tokens) can come from the cache
+    cached = {}
+    for rid, salt in [("plain", None), ("plain2", None), ("alice", "a"), ("alice2", "a"), ("bob", "b")]:
+        salted(s, rid, prompt, salt)
+        cached[rid] = run_to_end(s)[rid][0].cached_tokens
+        s.check()
+    assert cached == {"plain": 0, "plain2": 48, "alice": 0, "alice2": 48, "bob": 0}
+    assert set(s.tree.spaces) == {"a", "b"}
+    assert s.stats().pages_used == s.stats().pages_cached == 3 * 4, "one copy of the prompt per namespace"
+
+
+def test_requests_of_other_salts_do_not_wait_for_a_shared_prefix_to_be_computed():
+    """Same-salt requests on one prefix wait for the first to cache it (claim); another salt
+    cannot use that page, so it is admitted at once and computes its own."""
+    s = scheduler()
+    prompt = list(range(100, 300))
+    for rid, salt in [("a0", "a"), ("a1", "a"), ("b0", "b")]:
+        salted(s, rid, prompt + [1000 + len(rid)], salt)
+    first = s.schedule()
+    assert sorted(c.request_id for c in first.seqs) == ["a0", "b0"]
+    finish_step(s, first)
+    run_to_end(s)
+    s.check()
+
+
+def test_a_deadline_ends_queued_and_running_requests_and_frees_their_pages():
+    s = scheduler(max_num_seqs=1)
+    salted(s, "running", [5] * 40, None, timeout=5.0)
+    salted(s, "queued", [6] * 40, None, timeout=1.0)  # waits: one request runs at a time
+    batch = s.schedule()
+    assert [c.request_id for c in batch.seqs] == ["running"]
+    now = time.monotonic()
+    assert s.next_deadline() is not None and s.next_deadline() <= now + 1.0
+    assert s.expire(now) == [], "nothing is due yet"
+    (queued,) = s.expire(now + 2.0)
+    assert (queued.request_id, queued.finish_reason) == ("queued", "timeout") and "queued" in queued.error
+    assert not s.waiting
+    (running,) = s.expire(now + 6.0)  # its batch is still in flight: the pages wait for it
+    assert (running.request_id, running.finish_reason) == ("running", "timeout") and "running" in running.error
+    assert "running" in s.zombies
+    s.check()
+    finish_step(s, batch)  # the batch is back: the pages go to the tree or the free list
+    assert not s.zombies and not s.has_work and s.next_deadline() is None
+    s.check()
+    st = s.stats()
+    assert st.pages_used == st.pages_cached
+
+
+def test_a_request_past_its_deadline_on_arrival_is_refused_at_once():
+    s = scheduler()
+    params = SamplingParams(max_tokens=4, timeout=0.5)
+    late = TokenizedRequest(request_id="late", prompt_token_ids=[5] * 8, params=params, eos_token_ids=[2],
+                            arrival=time.monotonic() - 1.0)  # (its time went in the tokenizer)
+    d = s.add(late)
+    assert d is not None and d.finish_reason == "timeout" and not s.has_work

@@ -17,10 +17,10 @@ def setup(n=64):
     return pool, RadixCache(pool)
 
 
-def cache_sequence(pool, tree, tokens):
+def cache_sequence(pool, tree, tokens, salt=None):
     """What a finishing request does: allocate, insert, drop its own references."""
     pages = pool.alloc(pool.pages_for(len(tokens)))
-    tree.insert(tokens, pages)
+    tree.insert(tokens, pages, salt)
     pool.decref(pages)
     return pages
 
@@ -70,13 +70,15 @@ def test_eviction_order_is_least_recently_used():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=25), st.integers(0, 99))
-def test_random_traffic_keeps_refcounts_equal_to_holders(seqs, seed):
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=25), st.integers(0, 99),
+       st.sampled_from([(None,), (None, "a", "b")]))
+def test_random_traffic_keeps_refcounts_equal_to_holders(seqs, seed, salts):
     pool, tree = setup(32)
     rng = random.Random(seed)
-    live = []  # (pages, node) held by "running requests"
+    live = []  # (tokens, pages, node, salt) held by "running requests"
     for tokens in seqs:
-        pages, node = tree.match_prefix(tokens)
+        salt = rng.choice(salts)
+        pages, node = tree.match_prefix(tokens, salt)
         tree.lock(node)
         pool.incref(pages)
         extra = pool.pages_for(len(tokens)) - len(pages)
@@ -87,30 +89,31 @@ def test_random_traffic_keeps_refcounts_equal_to_holders(seqs, seed):
             pool.decref(pages)
             tree.unlock(node)
             continue
-        live.append((tokens, pages + new, node))
+        live.append((tokens, pages + new, node, salt))
         if rng.random() < 0.5:
-            t, p, n = live.pop(rng.randrange(len(live)))
-            tree.insert(t, p)
+            t, p, n, s = live.pop(rng.randrange(len(live)))
+            tree.insert(t, p, s)
             pool.decref(p)
             tree.unlock(n)
         expect = [0] * pool.num_pages
         expect[0] = 1
         for p in tree.held_pages():
             expect[p] += 1
-        for _, ps, _ in live:
+        for _, ps, _, _ in live:
             for p in ps:
                 expect[p] += 1
         assert expect == pool.refcount
         pool.check()
         tree.check()
-    for t, p, n in live:
-        tree.insert(t, p)
+    for t, p, n, s in live:
+        tree.insert(t, p, s)
         pool.decref(p)
         tree.unlock(n)
     tree.check()
     tree.evict(pool.num_pages)
     assert pool.num_free == pool.capacity
     assert tree.evictable == 0 == tree.cached_pages
+    assert not tree.spaces, "a namespace goes with its last page"
 
 
 def test_evictable_pages_follow_locks_splits_and_evictions():
@@ -138,3 +141,42 @@ def test_eviction_with_every_node_locked_does_not_walk_the_tree(monkeypatch):
     assert tree.evictable == 0
     monkeypatch.setattr(tree, "_nodes", lambda: (_ for _ in ()).throw(AssertionError("walked the tree")))
     assert tree.evict(5) == 0
+
+
+def test_salts_are_namespaces_that_share_nothing():
+    """A tenant's prompt in the cache must not show in another tenant's cached_tokens: prefixes
+    are shared within one salt only (None, unsalted, is a namespace of its own)."""
+    pool, tree = setup()
+    prompt = list(range(12))
+    alice = cache_sequence(pool, tree, prompt, "alice")
+    assert tree.match_prefix(prompt)[0] == [], "unsalted requests do not see a salted prompt"
+    assert tree.match_prefix(prompt, "bob")[0] == []
+    assert tree.match_prefix(prompt, "alice")[0] == alice
+    plain = cache_sequence(pool, tree, prompt)
+    assert tree.match_prefix(prompt)[0] == plain and set(plain).isdisjoint(alice)
+    assert tree.match_prefix(prompt, "alice")[0] == alice
+    _, node = tree.match_prefix(prompt, "nobody")
+    assert node is tree.root and "nobody" not in tree.spaces, "a miss makes no namespace"
+    tree.check()
+
+
+def test_one_lru_order_across_namespaces_and_emptied_namespaces_go():
+    pool, tree = setup()
+    a = cache_sequence(pool, tree, [1] * 4, "a")
+    b = cache_sequence(pool, tree, [1] * 4, "b")
+    plain = cache_sequence(pool, tree, [1] * 4)
+    tree.match_prefix([1] * 4, "a")  # touch a: b is now the least recently used
+    assert tree.evict(1) == 1
+    assert pool.refcount[b[0]] == 0 and pool.refcount[a[0]] == 1 == pool.refcount[plain[0]]
+    assert set(tree.spaces) == {"a"}
+    # a request holds namespace c's (uncached) root while c's only page is evicted
+    cache_sequence(pool, tree, [2] * 4, "c")
+    _, node = tree.match_prefix([3] * 8, "c")
+    tree.lock(node)
+    tree.evict(pool.capacity)
+    assert "c" in tree.spaces and not tree.spaces["c"].children
+    tree.check()
+    tree.unlock(node)
+    assert "c" not in tree.spaces
+    tree.check()
+    assert pool.num_free == pool.capacity
