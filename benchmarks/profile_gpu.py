@@ -1,20 +1,37 @@
 """Where the time goes, on the GPU machine (diagnostics, not a benchmark of record).
 
-    python3 benchmarks/profile_gpu.py gemm     # F.linear at decode shapes of Llama-3.1-8B: TB/s
-    python3 benchmarks/profile_gpu.py gemm-fp8 # bf16 against float8 linear layers at W3's row counts
-    python3 benchmarks/profile_gpu.py gemm-rows  # linear layers by row count: where padding is free
-    python3 benchmarks/profile_gpu.py attn     # paged decode attention variants (time per call incl. host)
-    python3 benchmarks/profile_gpu.py attn-kv  # decode attention over bf16 vs float8 pages, large batches
-    python3 benchmarks/profile_gpu.py attn-fp8 --out DIR  # float8 pages: launch-config sweep, occupancy, asm
-    python3 benchmarks/profile_gpu.py overlap  # attention beside the GEMMs: micro-batches on two streams
-    python3 benchmarks/profile_gpu.py step     # kernel-time breakdown of eager decode steps
-    python3 benchmarks/profile_gpu.py w1cpu    # host profile (stack sampling) of a W1 run
-    python3 benchmarks/profile_gpu.py grammar --model DIR  # device work of JSON-constrained steps
+    python3 benchmarks/profile_gpu.py PART [options]
 
-The host profile samples every thread's Python stack each millisecond
-(sys._current_frames) and prints the functions with the most samples, self and
-inclusive, per thread: it shows what the scheduler, executor and detokenizer
-actors spend their time on while the GPU runs.
+Linear layers:
+  gemm          F.linear at decode shapes of Llama-3.1-8B: TB/s
+  gemm-fp8      bf16 against float8 linear layers at W3's row counts
+  gemm-rows     linear layers by row count: where padding is free (--rows 487,512,...)
+  gemm-layouts  the decode step's linear layers by weight layout and cuBLAS path
+Attention and small kernels:
+  attn          paged decode attention variants (time per call incl. host)
+  attn-b1       batch-1 decode attention by launch config, in CUDA graphs (W2's regime)
+  attn-kv       decode attention over bf16 vs float8 pages, large batches
+  attn-fp8      float8 pages: launch-config sweep, occupancy, asm (--out DIR)
+  attn-occ      float8 pages, one warp per program: block size and register caps
+  attn-subtile  per-token against sub-tiled addressing, by V layout (decode and extend)
+  attn-w3       decode and extend at the shapes of a W3 run's kernel profile
+  attn-one      the default float8 decode kernel at one W3 shape (a target for ncu)
+  attn-order    decode attention by batch order (longest first?)
+  small-ops     silu_and_mul and fused add + RMSNorm by launch config
+  overlap       attention beside the GEMMs: micro-batches on two streams
+  power         board power, SM clock and energy per call of kernels run back to back
+Engine steps and the host:
+  step          kernel-time breakdown of decode steps (--case N, --graphs, --kv-cache-dtype, --quantization)
+  grammar       device work of JSON-constrained steps (--model DIR)
+  ttft          a lone request: wall vs GPU time to first token (--set key=value ...; --launch:
+                the runner's step called directly, with a cProfile)
+  w1cpu         host profile (stack sampling) of a W1 run (-n requests)
+  serve         host profile of the server under `streamer bench serve` at saturation (-n prompts)
+
+The host profiles sample every thread's Python stack each millisecond
+(streamer.bench.stacks.StackSampler) and print the functions with the most samples, self
+and inclusive, per thread: what the scheduler, executor and detokenizer actors spend their
+time on while the GPU runs.
 """
 
 # ruff: noqa: B023 - the lambdas are timed on the spot, inside their loop iteration
@@ -101,6 +118,74 @@ def bench_attn() -> None:
               + ", ".join(f"{t:.1f}us s{s} n{bn} w{nw} st{ns}" for t, s, bn, nw, ns in rows[:3]), flush=True)
 
 
+def bench_attn_b1() -> None:
+    """Paged decode attention at batch 1 (the W2 regime): latency per call by launch config.
+
+    At batch 1 the kernel moves little data (1.5 MB at 384 tokens) and is bound by latency:
+    how many dependent loads each program waits for and how many programs run. Each config
+    is timed as a decode step sees it: a CUDA graph of 32 back-to-back calls (one per layer),
+    each on its own KV cache so that no call finds its keys in L2 (in a real step the layer's
+    weights flush it between calls). `default` is what paged_decode picks for the decode graph
+    of a 2048-token context (max_seq_len = 2048), Llama-3.1-8B heads, contexts 256-1024."""
+    from kernels import attention
+
+    LAYERS = 32
+    H, KVH, D, PAGE = 32, 8, 128, 16
+    WIDTH = 2048 // PAGE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = WIDTH + 1
+    kc = [torch.randn(pages, PAGE, KVH, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
+    vc = [torch.randn_like(k) for k in kc]
+    pt = torch.arange(1, pages, device="cuda", dtype=torch.int32)[None, :]
+    q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    configs: list[dict | None] = [None] + [
+        dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st)
+        for s, bn, w, st in itertools.product((8, 16, 32), (16, 32, 64), (2, 4), (1, 3))
+        if s * bn <= 2048
+    ]
+    for ctx in (256, 384, 1024):
+        sl = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+        ref = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=2048)
+        rows = []
+        for cfg in configs:
+            kw = cfg or {}
+            try:
+                out = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=2048, **kw)
+                if (out.float() - ref.float()).abs().max().item() > 2e-2:
+                    print(f"  {kw}: WRONG", flush=True)
+                    continue
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for i in range(LAYERS):
+                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=2048, **kw)
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(LAYERS):
+                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=2048, **kw)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                graph.replay()
+                times = []
+                for _ in range(5):
+                    e0.record()
+                    for _ in range(20):
+                        graph.replay()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times.append(1e3 * e0.elapsed_time(e1) / (20 * LAYERS))
+                rows.append((sorted(times)[2], "default" if cfg is None else
+                             f"s{kw['num_splits']} n{kw['block_n']} w{kw['num_warps']} st{kw['num_stages']}"))
+                del graph
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                print(f"  {kw}: failed ({type(e).__name__})", flush=True)
+        rows.sort()
+        default = next(t for t, name in rows if name == "default")
+        print(f"ctx {ctx:5d}: default {default:5.2f} us/call; best " + ", ".join(f"{t:.2f} {n}" for t, n in rows[:6]),
+              flush=True)
+
+
+
 def bench_attn_kv() -> None:
     """Decode attention over bf16 pages against float8 pages (kv_cache_dtype fp8) at the
     large batches of W3, by key block and warps: whether fp8 pages halve the time."""
@@ -157,13 +242,13 @@ def bench_attn_fp8(out_dir: str | None = None) -> None:
         tb = 2 * b * ctx * 8 * 128 / 1e12
         rows = []
         for splits, bn, nw, ns in itertools.product((1, 2), (32, 64, 128), (1, 2, 4), (2, 3, 4)):
-            seen = {id(k) for k in _compiled(attention._decode_kernel)}
+            seen = {id(k) for k in _compiled(attention.decode._decode_kernel)}
             try:
                 t = _time_us(lambda: attention.paged_decode(
                     q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns), reps=10)
             except Exception:  # noqa: BLE001 - a config that does not fit is skipped
                 continue
-            new = [k for k in _compiled(attention._decode_kernel) if id(k) not in seen]
+            new = [k for k in _compiled(attention.decode._decode_kernel) if id(k) not in seen]
             info = ""
             if new:
                 k = new[0]
@@ -194,7 +279,7 @@ def bench_attn_occupancy() -> None:
         ref = attention.paged_decode(q, kc, vc, pt, sl, 0.088)
         rows = []
         for splits, bn, ns, reg in itertools.product((1, 2), (16, 32), (3,), (0, 128, 96)):  # 0: no cap
-            seen = {id(k) for k in _compiled(attention._decode_kernel)}
+            seen = {id(k) for k in _compiled(attention.decode._decode_kernel)}
             try:
                 def call():
                     return attention.paged_decode(q, kc, vc, pt, sl, 0.088, num_splits=splits, block_n=bn,
@@ -204,7 +289,7 @@ def bench_attn_occupancy() -> None:
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 print(f"  s{splits} n{bn} st{ns} reg{reg}: {type(e).__name__}")
                 continue
-            new = [k for k in _compiled(attention._decode_kernel) if id(k) not in seen]
+            new = [k for k in _compiled(attention.decode._decode_kernel) if id(k) not in seen]
             info = f" r{new[0].n_regs} sp{new[0].n_spills} sm{new[0].metadata.shared // 1024}K" if new else ""
             rows.append((t, f"s{splits} n{bn} st{ns} reg{reg}{info} err{err:.1e}"))
         base = _time_us(lambda: attention.paged_decode(q, kc, vc, pt, sl, 0.088))
@@ -791,12 +876,12 @@ def _device_table(prof, steps: int, title: str, top: int = 14) -> None:
 
 def profile_grammar(model: str, n: int = 64, tokens: int = 40) -> None:
     """Device work per step of a batch of n, unconstrained against the JSON schema of
-    grammar_bench.py (masks deferred, jump-forward off), CUDA graphs on: which kernels and
+    `streamer bench grammar` (masks deferred, jump-forward off), CUDA graphs on: which kernels and
     copies a constrained step adds."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.grammar_bench import PROMPT, SCHEMA
     from streamer import LLM
+    from streamer.bench.grammar import PROMPT, SCHEMA
     from streamer.messages import GrammarSpec, SamplingParams
 
     llm = LLM(model, load_format="dummy")
@@ -818,64 +903,91 @@ def profile_grammar(model: str, n: int = 64, tokens: int = 40) -> None:
     llm.close()
 
 
-class StackSampler:
-    """Counts, per thread, the Python functions on the stack every `interval` seconds."""
+def profile_ttft(model: str, settings: dict[str, int]) -> None:
+    """Where a lone request's time to first token goes: wall time of generate(max_tokens=1)
+    for one prompt of 128 and of 512 tokens, and the GPU kernel time of that step, with the
+    profiler's table of the host's operators."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.self_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.incl_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.samples: collections.Counter = collections.Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    from streamer import LLM
+    from streamer.messages import SamplingParams
 
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self._stop.is_set():
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                tname = names.get(ident, str(ident))
-                self.samples[tname] += 1
-                seen = set()
-                leaf = True
-                f = frame
-                while f is not None:
-                    key = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
-                    if leaf:
-                        self.self_counts[tname][key] += 1
-                        leaf = False
-                    if key not in seen:
-                        self.incl_counts[tname][key] += 1
-                        seen.add(key)
-                    f = f.f_back
-            time.sleep(self.interval)
+    llm = LLM(model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=8192, **settings)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for n in (128, 512):
+        walls = []
+        for rep in range(4):
+            prompt = [(i * 31 + rep * 7 + n) % 30000 + 10 for i in range(n)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prompt], one)
+            walls.append(1e3 * (time.perf_counter() - t0))
+        prompt = [(i * 37 + n) % 30000 + 10 for i in range(n)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt], one)
+            torch.cuda.synchronize()
+        gpu = sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA") / 1e3
+        print(f"prompt {n}: wall ms {[round(w, 1) for w in walls]}; GPU kernel time of the step {gpu:.1f} ms")
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=12)
+        print("\n".join(line[:150] for line in table.splitlines()))
+    llm.close()
 
-    def __enter__(self) -> StackSampler:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+def profile_ttft_launch(model: str, n: int = 128) -> None:
+    """Host time of the runner's step for one n-token prefill, called directly (no actors):
+    prepare alone, forward (which prepares again), the whole launch (forward and sampling
+    queued, from the step's host milestones) and until the tokens are on the host; then a
+    cProfile of a step: what the eager forward costs on the host. Then the same for a
+    1-token prompt, which replays a CUDA graph."""
+    import cProfile
+    import pstats
 
-    def report(self, top: int = 25) -> None:
-        for tname, n in self.samples.most_common():
-            if n < 50:
-                continue
-            print(f"\n== thread {tname}: {n} samples")
-            print("  self:")
-            for key, c in self.self_counts[tname].most_common(top):
-                print(f"    {100 * c / n:5.1f}%  {key}")
-            print("  inclusive:")
-            for key, c in self.incl_counts[tname].most_common(top):
-                print(f"    {100 * c / n:5.1f}%  {key}")
+    from streamer import LLM
+    from streamer.messages import Batch, SamplingParams, SeqChunk
+
+    llm = LLM(model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=8192)
+    runner = llm.engine.runner
+    ps = runner.pool.page_size
+    for length in (n, 1):
+        pages = list(range(1, 1 + -(-length // ps)))
+        batch = Batch(1, [SeqChunk("probe", [(i * 13) % 30000 + 10 for i in range(length)], 0, pages, True)],
+                      [SamplingParams(max_tokens=1, temperature=0)], [[]], [[]])
+        for _ in range(3):
+            runner.collect(runner.launch(batch))
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.prepare(batch)
+            t1 = time.perf_counter()
+            runner.forward(batch)
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            out = runner.collect(runner.launch(batch))
+            h = out.host_times
+            print(f"{length} tokens: prepare {1e3 * (t1 - t0):.2f} ms, forward (incl. prepare) {1e3 * (t2 - t1):.2f}; "
+                  f"a step: launch (forward + sampling) {1e3 * (h['launch_end'] - h['launch_begin']):.2f}, "
+                  f"until tokens {1e3 * (h['ready'] - h['launch_begin']):.2f} ms")
+        prof = cProfile.Profile()
+        prof.enable()
+        runner.collect(runner.launch(batch))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    # the whole pipeline (actors, tokenizer, detokenizer) around a 1-token prompt
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for length in (1, n):
+        walls = []
+        for rep in range(5):
+            t0 = time.perf_counter()
+            llm.generate([[(i * 31 + rep) % 30000 + 10 for i in range(length)]], one)
+            walls.append(round(1e3 * (time.perf_counter() - t0), 2))
+        print(f"generate, {length}-token prompt, 1 new token: wall ms {walls}")
+    llm.close()
 
 
 def profile_w1_host(n: int) -> None:
     from streamer import LLM
     from streamer.bench.offline import make_workload, run_engine, warm_up
+    from streamer.bench.stacks import StackSampler
 
     llm = LLM(str(CONFIGS / "qwen3-0.6b"), load_format="dummy", max_model_len=2100, max_num_seqs=256,
               max_num_batched_tokens=8192)
@@ -899,6 +1011,7 @@ def profile_serve_host(n: int) -> None:
     import signal
     import subprocess
 
+    from streamer.bench.stacks import StackSampler
     from streamer.cli import main as cli_main
 
     model = os.environ.get("W5_MODEL", ".gpu_assets/llama-3.1-8b-dummy")
@@ -930,10 +1043,16 @@ def profile_serve_host(n: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-kv", "attn-fp8", "attn-occ", "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops", "overlap", "gemm-rows", "gemm-layouts", "step", "w1cpu", "serve", "grammar"])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-b1", "attn-kv", "attn-fp8", "attn-occ",
+                                    "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops",
+                                    "overlap", "gemm-rows", "gemm-layouts", "step", "w1cpu", "serve", "grammar",
+                                    "ttft"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
-    p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"), help="grammar: a model folder with a tokenizer")
+    p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"),
+                   help="grammar: a model folder with a tokenizer; ttft: the model (dummy weights)")
+    p.add_argument("--launch", action="store_true", help="ttft: the runner's step alone, with a cProfile")
+    p.add_argument("--set", nargs="*", default=[], help="ttft: engine settings, key=value (ints)")
     p.add_argument("-n", type=int, default=256)
     p.add_argument("--quantization", default=None, help="step: the engine's quantization (fp8)")
     p.add_argument("--graphs", action="store_true", help="step: decode steps replayed from CUDA graphs")
@@ -941,7 +1060,7 @@ def main() -> None:
     p.add_argument("--rows", default=None, help="gemm-rows: comma-separated row counts")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480)")
     a = p.parse_args()
-    plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
+    plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-b1": bench_attn_b1, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "attn-one": bench_attn_one, "power": bench_power, "small-ops": bench_small_ops,
              "gemm-fp8": bench_gemm_fp8, "gemm-layouts": bench_gemm_layouts, "overlap": bench_overlap}
     if a.part == "gemm-rows":
@@ -956,6 +1075,10 @@ def main() -> None:
         profile_grammar(a.model)
     elif a.part == "serve":
         profile_serve_host(a.n)
+    elif a.part == "ttft" and a.launch:
+        profile_ttft_launch(a.model)
+    elif a.part == "ttft":
+        profile_ttft(a.model, {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)})
     else:
         profile_w1_host(a.n)
 

@@ -17,6 +17,12 @@ TL_DTYPES = {
 }
 
 
+PDL = True
+"""Programmatic dependent launch where the GPU has it. This package does not read the
+engine's settings (it does not import streamer): the engine sets this from its config
+(STREAMER_PDL=0 turns it off, streamer.config.use_pdl) before it captures its graphs."""
+
+
 def pdl_enabled(x: torch.Tensor) -> bool:
     """Launch the kernels reading `x` with programmatic dependent launch (PDL)?
 
@@ -24,8 +30,8 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     their prologue) while the kernel before it in the stream finishes; `pdl_enter` makes
     it wait for that kernel's completion before touching memory that kernel may produce
     or read. A decode step at batch 1 is a chain of ~300 short kernels, each of which
-    otherwise pays its launch and ramp-up in full. STREAMER_PDL=0 turns it off."""
-    if not x.is_cuda or interpreting() or os.environ.get("STREAMER_PDL", "1") == "0":
+    otherwise pays its launch and ramp-up in full. Off where `PDL` is False."""
+    if not PDL or not x.is_cuda or interpreting():
         return False
     return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
 
@@ -67,7 +73,11 @@ def log_compiles(log) -> bool:
 
 
 def interpreting() -> bool:
-    """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests)."""
+    """True under TRITON_INTERPRET (numpy emulation, used for CPU tensors in the tests).
+
+    Read here, not through streamer.config: it is Triton's own switch (triton.jit reads it
+    when a kernel is decorated), not the engine's, and this must agree with Triton's reading
+    of it whoever imports the kernels (the tests and benchmarks call them directly)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 

@@ -89,7 +89,7 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from streamer.server.app import serve
+    from streamer.server.serve import serve
 
     config = engine_config(args)
     config.grammar_prestart = True  # a server's first structured request should not wait for it
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server")
     add_engine_args(s)
     try:
-        from streamer.server.app import add_server_args
+        from streamer.server.serve import add_server_args
 
         add_server_args(s)
     except ImportError:

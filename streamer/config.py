@@ -1,6 +1,16 @@
 """Every knob of the engine and the server, in one place.
 
-Environment variables are read here and only here, with the STREAMER_ prefix.
+Environment variables are read here and only here, with the STREAMER_ prefix, through
+the typed accessors below (env_str, env_flag, env_ints):
+
+  STREAMER_CACHE_DIR       cache_dir(): where converted models live
+  STREAMER_STEP_TRACE      DiagnosticsConfig.step_trace: a JSON line per step to this file
+  STREAMER_PROFILE_STEPS   DiagnosticsConfig.profile_steps: steps run under torch.profiler...
+  STREAMER_PROFILE_OUT     ...their kernel tables go to this file (kernel_profile.jsonl)
+  STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
+  STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
+
+(TRITON_INTERPRET is Triton's own switch, not ours: kernels/common.py reads it.)
 """
 
 from __future__ import annotations
@@ -18,14 +28,66 @@ QUANTIZATIONS = ("fp8",)
 CACHE_ISOLATIONS = ("none", "per-key")
 
 
+ENV_PREFIX = "STREAMER_"
+_OFF = ("0", "false", "off", "no")
+
+
+def env_str(name: str, default: str = "") -> str:
+    """STREAMER_<name>, stripped; `default` when unset or empty."""
+    return os.environ.get(ENV_PREFIX + name, "").strip() or default
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """STREAMER_<name> as a switch: 0, false, off, no (any case) turn it off, any other
+    value on; unset or empty: `default`."""
+    value = env_str(name)
+    return default if not value else value.lower() not in _OFF
+
+
+def env_ints(name: str) -> frozenset[int]:
+    """STREAMER_<name> as comma-separated integers ("40,41,900"); unset: none."""
+    return frozenset(int(s) for s in env_str(name).split(",") if s.strip())
+
+
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     """Where converted models live: flag > STREAMER_CACHE_DIR > ~/.cache/streamer."""
     if override:
         return Path(override).expanduser()
-    env = os.environ.get("STREAMER_CACHE_DIR")
+    env = env_str("CACHE_DIR")
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "streamer"
+
+
+def use_pdl() -> bool:
+    """STREAMER_PDL (default on): launch the Triton kernels with programmatic dependent launch
+    where the GPU has it (sm_90+). The model runner hands it to kernels.common.PDL (kernels/
+    does not import streamer); 0 turns it off, to measure what it gains."""
+    return env_flag("PDL", True)
+
+
+@dataclass(frozen=True, slots=True)
+class DiagnosticsConfig:
+    """The engine's diagnostic switches (streamer/diagnostics.py), all off by default: read
+    from the environment once, when an engine is built (from_env)."""
+
+    step_trace: str | None = None
+    """STREAMER_STEP_TRACE=path: one JSON line per step (StepTrace)."""
+    profile_steps: frozenset[int] = frozenset()
+    """STREAMER_PROFILE_STEPS=40,41,900: these steps run alone under torch.profiler..."""
+    profile_out: str = "kernel_profile.jsonl"
+    """...and STREAMER_PROFILE_OUT names the file their kernel tables go to."""
+    log_compiles: bool = False
+    """STREAMER_LOG_COMPILES=1: log every kernel variant Triton builds after start (CUDA)."""
+
+    @classmethod
+    def from_env(cls) -> DiagnosticsConfig:
+        return cls(
+            step_trace=env_str("STEP_TRACE") or None,
+            profile_steps=env_ints("PROFILE_STEPS"),
+            profile_out=env_str("PROFILE_OUT", "kernel_profile.jsonl"),
+            log_compiles=env_flag("LOG_COMPILES", False),
+        )
 
 
 @dataclass(slots=True)

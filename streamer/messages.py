@@ -3,9 +3,10 @@
 The actors share nothing else: a message is built by one actor, handed over
 through an asyncio.Queue, and never mutated afterwards.
 
-  caller ─GenerateRequest─▶ tokenizer ─TokenizedRequest─▶ scheduler ─Batch─▶ executor
-  scheduler ◀─StepOutput─ executor;  scheduler ─TokenDelta─▶ detokenizer ─RequestOutput─▶ caller
+  caller ─Tokenize(GenerateRequest)─▶ tokenizer ─TokenizedRequest─▶ scheduler ─Batch─▶ executor
+  scheduler ◀─StepOutput─ executor;  scheduler ─TokenBatch─▶ detokenizer ─RequestOutput─▶ caller
   detokenizer ─Finish─▶ scheduler (a stop string matched);  anyone ─Abort─▶ scheduler
+  the engine ─Shutdown─▶ each actor, in pipeline order, when it stops
 
 At the end of the file, the frames between the server process and the engine process
 (engine/remote.py).
@@ -32,6 +33,11 @@ class GrammarSpec(msgspec.Struct, frozen=True):
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     max_tokens: int = 16
+    fill_context: bool = False
+    """max_tokens is the room the prompt leaves: min(max_model_len, the KV pool's tokens) minus
+    the prompt's tokens, set by the tokenizer actor once it knows the prompt's length (a prompt
+    that leaves none is refused). What OpenAI's chat API and WebSocket turns do when max_tokens
+    is omitted; the max_tokens given alongside is ignored."""
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,9 +69,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     freed, and its final output has finish_reason "timeout" (with what it generated so far)."""
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
+        if self.max_tokens < 1 and not self.fill_context:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (math.inf if self.fill_context else self.max_tokens):
             raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
@@ -104,7 +110,17 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
 
 
+class Tokenize(msgspec.Struct):
+    """Engine -> tokenizer: a new request (its outputs' queue is registered with the detokenizer)."""
+
+    request: GenerateRequest
+    arrival: float
+    """time.monotonic() when the engine received it: its deadline (timeout) counts from here."""
+
+
 class TokenizedRequest(msgspec.Struct, kw_only=True):
+    """Tokenizer -> scheduler: validated token ids; params.max_tokens resolved (fill_context)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -112,6 +128,7 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     grammar: Any = None
     """A compiled grammar (sampling.grammar.CompiledGrammar) or None."""
     arrival: float = 0.0
+    """As Tokenize.arrival (the scheduler's deadline starts here; 0: at the scheduler)."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -120,6 +137,11 @@ class Abort(msgspec.Struct, tag=True):
 
     request_id: str
     reason: str = "abort"
+
+
+class Shutdown(msgspec.Struct):
+    """To an actor's inbox: stop after what came before (AsyncEngine.stop sends one to each
+    actor in pipeline order, so requests still open get their final output)."""
 
 
 class Finish(msgspec.Struct):
@@ -211,6 +233,15 @@ class TokenDelta(msgspec.Struct):
     prompt_logprobs: list[float] | None = None
     queue_time: float | None = None
     """With the first delta: seconds from arrival at the scheduler to the first batch."""
+    error_code: str | None = None
+    """With error: RequestOutput.error_code (CONTEXT_LENGTH_EXCEEDED, from the tokenizer)."""
+
+
+class TokenBatch(msgspec.Struct):
+    """Scheduler (one per step) or tokenizer -> detokenizer: the TokenDeltas of one step, in
+    order; a request appears at most once with finish_reason set, in its last delta."""
+
+    deltas: list[TokenDelta]
 
 
 class RequestOutput(msgspec.Struct):
@@ -232,12 +263,14 @@ class RequestOutput(msgspec.Struct):
     """First output only: seconds the request waited at the scheduler for its first batch."""
     error_code: str | None = None
     """With error, when the engine rather than the request failed: ENGINE_DOWN (it died) or
-    ENGINE_STALLED (it stopped answering). None: the request's own error, or an internal one
-    ("internal error: ..."). (A deadline is finish_reason "timeout", with an error message.)"""
+    ENGINE_STALLED (it stopped answering); CONTEXT_LENGTH_EXCEEDED: the request's prompt and
+    max_tokens do not fit the context. None: another error of the request's own, or an internal
+    one ("internal error: ..."). (A deadline is finish_reason "timeout", with an error message.)"""
 
 
 ENGINE_DOWN = "engine_down"
 ENGINE_STALLED = "engine_stalled"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class Register(msgspec.Struct):
@@ -248,6 +281,12 @@ class Register(msgspec.Struct):
     queue: Any
     """Where its outputs go (put_nowait): the caller's asyncio.Queue[RequestOutput], or a
     sink shared by many requests (AsyncEngine.enqueue; the engine process's outbox)."""
+
+
+# What each actor's inbox carries (the tokenizer's: Tokenize | Shutdown).
+ToScheduler = TokenizedRequest | StepOutput | Abort | Finish | Shutdown
+ToExecutor = Batch | MaskFill | Shutdown
+ToDetokenizer = Register | TokenBatch | Shutdown
 
 
 class EngineStats(msgspec.Struct):

@@ -31,6 +31,9 @@ prompts in its cache).
 
   streamer bench serve --base-url http://127.0.0.1:8000 --workload random --request-rate 1,2,4,inf \\
       --num-prompts 200 --input-len 128:512 --output-len 128 --json results.json
+
+The workloads' prompts are built in serve_prompts.py; the summaries, the server's counters
+and the printed table are in serve_report.py.
 """
 
 from __future__ import annotations
@@ -48,89 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from streamer.bench.http import HTTPStatusError, StreamingClient
+from streamer.bench.serve_prompts import Request, make_requests, request_body
+from streamer.bench.serve_report import Result, print_table, scrape, server_view, summary_ms
 from streamer.sse import DONE, aiter_lines, parse_line
-
-JSON_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "maxLength": 40},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
-    },
-    "required": ["name", "age", "city", "hobbies"],
-    "additionalProperties": False,
-}
-CITIES = ["Paris", "Lagos", "Lima", "Osaka", "Oslo", "Quito", "Hanoi", "Perth", "Cairo", "Toronto", "Porto", "Pune"]
-
-
-# ---- workloads -----------------------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    prompt: list[int] | str
-    max_tokens: int
-
-
-def span(text: str) -> tuple[int, int]:
-    """'N' or 'MIN:MAX' -> (min, max)."""
-    lo, _, hi = text.partition(":")
-    a, b = int(lo), int(hi or lo)
-    if a < 1 or b < a:
-        raise SystemExit(f"bad length range {text!r}: want N or MIN:MAX with 1 <= MIN <= MAX")
-    return a, b
-
-
-def make_requests(args: argparse.Namespace, seed: int) -> list[Request]:
-    rng = random.Random(seed)
-    vlo, vhi = span(args.vocab_range)
-    olo, ohi = span(args.output_len)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(vlo, vhi) for _ in range(n)]
-
-    if args.workload == "random":
-        ilo, ihi = span(args.input_len)
-        out = []
-        for _ in range(args.num_prompts or 200):
-            p = ids(rng.randint(ilo, ihi))
-            out.append(Request(p, rng.randint(olo, ohi)))
-        return out
-    if args.workload in ("shared-prefix", "W4"):
-        out = []
-        for _ in range(args.groups):
-            prefix = ids(args.prefix_len)
-            for _ in range(args.prompts_per_group):
-                p = prefix + ids(args.question_len)
-                out.append(Request(p, rng.randint(olo, ohi)))
-        rng.shuffle(out)
-        if args.num_prompts:
-            out = [out[i % len(out)] for i in range(args.num_prompts)]
-        return out
-    if args.workload == "json-schema":
-        out = []
-        for i in range(args.num_prompts or 200):
-            city = rng.choice(CITIES)
-            text = (f"Invent a person #{i} who lives in {city}. Reply with a JSON object with the fields "
-                    f"name, age, city and hobbies (at most three).\nJSON: ")
-            out.append(Request(text, rng.randint(olo, ohi)))
-        return out
-    raise SystemExit(f"unknown workload {args.workload!r}")
-
-
-def request_body(args: argparse.Namespace, req: Request, model: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
-    if args.workload == "json-schema":
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "person", "schema": JSON_SCHEMA, "strict": True}}
-    elif args.ignore_eos:
-        body["ignore_eos"] = True
-    if model:
-        body["model"] = model
-    return body
-
 
 # ---- one request ---------------------------------------------------------------------------------
 
@@ -226,89 +149,6 @@ class Progress:
 
     def finish(self) -> None:
         print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
-
-
-SCRAPED = (
-    "streamer_cached_prompt_tokens_total", "streamer_prompt_tokens_total", "streamer_engine_steps_total",
-    "streamer_time_to_first_token_seconds_sum", "streamer_time_to_first_token_seconds_count",
-    "streamer_request_queue_time_seconds_sum", "streamer_request_queue_time_seconds_count",
-    "streamer_steps_held_total", "streamer_held_steps_joined_total", "streamer_held_steps_late_total",
-    "streamer_device_busy_seconds_total", "streamer_device_idle_seconds_total",
-)
-
-
-async def scrape(client: Any) -> dict[str, float] | None:
-    """The server's counters: cache hit rate, steps, and its own view of TTFT and queueing
-    (None when /metrics cannot be read)."""
-    try:
-        r = await client.get("/metrics")
-        r.raise_for_status()
-    except Exception:  # noqa: BLE001 - the hit rate is then reported as unknown
-        return None
-    out = {}
-    for line in r.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in SCRAPED:
-            out[name] = float(value)
-    return out if "streamer_prompt_tokens_total" in out else None
-
-
-def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Means over one rate point, from the differences of the server's counters: where the
-    client's TTFT goes (server TTFT = submit to first token; queue = wait for a first batch)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
-    out: dict[str, float] = {}
-    for key, name in (("server_ttft_mean_ms", "streamer_time_to_first_token_seconds"),
-                      ("server_queue_mean_ms", "streamer_request_queue_time_seconds")):
-        if d.get(name + "_count"):
-            out[key] = 1e3 * d[name + "_sum"] / d[name + "_count"]
-    for key, name in (("server_steps", "streamer_engine_steps_total"), ("steps_held", "streamer_steps_held_total"),
-                      ("held_joined", "streamer_held_steps_joined_total"),
-                      ("held_late", "streamer_held_steps_late_total")):
-        if name in d:
-            out[key] = d[name]
-    busy, idle = d.get("streamer_device_busy_seconds_total"), d.get("streamer_device_idle_seconds_total")
-    if busy is not None and idle is not None:
-        out["device_busy_s"], out["device_idle_s"] = busy, idle
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    """Percentile with linear interpolation (numpy's default)."""
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summary_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {"mean": 1e3 * sum(values) / len(values), "p50": 1e3 * pct(values, 50), "p90": 1e3 * pct(values, 90),
-            "p99": 1e3 * pct(values, 99)}
-
-
-@dataclass
-class Result:
-    request_rate: float | str
-    num_prompts: int
-    completed: int
-    errors: int
-    duration_s: float
-    request_throughput: float
-    output_throughput: float
-    total_token_throughput: float
-    input_tokens: int
-    output_tokens: int
-    ttft_ms: dict[str, float | None]
-    tpot_ms: dict[str, float | None]
-    itl_ms: dict[str, float | None]
-    e2e_ms: dict[str, float | None]
-    cache_hit_rate: float | None
-    cache_hit_rate_usage: float | None
-    max_concurrency: int | None
-    error_samples: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 async def run_point(client: Any, streams: StreamingClient, args: argparse.Namespace, rate: float, point: int,
@@ -409,7 +249,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--model", default=None, help="model name to send (default: none, the server's model)")
-    p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "W4", "json-schema"])
+    p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "W4", "json-schema"],
+                   help="the prompts (see above; default random)")
     p.add_argument("--request-rate", default="inf",
                    help="Poisson arrival rate in requests/s; a comma list sweeps (1,2,4,inf); inf: all at once")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -423,7 +264,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=64, help="shared-prefix: distinct tokens (default 64)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly max_tokens (default on; not sent for json-schema)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sent with every request (default 0)")
     p.add_argument("--vocab-range", default="1000:30000",
                    help="token ids of generated prompts, MIN:MAX (default 1000:30000: valid and not special "
                         "in every supported vocabulary)")
@@ -444,32 +285,6 @@ def parse_rates(text: str) -> list[float]:
             raise SystemExit(f"request rates must be > 0, got {part!r}")
         rates.append(rate)
     return rates
-
-
-def fmt(x: float | None, spec: str = ".0f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def print_table(results: list[Result]) -> None:
-    head = (f"{'rate':>6} {'reqs':>5} {'ok':>5} {'err':>4} {'req/s':>6} {'out tok/s':>9} "
-            f"{'TTFT p50/p90/p99 ms':>21} {'TPOT p50/p90/p99 ms':>21} {'ITL p50/p90/p99 ms':>21} {'hit%':>5}")
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        def three(d: dict[str, float | None]) -> str:
-            return "/".join(fmt(d[k]) for k in ("p50", "p90", "p99"))
-
-        rate = r.request_rate if isinstance(r.request_rate, str) else f"{r.request_rate:g}"
-        hit = None if r.cache_hit_rate is None else 100 * r.cache_hit_rate
-        print(f"{rate:>6} {r.num_prompts:5d} {r.completed:5d} {r.errors:4d} {r.request_throughput:6.2f} "
-              f"{r.output_throughput:9.1f} {three(r.ttft_ms):>21} {three(r.tpot_ms):>21} {three(r.itl_ms):>21} "
-              f"{fmt(hit, '.1f'):>5}")
-    for r in results:
-        for e in r.error_samples:
-            print(f"  error at rate {r.request_rate}: {e}")
-        if r.extra:
-            print(f"  rate {r.request_rate}: " + ", ".join(f"{k} {fmt(v, '.3g') if isinstance(v, float) else v}"
-                                                          for k, v in r.extra.items()))
 
 
 async def amain(args: argparse.Namespace) -> list[Result]:

@@ -1,7 +1,7 @@
 """Detokenizer actor: token ids -> text deltas, stop strings, per-request queues.
 
-Inbox:  Register (a new request's output queue), list[TokenDelta] (from the
-        scheduler or the tokenizer), None to stop.
+Inbox:  Register (a new request's output queue), TokenBatch (from the scheduler or the
+        tokenizer), Shutdown (the engine stops; the scheduler has sent its last "abort"s).
 Outbox: RequestOutput -> each request's queue (or shared sink); Finish -> scheduler when a
         stop string matched (so its pages are freed at once).
 Invariants: a text delta never ends inside a UTF-8 character (it waits for the
@@ -16,7 +16,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from streamer.messages import Finish, Register, RequestOutput, SamplingParams, TokenDelta
+from streamer.messages import (
+    Finish,
+    Register,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+    ToDetokenizer,
+    TokenDelta,
+    ToScheduler,
+)
 
 
 def _no_clean_up(hf_tokenizer: Any) -> bool:
@@ -124,19 +133,22 @@ class Stream:
             error=d.error,
             prompt_logprobs=d.prompt_logprobs,
             queue_time=d.queue_time,
+            error_code=d.error_code,
         )
 
 
-async def run(hf_tokenizer: Any, inbox: asyncio.Queue, to_scheduler: asyncio.Queue) -> None:
+async def run(
+    hf_tokenizer: Any, inbox: asyncio.Queue[ToDetokenizer], to_scheduler: asyncio.Queue[ToScheduler]
+) -> None:
     streams: dict[str, Stream] = {}
     while True:
         msg = await inbox.get()
-        if msg is None:
+        if isinstance(msg, Shutdown):
             return
         if isinstance(msg, Register):
             streams[msg.request_id] = Stream(hf_tokenizer, msg.params, msg.queue)
             continue
-        for d in msg:
+        for d in msg.deltas:
             s = streams.get(d.request_id)
             if s is None:
                 continue  # finished already (e.g. a stop string), later tokens are dropped

@@ -1,10 +1,11 @@
-"""AsyncEngine: builds the actors and the queues between them.
+"""AsyncEngine: builds the actors and the queues between them (engine/protocol.py's Engine).
 
   submit(GenerateRequest) -> async iterator of RequestOutput (ends with finished=True)
   enqueue(GenerateRequest, sink) -> the request's outputs go to sink.put_nowait instead
   abort(request_id)        -> the request stops wherever it is; its pages are freed
   stats()                  -> EngineStats
   dead, stalled            -> why it cannot serve (crashed; a step that does not end), or None
+  info                     -> the model's name, context, vocabulary, EOS ids and tokenizer
 
 Closing the iterator early (a client went away) aborts the request. If an actor crashes,
 every request still open through submit() ends with an ENGINE_DOWN error output.
@@ -17,20 +18,32 @@ import atexit
 import gc
 import itertools
 import logging
-import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from streamer.config import EngineConfig
+from streamer.diagnostics import Diagnostics
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
 from streamer.engine.health import step_stalled
-from streamer.engine.outputs import collect, deadline_guard, engine_failed, increments
+from streamer.engine.outputs import collect, engine_failed, follow
+from streamer.engine.protocol import ModelInfo
 from streamer.engine.scheduler import Scheduler
 from streamer.engine.tokenizer import load_tokenizer
-from streamer.messages import Abort, EngineStats, GenerateRequest, Register, RequestOutput, SamplingParams
+from streamer.messages import (
+    Abort,
+    EngineStats,
+    GenerateRequest,
+    Register,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+    ToDetokenizer,
+    Tokenize,
+    ToScheduler,
+)
 from streamer.model.runner import ModelRunner
 
 log = logging.getLogger("streamer.engine")
@@ -115,15 +128,21 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_path = resolve_model_path(self.config)
-        self.runner = ModelRunner(self.config, str(self.model_path))
+        self.diagnostics = Diagnostics.from_env()
+        self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
         self._collector_started = False
         """start() told _collector (stop() undoes it)."""
         self.hf_tokenizer = load_tokenizer(self.model_path)
         hf = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_ids(hf, self.hf_tokenizer, self.model_path)
-        self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size)
-        self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size)
+        pool = self.runner.pool
+        self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
+                                             pool_tokens=pool.capacity * pool.page_size)
+        self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
+                              self.hf_tokenizer)
+        self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
+                                   self.diagnostics)
         self._attach_grammar()
         overlap = self.config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -156,14 +175,13 @@ class AsyncEngine:
     @property
     def model_name(self) -> str:
         return "default" if self.config.model == "default" else self.model_path.name
-
     async def start(self) -> None:
         if self._tasks:
             return
-        self.q_tok: asyncio.Queue = asyncio.Queue()
-        self.q_sched: asyncio.Queue = asyncio.Queue()
+        self.q_tok: asyncio.Queue[Tokenize | Shutdown] = asyncio.Queue()
+        self.q_sched: asyncio.Queue[ToScheduler] = asyncio.Queue()
         self.q_exec = executor.Inbox()
-        self.q_detok: asyncio.Queue = asyncio.Queue()
+        self.q_detok: asyncio.Queue[ToDetokenizer] = asyncio.Queue()
         actors = {
             "tokenizer": tokenizer.run(self.tokenizer, self.q_tok, self.q_sched, self.q_detok),
             "scheduler": scheduler.run(self.scheduler, self.q_sched, self.q_exec, self.q_detok, self.overlap),
@@ -178,10 +196,7 @@ class AsyncEngine:
             task = asyncio.create_task(coro, name=f"streamer-{name}")
             task.add_done_callback(self._actor_done)
             self._tasks.append(task)
-        if self.runner.device.type == "cuda" and os.environ.get("STREAMER_LOG_COMPILES"):
-            from kernels.common import log_compiles
-
-            log_compiles(log)
+        self.diagnostics.on_start(self.runner.device.type == "cuda", log)
         if self.config.warmup and self.runner.device.type == "cuda":
             await self._warm_up()
         _collector.engine_started()
@@ -248,8 +263,9 @@ class AsyncEngine:
         """Stop the actors in pipeline order, so requests still open get a final "abort"."""
         if not self._tasks:
             return
-        for q, task in zip((self.q_tok, self.q_sched, self.q_exec, self.q_detok), self._tasks):
-            q.put_nowait(None)
+        inboxes: list[asyncio.Queue[Any]] = [self.q_tok, self.q_sched, self.q_exec, self.q_detok]
+        for q, task in zip(inboxes, self._tasks):
+            q.put_nowait(Shutdown())
             await asyncio.gather(task, return_exceptions=True)
         self._tasks = []
         if self.tokenizer.grammars is not None:
@@ -269,27 +285,15 @@ class AsyncEngine:
         if self.dead:
             raise RuntimeError(f"the engine is down: {self.dead}")
         self.q_detok.put_nowait(Register(request.request_id, request.params, sink))
-        self.q_tok.put_nowait((request, time.monotonic()))
+        self.q_tok.put_nowait(Tokenize(request, time.monotonic()))
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        return follow(request, self._send, self._open, self.abort)
+
+    async def _send(self, request: GenerateRequest, queue: asyncio.Queue[RequestOutput]) -> None:
         if not self._tasks:
             await self.start()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.enqueue(request, queue)
-        rid = request.request_id
-        self._open[rid] = queue
-        guard = deadline_guard(request, queue, self.abort)
-        finished = False
-        try:
-            async for out in increments(queue):
-                finished = out.finished
-                yield out
-        finally:
-            self._open.pop(rid, None)
-            if guard is not None:
-                guard.cancel()
-            if not finished:
-                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self.q_sched.put_nowait(Abort(request_id))

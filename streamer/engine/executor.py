@@ -1,7 +1,8 @@
 """Executor actor: owns the ModelRunner; launches steps and collects their tokens.
 
-Inbox:  Batch, MaskFill (from the scheduler), None to stop; an `Inbox`, which hands a
-        MaskFill straight to the launch thread instead of queueing it for the loop.
+Inbox:  Batch, MaskFill (from the scheduler), Shutdown (the engine stops); an `Inbox`,
+        which hands a MaskFill straight to the launch thread instead of queueing it for
+        the loop (and, at Shutdown, releases a step still waiting there for its masks).
 Outbox: StepOutput -> scheduler inbox, in the order of the batches.
 Invariants:
   - the model runs only in the "launch" worker thread, so the event loop keeps
@@ -25,9 +26,8 @@ import logging
 import queue
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from streamer.messages import Batch, MaskFill, StepOutput
+from streamer.messages import Batch, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
 from streamer.model.runner import Launched, ModelRunner
 
 log = logging.getLogger("streamer.executor")
@@ -38,22 +38,22 @@ def _failed(step: int, e: BaseException) -> StepOutput:
     return StepOutput(step, [], error=f"internal error in model step: {e}")
 
 
-class Inbox(asyncio.Queue[Any]):
+class Inbox(asyncio.Queue[ToExecutor]):
     """The executor's inbox: an asyncio queue, except that a MaskFill goes to a thread-safe
     queue that the launch thread reads while a step waits for its masks."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fills: queue.SimpleQueue[MaskFill | None] = queue.SimpleQueue()
+        self.fills: queue.SimpleQueue[MaskFill | Shutdown] = queue.SimpleQueue()
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: ToExecutor) -> None:
         if isinstance(item, MaskFill):
             self.fills.put(item)
         else:
             super().put_nowait(item)
 
 
-async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) -> None:
+async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToScheduler]) -> None:
     loop = asyncio.get_running_loop()
     last: asyncio.Task | None = None  # the newest collection: outputs leave in step order
 
@@ -86,7 +86,7 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) ->
         and sample. Later batches queue behind this in the thread, so they launch after it."""
         while True:
             fill = inbox.fills.get()
-            if fill is None:
+            if isinstance(fill, Shutdown):
                 return StepOutput(pending.step, [], error="the engine stopped before this step's grammar masks")
             if fill.step == pending.step:
                 return runner.sample(pending, fill.masks)
@@ -95,12 +95,13 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) ->
     with waiter, ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
         try:
             while True:
-                msg: Batch | None = await inbox.get()
-                if msg is None:
-                    inbox.fills.put(None)  # (a step still waiting for masks gives up)
+                msg = await inbox.get()
+                if isinstance(msg, Shutdown):
+                    inbox.fills.put(msg)  # (a step still waiting for masks gives up)
                     if last is not None:
                         await last
                     return
+                assert isinstance(msg, Batch)  # (a MaskFill goes to `fills`, never here)
                 item: Launched | StepOutput
                 try:
                     item = await loop.run_in_executor(thread, runner.launch, msg)
@@ -113,5 +114,5 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue) ->
         except BaseException:
             # cancelled (or failed) with a step waiting for masks: release the launch thread,
             # or the pool's shutdown on the way out would wait for it forever
-            inbox.fills.put(None)
+            inbox.fills.put(Shutdown())
             raise

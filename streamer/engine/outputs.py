@@ -2,15 +2,47 @@
 
 Shared by AsyncEngine and EngineProcess (engine/remote.py), and free of the model code
 (torch kernels, Triton), which the server process of `streamer serve` does not import.
+
+  follow(request, send, opened, abort)   the one submit loop of both engines
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from streamer.engine.health import DEADLINE_GRACE_S
 from streamer.messages import ENGINE_DOWN, GenerateRequest, RequestOutput
+
+
+async def follow(
+    request: GenerateRequest,
+    send: Callable[[GenerateRequest, asyncio.Queue[RequestOutput]], Awaitable[None]],
+    opened: dict[str, asyncio.Queue[RequestOutput]],
+    abort: Callable[[str], None],
+) -> AsyncGenerator[RequestOutput, None]:
+    """An engine's submit(): send the request with a queue of its own for its outputs (send
+    may raise: the engine is down), keep the queue in `opened` while the request runs (the
+    engine puts a final output there for each if it dies), and yield its increments up to
+    the final one. Closed early, the request is aborted; with a timeout, deadline_guard
+    ends it here if the engine does not."""
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    rid = request.request_id
+    await send(request, queue)
+    opened[rid] = queue
+    guard = deadline_guard(request, queue, abort)
+    finished = False
+    try:
+        async for out in increments(queue):
+            finished = out.finished
+            yield out
+    finally:
+        if opened.get(rid) is queue:  # (the engine may have ended it already: EngineProcess._watch)
+            del opened[rid]
+        if guard is not None:
+            guard.cancel()
+        if not finished:
+            abort(rid)
 
 
 async def increments(queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -1,58 +1,48 @@
-"""EngineProcess: the engine in a process of its own, behind AsyncEngine's interface.
+"""EngineProcess: the engine in a process of its own, behind the same interface as
+AsyncEngine (engine/protocol.py's Engine).
 
 Why: under `streamer serve` at saturation one event loop ran both the engine actors
 (~21 us of CPU per streamed token) and HTTP/SSE (~23 us per token); on a slow host that
 took longer than a GPU decode step, and the GPU waited. Here the server and the engine
 each have an event loop, a process and a GIL of their own (as vLLM and SGLang do).
 
-Server side (EngineProcess, in the server's process):
+This module is the server side, in the server's process; the engine side (the spawned
+process around an AsyncEngine, and the frame format) is engine/remote_engine.py.
   Inbox:  frames from the socket: Ready (or Failed) once, then Outputs and Stats; Failed
           when the engine died; EOF when the engine process is gone.
   Outbox: Submit, Abort, Stop -> the socket; RequestOutput -> each request's own queue,
-          read by submit()'s iterator (which merges what piled up, as AsyncEngine does).
+          read by submit()'s iterator (outputs.follow, as AsyncEngine's).
   Heartbeat: every frame counts; the engine side sends one at least every IDLE_STATS_S, so
           a silence of health.HEARTBEAT_S means the engine process is stopped or its loop is
           stuck (`stalled`), and at health.FAIL_STALLED_S its open requests end (_watch).
-Engine side (the spawned process, `_serve` around an AsyncEngine):
-  Inbox:  Submit (-> AsyncEngine.enqueue, every request with the same sink), Abort, Stop;
-          EOF (the server process went away) counts as Stop.
-  Outbox: Ready once the engine has started (warm-up included), or Failed and exit;
-          Outputs: every output of one event-loop iteration in one frame, never one frame
-          per token; Stats after outputs (at most every STATS_INTERVAL_S) and at least
-          every IDLE_STATS_S; Failed, then exit, if an engine actor crashes.
-Frames: a 4-byte little-endian length, then msgpack of messages.ToEngine / FromEngine.
 
 Invariants: every submitted request gets exactly one final output (finished=True): from
 the engine, or, if the engine process dies, an error output made here; the server
 process never initializes CUDA (the child is spawned, not forked: CUDA cannot be
-forked); the engine process ignores SIGINT (Ctrl-C reaches the whole process group: the
-server shuts down in order and sends Stop) and exits when it reads EOF; until it is ready
-(while the model loads, and nothing reads the socket) it dies with the server process.
+forked), nor tokenizes for the engine (its tokenizer serves /tokenize and logprobs' text).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import os
-import signal
 import socket
-import struct
-import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from streamer import errors
 from streamer.config import EngineConfig
 from streamer.engine.health import FAIL_STALLED_S, HEARTBEAT_S, step_stalled
-from streamer.engine.outputs import collect, deadline_guard, engine_failed, increments
-from streamer.engine.tokenizer import Tokenizer, load_tokenizer
+from streamer.engine.outputs import collect, engine_failed, follow
+from streamer.engine.protocol import ModelInfo
+from streamer.engine.remote_engine import LENGTH, engine_main, frame, read_frame, recv_exactly
+from streamer.engine.tokenizer import load_tokenizer
 from streamer.messages import (
     ENGINE_DOWN,
     ENGINE_STALLED,
@@ -70,41 +60,10 @@ from streamer.messages import (
     ToEngine,
 )
 
-if TYPE_CHECKING:
-    # imported by the engine process alone: the server process does without the model
-    # code (Triton and the kernels: ~70 MB resident)
-    from streamer.engine.engine import AsyncEngine
-
 log = logging.getLogger("streamer.engine.remote")
 
-STATS_INTERVAL_S = 0.05
-IDLE_STATS_S = 0.5
 STOP_TIMEOUT_S = 15.0
 """How long stop() waits for the engine process to exit before it kills it."""
-
-_LENGTH = struct.Struct("<I")
-
-
-def _frame(encoder: msgspec.msgpack.Encoder, msg: Any) -> bytearray:
-    buf = bytearray(_LENGTH.size)
-    encoder.encode_into(msg, buf, _LENGTH.size)
-    _LENGTH.pack_into(buf, 0, len(buf) - _LENGTH.size)
-    return buf
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
-    (n,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return await reader.readexactly(n)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
 
 
 def _model_name(config: EngineConfig) -> str:
@@ -112,11 +71,8 @@ def _model_name(config: EngineConfig) -> str:
     return "default" if config.model == "default" else Path(config.model).expanduser().name
 
 
-# ---- server side ----------------------------------------------------------------------
-
-
 class EngineProcess:
-    """AsyncEngine's interface as the server uses it; the engine runs in a spawned process.
+    """The Engine interface; the engine runs in a spawned process.
 
     launch() starts the process and waits until its engine is ready (blocking: `streamer
     serve` calls it before uvicorn starts, so a model that fails to load is reported like
@@ -126,12 +82,10 @@ class EngineProcess:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_name = _model_name(self.config)
+        """The model's name before launch (`streamer serve` prints it); then info.name."""
         self.dead: str | None = None
-        # from the engine process's Ready (launch)
-        self.max_model_len = 0
-        self.eos_token_ids: list[int] = []
-        self.hf_tokenizer: Any = None
-        self.tokenizer: Tokenizer | None = None
+        self._info: ModelInfo | None = None
+        """From the engine process's Ready (launch)."""
         self.pid: int | None = None
         self._process: Any = None  # multiprocessing's SpawnProcess
         self._sock: socket.socket | None = None
@@ -155,14 +109,14 @@ class EngineProcess:
             return
         ours, theirs = socket.socketpair()
         self._process = multiprocessing.get_context("spawn").Process(
-            target=_engine_main, args=(theirs, self.config, os.getpid()), name="streamer-engine", daemon=True
+            target=engine_main, args=(theirs, self.config, os.getpid()), name="streamer-engine", daemon=True
         )
         self._process.start()
         theirs.close()  # only the child holds its end now: EOF on ours means the child is gone
         self._sock, self.pid = ours, self._process.pid
         try:
-            (n,) = _LENGTH.unpack(_recv_exactly(ours, _LENGTH.size))
-            first = self._decoder.decode(_recv_exactly(ours, n))
+            (n,) = LENGTH.unpack(recv_exactly(ours, LENGTH.size))
+            first = self._decoder.decode(recv_exactly(ours, n))
         except EOFError:
             self._process.join(5)
             status = self._process.exitcode
@@ -173,11 +127,16 @@ class EngineProcess:
             self._close()
             raise _start_error(first)
         assert isinstance(first, Ready)
-        self.model_name, self.max_model_len = first.model_name, first.max_model_len
-        self.eos_token_ids, self._stats = first.eos_token_ids, first.stats
-        # the same tokenizer as the engine's, for what the server tokenizes itself
-        self.hf_tokenizer = load_tokenizer(Path(first.model_path))
-        self.tokenizer = Tokenizer(self.hf_tokenizer, first.eos_token_ids, first.max_model_len, first.vocab_size)
+        self.model_name, self._stats = first.model_name, first.stats
+        # the engine's own tokenizer, for /tokenize and the text of logprobs' tokens
+        hf = load_tokenizer(Path(first.model_path))
+        self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf)
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise RuntimeError("the engine process is not launched")
+        return self._info
 
     async def start(self) -> None:
         if self._reading is not None:
@@ -193,7 +152,7 @@ class EngineProcess:
         queues, decoder = self._queues, self._decoder
         try:
             while True:
-                msg = decoder.decode(await _read_frame(reader))
+                msg = decoder.decode(await read_frame(reader))
                 self._heard = time.monotonic()
                 if isinstance(msg, Outputs):
                     for out in msg.outputs:
@@ -250,7 +209,7 @@ class EngineProcess:
 
     def _send(self, msg: Any) -> None:
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(_frame(self._encoder, msg))
+            self._writer.write(frame(self._encoder, msg))
 
     async def stop(self) -> None:
         """Stop the engine process: requests still open end with "abort" (their final outputs
@@ -261,7 +220,7 @@ class EngineProcess:
         if self._writer is not None:
             self._send(Stop())
         elif self._sock is not None:  # launched, never started
-            self._sock.sendall(_frame(self._encoder, Stop()))
+            self._sock.sendall(frame(self._encoder, Stop()))
         await asyncio.to_thread(self._process.join, STOP_TIMEOUT_S)
         if self._process.is_alive():
             log.warning("the engine process did not exit in %.0f s: killed", STOP_TIMEOUT_S)
@@ -288,44 +247,31 @@ class EngineProcess:
         self._counter += 1
         return f"req-{self._counter}"
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        return follow(request, self._send_request, self._queues, self.abort)
+
+    async def _send_request(self, request: GenerateRequest, queue: asyncio.Queue[RequestOutput]) -> None:
         if self._reading is None:
             await self.start()
         if self.dead:
             raise RuntimeError(f"the engine is down: {self.dead}")
         try:
-            frame = _frame(self._encoder, Submit(request))
+            data = frame(self._encoder, Submit(request))
             # read back as the engine process will: a frame it cannot decode would take it down
-            self._check.decode(memoryview(frame)[_LENGTH.size :])
+            self._check.decode(memoryview(data)[LENGTH.size :])
         except (OverflowError, msgspec.DecodeError) as e:
             # e.g. a stop token id past 64 bits (no such token exists): refused like a bad request
-            yield RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                error=f"the request cannot be sent to the engine: {e}")
+            queue.put_nowait(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
+                                           error=f"the request cannot be sent to the engine: {e}"))
             return
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        rid = request.request_id
-        self._queues[rid] = queue
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(frame)
-        guard = deadline_guard(request, queue, self.abort)
-        finished = False
-        try:
-            async for out in increments(queue):
-                finished = out.finished
-                yield out
-        finally:
-            if self._queues.get(rid) is queue:  # (_watch may have ended it already)
-                del self._queues[rid]
-            if guard is not None:
-                guard.cancel()
-            if not finished:
-                self.abort(rid)
+            self._writer.write(data)
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
     def stats(self) -> EngineStats:
-        """The engine process's latest snapshot: at most STATS_INTERVAL_S old while outputs
+        """The engine process's latest snapshot: at most remote_engine.STATS_INTERVAL_S old while outputs
         flow, IDLE_STATS_S otherwise."""
         if self._stats is None:
             raise RuntimeError("the engine process is not started")
@@ -342,127 +288,3 @@ def _start_error(f: Failed) -> Exception:
     if isinstance(cls, type) and issubclass(cls, errors.StreamerError):
         return cls(f.error)
     return RuntimeError(f"the engine process failed to start: {f.kind}: {f.error}")
-
-
-# ---- engine side ----------------------------------------------------------------------
-
-
-def _engine_main(sock: socket.socket, config: EngineConfig, server_pid: int) -> None:
-    """The engine process (spawned)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _die_with_server(True)
-    if os.getppid() != server_pid:  # it died before the line above
-        os._exit(0)
-    asyncio.run(_serve(sock, config))
-
-
-def _die_with_server(on: bool) -> None:
-    """Linux: the kernel kills this process when the server process dies (on), or not (off).
-    On while the model loads: that holds the event loop (and, in native loaders, the GIL)
-    for up to minutes with nobody reading the socket, and a server killed meanwhile used to
-    leave its engine loading, holding the GPU. Off once ready: EOF then stops the engine in
-    order. (The kernel watches the thread that spawned this process, and that thread waits
-    in EngineProcess.launch until Ready.)"""
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL if on else 0, 0, 0, 0)
-
-
-class _Outbox:
-    """The engine side's one writer to the socket, and the sink of every request's outputs:
-    the detokenizer puts outputs, and they leave together once per loop iteration."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.loop = asyncio.get_running_loop()
-        self.encoder = msgspec.msgpack.Encoder()
-        self.outputs: list[RequestOutput] = []
-        self.sent_outputs = False
-        """Outputs went out since the last Stats."""
-
-    def put_nowait(self, out: RequestOutput) -> None:
-        if not self.outputs:
-            self.loop.call_soon(self.flush)
-        self.outputs.append(out)
-
-    def flush(self) -> None:
-        if self.outputs:
-            self.send(Outputs(self.outputs))
-            self.outputs = []
-            self.sent_outputs = True
-
-    def send(self, msg: Any) -> None:
-        # (no backpressure: a frame is one step's outputs, and the server reads at once)
-        if not self.writer.is_closing():
-            self.writer.write(_frame(self.encoder, msg))
-
-
-async def _serve(sock: socket.socket, config: EngineConfig) -> None:
-    from streamer.engine.engine import AsyncEngine  # noqa: PLC0415 - see TYPE_CHECKING above
-
-    reader, writer = await asyncio.open_connection(sock=sock)
-    outbox = _Outbox(writer)
-    try:
-        engine = AsyncEngine(config)
-        await engine.start()
-    except Exception as e:  # noqa: BLE001 - reported to the server, which raises it
-        log.debug("engine start failed", exc_info=True)
-        outbox.send(Failed(str(e), type(e).__name__))
-        await _close(writer)
-        return
-    _die_with_server(False)  # from here on, EOF stops the engine in order
-    outbox.send(Ready(model_path=str(engine.model_path), model_name=engine.model_name,
-                      max_model_len=engine.max_model_len, vocab_size=engine.tokenizer.vocab_size,
-                      eos_token_ids=engine.eos_token_ids, stats=engine.stats()))
-    commands = asyncio.create_task(_obey(reader, engine, outbox))
-    reports = asyncio.create_task(_report(engine, outbox))
-    done, _ = await asyncio.wait([commands, reports], return_when=asyncio.FIRST_COMPLETED)
-    commands.cancel()
-    reports.cancel()
-    if engine.dead:
-        outbox.send(Failed(engine.dead))
-    await engine.stop()  # open requests end with "abort"
-    outbox.flush()
-    await _close(writer)
-    for task in done:
-        task.result()  # a bug in this module: its traceback, and a non-zero exit status
-
-
-async def _obey(reader: asyncio.StreamReader, engine: AsyncEngine, outbox: _Outbox) -> None:
-    """Run the server's commands until Stop or EOF."""
-    decoder = msgspec.msgpack.Decoder(ToEngine)
-    while True:
-        try:
-            msg = decoder.decode(await _read_frame(reader))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return  # the server process is gone
-        if isinstance(msg, Submit):
-            if engine.dead:
-                return
-            engine.enqueue(msg.request, outbox)
-        elif isinstance(msg, Abort):
-            engine.abort(msg.request_id)
-        else:
-            return
-
-
-async def _report(engine: AsyncEngine, outbox: _Outbox) -> None:
-    """Stats after outputs and when idle, until an engine actor crashes."""
-    last = time.monotonic()
-    while not engine.dead:
-        await asyncio.sleep(STATS_INTERVAL_S)
-        now = time.monotonic()
-        if outbox.sent_outputs or now - last >= IDLE_STATS_S:
-            outbox.send(Stats(engine.stats()))
-            outbox.sent_outputs, last = False, now
-
-
-async def _close(writer: asyncio.StreamWriter) -> None:
-    try:
-        await writer.drain()
-        writer.close()
-        await writer.wait_closed()
-    except ConnectionError:
-        pass

@@ -10,6 +10,9 @@ from typing import Any
 from streamer.kv.radix import Node
 from streamer.messages import SamplingParams
 
+PLACEHOLDER = -1
+"""A token being sampled by a batch in flight; the runner reads its value on the device."""
+
 
 class Status(enum.IntEnum):
     """Ordered so that `status >= Status.FINISHED` means done."""
@@ -24,7 +27,8 @@ class Request:
     request_id: str
     prompt_len: int
     tokens: list[int]
-    """Prompt then output tokens. KV exists for tokens[:num_computed]."""
+    """Prompt then output tokens. KV exists for tokens[:num_computed]. Output tokens of
+    batches still in flight are PLACEHOLDERs until their StepOutput is processed."""
     params: SamplingParams
     eos_token_ids: frozenset[int]
     grammar: Any = None

@@ -1,12 +1,17 @@
 """Tokenizer actor: text or chat messages -> token ids, validated.
 
-Inbox:  GenerateRequest, None to stop.
-Outbox: TokenizedRequest -> scheduler; TokenDelta(error) -> detokenizer for a
+Inbox:  Tokenize (a GenerateRequest and its arrival time), Shutdown.
+Outbox: TokenizedRequest -> scheduler; TokenBatch([TokenDelta(error)]) -> detokenizer for a
         request that cannot be served (too long, bad parameters, bad grammar), and
         TokenDelta(abort) at stop for requests still waiting for their grammar.
-Invariants: tokenization and grammar compilation run in worker threads, never on
-the event loop (a request that is already token ids, short and without a grammar,
-is only validated, in place: the thread hop cost more than that). Requests leave in
+Invariants: a request's parameters are validated here, once, whoever submitted it (the
+server maps its bodies to SamplingParams and leaves validating to this actor). Only here
+is the prompt's length known, so here `fill_context` becomes a number: max_tokens is the
+room the prompt leaves in the context (and in the KV pool), and a prompt that leaves none
+is refused with the context-length error (code CONTEXT_LENGTH_EXCEEDED). Tokenization
+and grammar compilation run in worker threads, never on the event loop (a request that
+is already token ids, short and without a grammar, is only validated, in place: the
+thread hop cost more than that). Requests leave in
 the order they arrived, except that one whose grammar is not compiled yet leaves when
 it is: a compilation can take up to its time limit, and nobody else waits for it.
 """
@@ -18,8 +23,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from streamer.errors import ModelLoadError, RequestError
-from streamer.messages import GenerateRequest, TokenDelta, TokenizedRequest
+from streamer.messages import (
+    CONTEXT_LENGTH_EXCEEDED,
+    GenerateRequest,
+    SamplingParams,
+    Shutdown,
+    TokenBatch,
+    TokenDelta,
+    Tokenize,
+    TokenizedRequest,
+)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -34,14 +50,22 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"{path}: the tokenizer cannot be loaded ({e})") from None
 
 
+class ContextLengthError(RequestError):
+    """The prompt and max_tokens do not fit the context (error code CONTEXT_LENGTH_EXCEEDED)."""
+
+
 class Tokenizer:
     """The synchronous part: owns the transformers tokenizer (None for weight-only models)."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], max_model_len: int, vocab_size: int,
+                 pool_tokens: int | None = None) -> None:
         self.hf = hf_tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.room = min(max_model_len, pool_tokens or max_model_len)
+        """The tokens a request may hold in all (fill_context): the context, or the whole KV
+        pool when that is smaller (the scheduler refuses a request that needs more pages)."""
         self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
 
     def encode_prompt(self, req: GenerateRequest) -> list[int]:
@@ -72,30 +96,40 @@ class Tokenizer:
     def __call__(self, req: GenerateRequest, arrival: float) -> TokenizedRequest:
         """Validated token ids; the grammar is attached here only when it is compiled
         already (grammar_state does the rest, in a thread of its own)."""
-        req.params.validate()
+        params = req.params
+        params.validate()
         ids = self.encode_prompt(req)
         if not ids:
             raise RequestError("the prompt is empty")
-        total = len(ids) + req.params.max_tokens
+        if params.fill_context:
+            params = self.fill(params, len(ids))
+        total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len or total > self.max_model_len:
-            raise RequestError(
+            raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens is {req.params.max_tokens} ({total} in all)"
+                f"{len(ids)} tokens and max_tokens is {params.max_tokens} ({total} in all)"
             )
         grammar = None
-        if req.params.grammar is not None:
+        if params.grammar is not None:
             if self.grammars is None:
                 raise RequestError("structured output is not available for this model")
-            grammar = self.grammars.cached(req.params.grammar)
+            grammar = self.grammars.cached(params.grammar)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
-            params=req.params,
+            params=params,
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
             arrival=arrival,
         )
 
+    def fill(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """params with max_tokens the room that a prompt of this length leaves."""
+        room = self.room - prompt_tokens
+        if room < 1:
+            raise ContextLengthError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                                     f"the prompt has {prompt_tokens} tokens")
+        return msgspec.structs.replace(params, max_tokens=room, fill_context=False)
 
     def grammar_state(self, out: TokenizedRequest) -> TokenizedRequest:
         """out with its grammar's state (compiling the grammar: blocks up to its limits)."""
@@ -118,10 +152,12 @@ def inline(req: GenerateRequest) -> bool:
 
 def _error(rid: str, e: Exception) -> TokenDelta:
     msg = str(e) if isinstance(e, RequestError) else f"cannot tokenize: {e}"
-    return TokenDelta(rid, [], finish_reason="error", error=msg)
+    code = CONTEXT_LENGTH_EXCEEDED if isinstance(e, ContextLengthError) else None
+    return TokenDelta(rid, [], finish_reason="error", error=msg, error_code=code)
 
 
-async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue, to_detok: asyncio.Queue) -> None:
+async def run(tok: Tokenizer, inbox: asyncio.Queue[Tokenize | Shutdown], to_scheduler: asyncio.Queue,
+              to_detok: asyncio.Queue) -> None:
     loop = asyncio.get_running_loop()
     compiling: dict[asyncio.Future, str] = {}  # grammar compilations in flight -> request id
 
@@ -129,7 +165,7 @@ async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue,
         try:
             out = await loop.run_in_executor(grammar_threads, tok.grammar_state, out)
         except Exception as e:  # noqa: BLE001 - a bad grammar must not stop the actor
-            to_detok.put_nowait([_error(out.request_id, e)])
+            to_detok.put_nowait(TokenBatch([_error(out.request_id, e)]))
             return
         to_scheduler.put_nowait(out)
 
@@ -137,22 +173,22 @@ async def run(tok: Tokenizer, inbox: asyncio.Queue, to_scheduler: asyncio.Queue,
     grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="streamer-grammar")
     try:
         while True:
-            item = await inbox.get()
-            if item is None:
+            msg = await inbox.get()
+            if isinstance(msg, Shutdown):
                 # stopping: requests still waiting for a grammar end with "abort" (their
                 # compilations end with the engine's trial process; nobody reads them)
                 for task, rid in compiling.items():
                     task.cancel()
-                    to_detok.put_nowait([TokenDelta(rid, [], finish_reason="abort")])
+                    to_detok.put_nowait(TokenBatch([TokenDelta(rid, [], finish_reason="abort")]))
                 return
-            req, arrival = item
+            req, arrival = msg.request, msg.arrival
             try:
                 if inline(req):
                     out = tok(req, arrival)
                 else:
                     out = await loop.run_in_executor(thread, tok, req, arrival)
             except Exception as e:  # noqa: BLE001 - a bad request must not stop the actor
-                to_detok.put_nowait([_error(req.request_id, e)])
+                to_detok.put_nowait(TokenBatch([_error(req.request_id, e)]))
                 continue
             if out.params.grammar is not None and out.grammar is None:
                 task = asyncio.ensure_future(with_grammar(out))

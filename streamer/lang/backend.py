@@ -6,7 +6,7 @@
     .render_chat(conversations) -> the chat template applied to each (no generation prompt)
     .generate(prompt, params)   -> async iterator of RequestOutput deltas; RequestError on failure
     .complete(prompt, params)   -> the final RequestOutput, everything merged
-  EngineBackend(llm_or_engine)   the in-process engine
+  EngineBackend(llm_or_engine)   an engine of this process (engine/protocol.py's Engine), or an LLM's
   RuntimeEndpoint(base_url)      a running server's native /generate (runtime_endpoint.py)
 
 Programs run in worker threads and hand each expression to the backend's loop,
@@ -19,10 +19,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from streamer.engine.protocol import Engine
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from streamer.engine.llm import LLM
 
 
 class LoopThread:
@@ -73,22 +77,24 @@ class Backend:
 
 
 class EngineBackend(Backend):
-    """The in-process engine: an LLM (its loop is reused) or an AsyncEngine not started elsewhere.
+    """An engine of this process: an LLM's (its loop is reused), or an Engine (an AsyncEngine,
+    an EngineProcess) not started elsewhere.
 
-    An AsyncEngine is started on a loop thread of this backend; hand over one
-    that is not already running on another loop (its queues belong to one loop).
+    An Engine is started on a loop thread of this backend; hand over one that is not
+    already running on another loop (its queues belong to one loop).
     """
 
-    def __init__(self, llm_or_engine: Any) -> None:
+    def __init__(self, llm_or_engine: LLM | Engine) -> None:
         self._own: LoopThread | None = None
+        self.engine: Engine
         if hasattr(llm_or_engine, "engine") and hasattr(llm_or_engine, "loop"):  # streamer.LLM
             self.engine, self.loop = llm_or_engine.engine, llm_or_engine.loop
         else:
-            self.engine = llm_or_engine
+            self.engine = llm_or_engine  # type: ignore[assignment]
             self._own = LoopThread("streamer-lang")
             self.loop = self._own.loop
             self._own.call(self.engine.start())
-        self.hf = self.engine.hf_tokenizer
+        self.hf = self.engine.info.hf_tokenizer
         if self.hf is None:
             raise RequestError("the frontend language needs a model with a tokenizer")
 

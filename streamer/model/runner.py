@@ -1,10 +1,10 @@
 """ModelRunner: owns the model and its PagePool; runs one packed step.
 
-A Batch mixes prefill chunks and single-token decodes with no padding: the
-tokens of all sequences are concatenated, each with its absolute position and
-the slot (page * page_size + offset) where its K/V goes. Attention reads each
-sequence's earlier tokens through its page table. Only the last position of a
-sequence that samples reaches the LM head.
+A step is packed (packing.py: the tokens of all sequences concatenated, no padding),
+run (replayed from a CUDA graph, or eagerly: forward), and sampled (the sampler); its
+tokens stay on the device until collect() brings them to the host, so the next step can
+be launched first. Attention reads each sequence's earlier tokens through its page
+table. Only the last position of a sequence that samples reaches the LM head.
 
 The runner is driven from one worker thread (executor actor); it never touches
 the event loop.
@@ -12,26 +12,26 @@ the event loop.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
-from streamer.config import EngineConfig
+import kernels.common
+from streamer.config import EngineConfig, use_pdl
+from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
-from streamer.model.kernel_profile import StepProfiler
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
-from streamer.model.staging import PinnedRing
+from streamer.model.packing import prepare
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
+from streamer.staging import PinnedRing
 
 
 def pick_device(name: str) -> torch.device:
@@ -41,9 +41,10 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, diagnostics: Diagnostics | None = None) -> None:
         self.config = config
         self.device = pick_device(config.device)
+        kernels.common.PDL = use_pdl()  # (before any kernel runs or a graph is captured)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             model_path,
@@ -76,7 +77,7 @@ class ModelRunner:
         self.split_decode_tokens = 65536
         """Mixed steps whose leading decodes hold at least this many context tokens run
         their attention split (see prepare)."""
-        self.profiler = StepProfiler.from_env()
+        self.diagnostics = diagnostics if diagnostics is not None else Diagnostics.from_env()
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
 
@@ -116,113 +117,18 @@ class ModelRunner:
         return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
-        """Host lists -> the tensors of one forward (numpy on the host, one copy each)."""
-        ps = self.pool.page_size
-        seqs = batch.seqs
-        lens = [len(s.token_ids) for s in seqs]
-        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
-        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, int(cu[-1]))
-        starts = np.array([s.start for s in seqs], dtype=np.int64)
-        seq_lens = (starts + lens).astype(np.int32)
-        # absolute position of every token: its sequence's start + its index in the chunk
-        owner = np.repeat(np.arange(len(seqs)), lens)
-        positions = starts[owner] + (np.arange(int(cu[-1])) - cu[:-1][owner])
-        width = max(len(s.page_table) for s in seqs)
-        table = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.page_table)] = s.page_table
-        slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
-        last = [int(cu[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
-        n_sample = len(last)
-        if last:
-            # the LM head of eager and extend-graph steps sees a few row counts only: at
-            # saturation the step thread spent 28% of its time in LM-head GEMM calls of
-            # ever-new shapes (0% after this and the eager warm-up, made together); extra
-            # rows are dropped
-            last += last[:1] * (_padded_rows(n_sample) - n_sample)
-        lp_rows: list[int] = []
-        lp_targets: list[int] = []
-        lp_owner: list[tuple[str, int]] = []
-        for i, s in enumerate(seqs):
-            if s.logprob_targets:
-                first = int(cu[i]) + s.logprob_from
-                lp_rows.extend(range(first, first + len(s.logprob_targets)))
-                lp_targets.extend(s.logprob_targets)
-                lp_owner.append((s.request_id, len(s.logprob_targets)))
-        decode = max(lens) == 1 and all(s.sample for s in seqs)
-        graph = None
-        if decode and self.graphs is not None and self.graphs.fits(len(seqs), width):
-            graph = self.graphs
-        # A mixed step whose leading decodes hold a long context runs eagerly, its decodes
-        # through the decode kernel: in the extend kernel (CUDA graphs of mixed steps) each
-        # of them would read its pages once per query head.
-        num_decodes = 0
-        if not decode:
-            num_decodes = next((i for i, s in enumerate(seqs) if lens[i] != 1 or not s.sample), len(seqs))
-            if int(seq_lens[:num_decodes].sum()) < self.split_decode_tokens:
-                num_decodes = 0
-        eg = self.extend_graphs
-        tiles = np.zeros(0, dtype=np.int32)
-        # (a decode step too large for the decode graphs runs eagerly, not in the extend graphs)
-        if (graph is None and eg is not None and not decode and not num_decodes and not lp_rows
-                and eg.fits(int(cu[-1]), len(seqs), width)):
-            from kernels.attention import extend_tiles
-
-            graph = eg
-            tiles = extend_tiles(lens, eg.block_m, pad_to=eg.num_tiles(eg.padded(int(cu[-1]))))
-        pending = np.flatnonzero(ids < 0)
-        # tokens sampled by the previous step, still on the device (overlap scheduling)
-        pending_rows = np.array([self.last_rows[seqs[owner[i]].request_id] for i in pending], dtype=np.int64)
-        # Every index array travels in one pinned buffer and one asynchronous copy. A blocking
-        # copy (torch.tensor(..., device=)) waits for the step in flight, which undid the
-        # overlap of host preparation with the device; pinned memory also spares the driver
-        # staging each of nine small pageable copies.
-        parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
-                 table.ravel(), tiles]
-        dev_buf, offsets = self._upload(parts)
-        views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
-        input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views
-        if len(pending):
-            input_ids[pend_t] = self.last_tokens[rows_t]
-        return dict(
-            input_ids=input_ids,
-            positions=pos_t,
-            slot_mapping=slots_t,
-            page_table=table_t.view(len(seqs), width),
-            seq_lens=seq_lens_t,
-            cu_q_lens=cu_t,
-            max_q_len=max(lens),
-            last=last_t,
-            n_sample=n_sample,
-            graph=graph,
-            tiles=tiles_t,
-            num_decodes=num_decodes,
-            lp_rows=lp_rows,
-            lp_targets=lp_targets,
-            lp_owner=lp_owner,
+        """Host lists -> the tensors of one forward (packing.prepare)."""
+        return prepare(
+            batch,
+            page_size=self.pool.page_size,
+            device=self.device,
+            staging=self.inputs_staging,
+            graphs=self.graphs,
+            extend_graphs=self.extend_graphs,
+            split_decode_tokens=self.split_decode_tokens,
+            last_tokens=self.last_tokens,
+            last_rows=self.last_rows,
         )
-
-    def _upload(self, parts: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-        """Concatenate int arrays into one int64 tensor on the device; returns it and where
-        each part starts. Parts start on 128-byte boundaries: Triton specializes kernels on
-        16-byte pointer alignment, so unaligned views would compile new variants mid-run."""
-        offsets, n = [], 0
-        for a in parts:
-            offsets.append(n)
-            n += -(-a.size // 16) * 16
-        if self.device.type == "cuda":
-            host = self.inputs_staging.take(max(n, 1))
-        else:
-            host = torch.zeros(max(n, 1), dtype=torch.int64)
-        view = host.numpy()
-        for at, a in zip(offsets, parts):
-            view[at : at + a.size] = a.ravel()
-        if self.device.type == "cuda":
-            dev = host.to(self.device, non_blocking=True)
-            self.inputs_staging.record()
-            return dev, offsets
-        return host.to(self.device, non_blocking=True), offsets
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
@@ -272,8 +178,8 @@ class ModelRunner:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
         so the next batch can be launched before these values reach the host. A batch with
         masks_deferred only runs its forward: sample() finishes it once the masks are in."""
-        if self.profiler is not None and self.profiler.wants(batch.step):
-            return self.profiler.run(batch, lambda: self._launch(batch))
+        if batch.step in self.diagnostics.profile_steps:  # (STREAMER_PROFILE_STEPS; empty: none)
+            return self.diagnostics.profile(batch, lambda: self._launch(batch))
         return self._launch(batch)
 
     @torch.inference_mode()
@@ -413,11 +319,6 @@ class Launched:
     @property
     def awaiting_masks(self) -> bool:
         return self.tokens is None and self.sampled is None
-
-
-def _padded_rows(n: int) -> int:
-    """1, 2, 4, 8, then multiples of 16."""
-    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 16) * 16
 
 
 def _plain_greedy(batch: Batch) -> bool:

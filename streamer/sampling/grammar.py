@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import bisect
 import codecs
-import json
 import logging
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -48,11 +46,10 @@ import xgrammar as xgr
 
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
+from streamer.sampling.grammar_build import KINDS, build, clean_error
 from streamer.sampling.grammar_worker import CompilerUnavailable, TrialCompiler
 
 log = logging.getLogger("streamer.grammar")
-
-KINDS = ("json_object", "json_schema", "regex", "ebnf", "choice")
 
 BATCH_FILL_MIN = 8
 """From this many constrained rows on, masks are filled by xgrammar's thread pool..."""
@@ -67,51 +64,6 @@ JUMP_STEP_BYTES = 1024
 worst), however many grammar requests run."""
 CACHE_BYTES = 1 << 30
 """Compiled grammars kept, by xgrammar's own count of their memory (and at most cache_size)."""
-
-
-def clean_error(err: BaseException) -> str:
-    """xgrammar's C++ errors start with a timestamp, a source path and a check text; drop them."""
-    msg = str(err).strip()
-    msg = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", msg)
-    msg = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", msg)
-    return msg.splitlines()[0] if msg else type(err).__name__
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF whose language is exactly the given literals (JSON escapes are EBNF escapes)."""
-    alts = list(dict.fromkeys(choices))
-    return "root ::= " + " | ".join(json.dumps(c) for c in alts)
-
-
-def build(c: xgr.GrammarCompiler, kind: str, value: str, any_whitespace: bool) -> xgr.CompiledGrammar:
-    """Compile one spec (here and in the trial process); RequestError for what is not valid."""
-    if kind == "json_object":
-        return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
-    if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"invalid json_schema: not JSON ({e})") from None
-        except RecursionError:
-            raise RequestError("invalid json_schema: it nests too deeply") from None
-        if not isinstance(schema, dict | bool):
-            raise RequestError("invalid json_schema: a schema must be a JSON object")
-        return c.compile_json_schema(value, any_whitespace=any_whitespace)
-    if kind == "regex":
-        return c.compile_regex(value)
-    if kind == "ebnf":
-        return c.compile_grammar(value)
-    if kind == "choice":
-        try:
-            choices = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"invalid choice: not a JSON list of strings ({e})") from None
-        if not isinstance(choices, list) or not choices or not all(isinstance(s, str) for s in choices):
-            raise RequestError("invalid choice: give a non-empty JSON list of strings")
-        if not all(choices):
-            raise RequestError("invalid choice: the choices must not be empty strings")
-        return c.compile_grammar(choice_grammar(choices))
-    raise RequestError(f"unknown grammar kind {kind!r}; use one of {', '.join(KINDS)}")
 
 
 class _Vocab:

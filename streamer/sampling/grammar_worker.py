@@ -227,7 +227,7 @@ def _compile_child(init: _Init, info: Any, job: _Job, pipe: int) -> None:
     try:
         import xgrammar as xgr
 
-        from streamer.sampling.grammar import build, clean_error
+        from streamer.sampling.grammar_build import build, clean_error
 
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         try:

@@ -1,5 +1,6 @@
-"""What every request passes before a route sees it: who may call (HostCheck) and what a
-JSON route reads (JsonBody). Both are pure ASGI middleware, so that streams pass untouched.
+"""What every request passes before a route sees it: who may call (HostCheck, ApiKeyCheck)
+and what a JSON route reads (JsonBody). All are pure ASGI middleware, so that streams pass
+untouched.
 
 HostCheck — a web page the user visits must not drive a server on their machine:
   * DNS rebinding: evil.example resolves to 127.0.0.1, and the page's requests reach the
@@ -13,6 +14,9 @@ HostCheck — a web page the user visits must not drive a server on their machin
     multipart bodies without a CORS preflight (which this server never grants), and JsonBody
     answers those 415.
 
+ApiKeyCheck — with --api-key, the PROTECTED paths over HTTP need one of the keys; the
+  WebSocket checks the key itself (websocket.py), with the helpers here.
+
 JsonBody — a JSON POST route gets its body whole, read here under two limits: at most
 max_request_bytes (413, from Content-Length before reading anything, or as soon as a
 chunked body passes it) and within timeout_request_body of the head (408). Unknown
@@ -22,6 +26,8 @@ routes and other methods pass untouched (Starlette answers 404 / 405).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import logging
 from collections.abc import Collection
@@ -131,6 +137,60 @@ class HostCheck:
             await error_response(ApiError(why, 403, code=code))(scope, receive, send)
         else:
             await send({"type": "websocket.close", "code": 1008})  # before accept: the server answers 403
+
+
+# ---- API keys -------------------------------------------------------------------------------
+
+PROTECTED = ("/v1/", "/generate", "/tokenize", "/apply_chat_template")
+"""Paths that need the API key when one is set."""
+
+KEY_ID = "streamer.key_id"
+"""Scope entry: the hash of the API key a request authenticated with (ServerState.apply_policy)."""
+
+
+class ApiKeyCheck:
+    """Pure ASGI: the PROTECTED paths over HTTP need `Authorization: Bearer <key>`, one of the
+    keys, when keys are set; the hash of the key goes to scope[KEY_ID] (per-key cache isolation).
+
+    The WebSocket checks the key itself (browsers cannot set headers on a
+    WebSocket, so it also takes ?api_key=).
+    """
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keys = self.config.api_keys
+        if keys and scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+            headers = dict(scope["headers"])
+            key = matching_key(keys, bearer(headers.get(b"authorization", b"").decode("latin-1")))
+            if key is None:
+                err = ApiError("missing or wrong API key (send Authorization: Bearer <key>)", 401,
+                               code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+            scope[KEY_ID] = key_id(key)
+        await self.app(scope, receive, send)
+
+
+def bearer(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header value."""
+    scheme, _, given = authorization.partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else None
+
+
+def matching_key(keys: tuple[str, ...], given: str | None) -> str | None:
+    """The key equal to `given`, or None; every key is compared, each in constant time."""
+    found = None
+    for key in keys:
+        if given is not None and hmac.compare_digest(given.encode(), key.encode()):
+            found = key
+    return found
+
+
+def key_id(key: str) -> str:
+    """What identifies a key's tenant in cache salts (never the key itself): 16 hex digits."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 # ---- JSON bodies ----------------------------------------------------------------------------

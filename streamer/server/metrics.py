@@ -24,13 +24,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from streamer.messages import EngineStats, RequestOutput
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class EngineCollector(Collector):
     """Gauges read from engine.stats() on every scrape."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Any]:
@@ -91,7 +93,7 @@ class LoopHistogram(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("streamer_http_requests", "HTTP requests and WebSocket turns by endpoint and status",
@@ -123,7 +125,7 @@ class RequestTimer:
         self.first = True
         self.done = False
 
-    def observe(self, out: Any) -> None:
+    def observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
         if out.queue_time is not None:
             self.m.queue_time.observe(out.queue_time)

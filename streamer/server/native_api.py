@@ -1,7 +1,7 @@
 """The native API: POST /generate (text or token ids in, text and token ids out), and the two
 helpers the frontend language needs from a remote server, POST /tokenize and POST /apply_chat_template.
 
-  routes(engine) -> [Route]   mount them in any Starlette app whose lifespan starts the engine
+  routes() -> [Route]   for server/app.py's app (its ServerState is request.app.state.server)
 
 POST /generate
   {"text": "..." | ["...", ...]  or  "input_ids": [ids] | [[ids], ...],
@@ -28,17 +28,20 @@ These routes live in server/app.py's app and share its guards with the OpenAI ro
 API key, JSON bodies under the size limit, decoding through protocol.decode_body (400 for
 malformed or too deep JSON; token ids are strict ints, so `true` is refused), the request
 limits (server/limits.py) before any work, admission (--max-queue counts every prompt of a
-batch), and ServerState.stream, so that a client that goes away aborts its engine requests,
-streaming or not. Tokenizing and chat templates run in a small thread pool, off the loop.
+batch), and ServerState.start, so that a client that goes away aborts its engine requests,
+streaming or not. /tokenize and /apply_chat_template run in a small thread pool, off the loop.
+
+/generate's pipeline: bytes -> GenerateBody (its sampling_params a NativeSampling) -> the
+limits -> generate_requests: SamplingParams (the fields the two share copied by name) and
+one GenerateRequest per prompt -> ServerState.start -> one JSON body, or SSE events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -48,17 +51,19 @@ from starlette.routing import Route
 from streamer.engine.outputs import merge_outputs
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
-from streamer.server.openai_api import Merged, failure, start, until_disconnect
-from streamer.server.protocol import ApiError, decode_body
+from streamer.server.protocol import ApiError, choice_spec, decode_body, grammar_of, json_schema_spec
+from streamer.server.state import Merged, ServerState, failure, until_disconnect
 from streamer.sse import encode_data
 
-if TYPE_CHECKING:
-    from streamer.server.app import ServerState
-
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
+    """sampling_params: SamplingParams' fields of the same names (copied by name,
+    shared_fields), but for stop (a string or a list) and the grammar, which is one of
+    regex, json_schema, json_object, ebnf, choices."""
+
     max_tokens: int = 128
     min_tokens: int = 0
     temperature: float = 1.0
@@ -110,42 +115,29 @@ def sse(body: Any) -> str:
     return f"data: {encode_data(body)}\n\n"
 
 
-def grammar_of(sp: NativeSampling) -> GrammarSpec | None:
-    specs = []
-    if sp.regex is not None:
-        specs.append(GrammarSpec("regex", sp.regex))
-    if sp.json_schema is not None:
-        js = sp.json_schema
-        specs.append(GrammarSpec("json_schema", js if isinstance(js, str) else json.dumps(js)))
-    if sp.json_object:
-        specs.append(GrammarSpec("json_object"))
-    if sp.ebnf is not None:
-        specs.append(GrammarSpec("ebnf", sp.ebnf))
-    if sp.choices is not None:
-        if not sp.choices:
-            raise RequestError("choices needs at least one choice")
-        specs.append(GrammarSpec("choice", json.dumps(sp.choices)))
-    if len(specs) > 1:
-        raise RequestError("give at most one of regex, json_schema, json_object, ebnf, choices")
-    return specs[0] if specs else None
+def shared_fields(src: msgspec.Struct, kind: type[S], **given: Any) -> S:
+    """A `kind` with src's value for every field the two share by name, and `given` for the rest."""
+    names = {f.name for f in msgspec.structs.fields(kind)} - given.keys()
+    return kind(**{f: getattr(src, f) for f in src.__struct_fields__ if f in names}, **given)
 
 
 def sampling_params(body: GenerateBody) -> SamplingParams:
+    """/generate's body -> SamplingParams (the engine validates them: engine/tokenizer.py)."""
     sp = body.sampling_params
-    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-    params = SamplingParams(
-        max_tokens=sp.max_tokens, min_tokens=sp.min_tokens, temperature=sp.temperature, top_p=sp.top_p,
-        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty, seed=sp.seed,
-        stop=stop, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-        skip_special_tokens=sp.skip_special_tokens, grammar=grammar_of(sp),
+    if body.prompt_logprobs_from is not None and body.prompt_logprobs_from < 1:
+        raise ApiError(f"prompt_logprobs_from must be >= 1, got {body.prompt_logprobs_from}")
+    grammar = grammar_of([
+        None if sp.regex is None else GrammarSpec("regex", sp.regex),
+        json_schema_spec(sp.json_schema),
+        GrammarSpec("json_object") if sp.json_object else None,
+        None if sp.ebnf is None else GrammarSpec("ebnf", sp.ebnf),
+        choice_spec(sp.choices, "choices", None),
+    ], "regex, json_schema, json_object, ebnf, choices")
+    return shared_fields(
+        sp, SamplingParams, stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []), grammar=grammar,
         logprobs=body.top_logprobs_num if body.return_logprob else None,
-        prompt_logprobs_from=body.prompt_logprobs_from, cache_salt=sp.cache_salt, timeout=sp.timeout,
+        prompt_logprobs_from=body.prompt_logprobs_from,
     )
-    if params.prompt_logprobs_from is not None and params.prompt_logprobs_from < 1:
-        raise RequestError(f"prompt_logprobs_from must be >= 1, got {params.prompt_logprobs_from}")
-    params.validate()
-    return params
 
 
 def prompts(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
@@ -184,7 +176,7 @@ def meta_info(out: RequestOutput, body: GenerateBody) -> dict[str, Any]:
 
 
 async def outputs(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """What openai_api.start returned, as one iterator: the first outputs, then the rest."""
+    """What ServerState.start returned, as one iterator: the first outputs, then the rest."""
     for item in buffered:
         yield item
     async for item in gen:
@@ -202,21 +194,20 @@ async def whole(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: i
     return [outs[i] for i in range(count)]
 
 
-def routes(engine: Any) -> list[Route]:
-    """The native routes over `engine`, for server/app.py's app (its ServerState is
-    request.app.state.server)."""
+def engine_request(rid: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
+    if isinstance(prompt, str):
+        return GenerateRequest(request_id=rid, prompt=prompt, params=params)
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+
+
+def routes() -> list[Route]:
+    """The native routes, for server/app.py's app (its ServerState is request.app.state.server)."""
     # tokenizing and templating hold the GIL for most of their time: two threads keep the
     # loop responsive, and more concurrent requests wait their turn rather than share it
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streamer-native")
 
     async def off_loop(fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
-
-    def request(prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
-        rid = engine.new_request_id()
-        if isinstance(prompt, str):
-            return GenerateRequest(request_id=rid, prompt=prompt, params=params)
-        return GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
 
     async def generate(req: Request) -> Response:
         st: ServerState = req.app.state.server
@@ -226,21 +217,20 @@ def routes(engine: Any) -> list[Route]:
         st.limits.choices(sp.choices, "sampling_params.choices")
         try:
             batch, is_batch = prompts(body)
-            params = st.apply_policy(sampling_params(body), req.scope)
         except RequestError as e:
             raise ApiError(str(e)) from None
+        params = st.apply_policy(sampling_params(body), req.scope)
         param = "text" if body.text is not None else "input_ids"
         st.limits.batch(len(batch), param)
         st.limits.prompts(batch, param)
         if body.stream and is_batch:
             raise ApiError("stream needs a single prompt", param="stream")
-        st.admit(len(batch))
-        reqs = [request(p, params) for p in batch]
+        reqs = [engine_request(st.engine.new_request_id(), p, params) for p in batch]
         if body.stream:
             return await stream(req, st, reqs[0], body)
 
         async def run() -> list[RequestOutput]:
-            gen, buffered = await start(st, reqs)  # an engine refusal is a 400 here
+            gen, buffered = await st.start(reqs)  # admitted; an engine refusal is a 400 here
             return await whole(gen, buffered, len(reqs))
 
         outs = await until_disconnect(req, run())  # the client gone: every engine request aborted
@@ -253,7 +243,7 @@ def routes(engine: Any) -> list[Route]:
         return ok(results if is_batch else results[0])
 
     async def stream(req: Request, st: ServerState, r: GenerateRequest, body: GenerateBody) -> Response:
-        started = await until_disconnect(req, start(st, [r]))  # a refused request must still become a 400
+        started = await until_disconnect(req, st.start([r]))  # a refused request must still become a 400
         if started is None:
             return Response(status_code=499)
         gen, buffered = started
@@ -283,10 +273,10 @@ def routes(engine: Any) -> list[Route]:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def tokenizer() -> Any:
-        if engine.hf_tokenizer is None:
+    def tokenizer(st: ServerState) -> Any:
+        if st.info.hf_tokenizer is None:
             raise ApiError("this model has no tokenizer")
-        return engine.hf_tokenizer
+        return st.info.hf_tokenizer
 
     async def tokenize(req: Request) -> Response:
         st: ServerState = req.app.state.server
@@ -294,7 +284,7 @@ def routes(engine: Any) -> list[Route]:
         texts = [body.text] if isinstance(body.text, str) else body.text
         st.limits.batch(len(texts), "text", "texts")
         st.limits.prompts(texts, "text")
-        hf = tokenizer()
+        hf = tokenizer(st)
         ids = await off_loop(lambda: [list(x) for x in hf(texts, add_special_tokens=True)["input_ids"]] if texts else [])
         return ok({"input_ids": ids[0] if isinstance(body.text, str) else ids})
 
@@ -305,7 +295,7 @@ def routes(engine: Any) -> list[Route]:
         st.limits.at_most(len(convs), "max_conversations", "conversations", "conversations")
         chars = sum(st.limits.messages(c, "conversations") for c in convs)
         st.limits.at_most(chars, "max_prompt_chars", "characters of message content", "conversations")
-        hf = tokenizer()
+        hf = tokenizer(st)
         try:
             texts = await off_loop(lambda: [hf.apply_chat_template(c, tokenize=False) if c else "" for c in convs])
         except Exception as e:  # noqa: BLE001 - template errors come from the messages

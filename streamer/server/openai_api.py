@@ -1,38 +1,41 @@
 """/v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models.
 
-One request with n choices (and, for completions, several prompts) becomes
-one engine request per choice, ids f"{id}-{index}", run concurrently by
-ServerState.stream and merged back by choice index.
-
-The first output of every choice is awaited before any response starts:
-a request the engine refuses (prompt too long, bad grammar) arrives as a
-first output with finish_reason "error" and must become a 400, which is no
-longer possible once a 200 stream has begun.
+The pipeline of both:
+  bytes -> CompletionRequest | ChatCompletionRequest (protocol.decode_body)
+        -> the limits (limits.py)
+        -> completion_requests | chat_requests: one engine request per choice, GenerateRequest
+           with SamplingParams (protocol.to_sampling_params), ids f"{id}-{index}"
+        -> ServerState.start: admitted once, submitted, run concurrently, merged back by
+           choice index; the first output of every choice is awaited before any response
+           starts (a request the engine refuses, say a prompt too long or a bad grammar,
+           arrives as a first output with finish_reason "error" and must become a 400,
+           which is no longer possible once a 200 stream has begun)
+        -> one response (collect) or SSE chunks (events: CompletionChunks | ChatChunks).
+A chat request without max_tokens goes to the engine with fill_context: the engine's
+tokenizer gives it the room its prompt leaves (the server never applies the template).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, GenerateRequest, RequestOutput, SampledToken
+from streamer.messages import GenerateRequest, RequestOutput, SampledToken, SamplingParams
 from streamer.server import protocol as p
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
+from streamer.server.state import Merged, ServerState, failure, until_disconnect
 from streamer.sse import DONE_EVENT, data_event
 
-if TYPE_CHECKING:
-    from streamer.server.app import ServerState
-
-Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+Policy = Callable[[SamplingParams], SamplingParams]
+"""ServerState.apply_policy for one request's scope."""
 
 
 def server(request: Request) -> ServerState:
@@ -45,7 +48,7 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 async def models(request: Request) -> Response:
     st = server(request)
-    card = p.ModelCard(st.model_name, "model", int(time.time()), "streamer", st.engine.max_model_len)
+    card = p.ModelCard(st.model_name, "model", int(time.time()), "streamer", st.info.max_model_len)
     return json_response(p.ModelList("list", [card]))
 
 
@@ -94,22 +97,29 @@ def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[G
     return reqs
 
 
-async def start(st: ServerState, reqs: list[GenerateRequest]) -> tuple[Merged, list[tuple[int, RequestOutput]]]:
-    """Submit, then wait for every choice's first output; an engine refusal is raised as a 400."""
-    gen = st.stream(reqs)
-    buffered: list[tuple[int, RequestOutput]] = []
-    seen: set[int] = set()
-    try:
-        while len(seen) < len(reqs):
-            i, out = await anext(gen)
-            buffered.append((i, out))
-            if i not in seen and out.finish_reason in ("error", "timeout"):
-                raise failure(out)
-            seen.add(i)
-    except BaseException:
-        await gen.aclose()
-        raise
-    return gen, buffered
+def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]], rid: str, vocab_size: int,
+                        policy: Policy) -> list[GenerateRequest]:
+    """A completion body (its prompts parsed) -> one engine request per prompt and choice."""
+    params = policy(p.to_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                         vocab_size=vocab_size))
+    reqs = []
+    for k, prompt in enumerate(prompts):
+        base = (GenerateRequest(request_id=rid, prompt=prompt, params=params) if isinstance(prompt, str)
+                else GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params))
+        reqs += fan_out(base, rid, k * body.n, body.n)
+    return reqs
+
+
+def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]], rid: str, vocab_size: int,
+                  policy: Policy) -> list[GenerateRequest]:
+    """A chat body (its messages flattened) -> one engine request per choice; without
+    max_tokens, each may fill the context (resolved by the engine's tokenizer)."""
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = policy(p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                         logprobs=top, vocab_size=vocab_size, fill_context=True))
+    base = GenerateRequest(request_id=rid, messages=messages, params=params,
+                           add_generation_prompt=body.add_generation_prompt)
+    return fan_out(base, rid, 0, body.n)
 
 
 # ---- outputs -> OpenAI shapes ------------------------------------------------------
@@ -150,7 +160,7 @@ class Formatter:
     """Token strings for logprobs (decoded one token at a time, as OpenAI reports them)."""
 
     def __init__(self, st: ServerState) -> None:
-        self.tok = st.engine.hf_tokenizer
+        self.tok = st.info.hf_tokenizer
 
     def token(self, tid: int) -> str:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
@@ -191,15 +201,8 @@ async def completions(request: Request) -> Response:
     prompts = prompts_of(body.prompt)
     st.limits.batch(len(prompts) * body.n, "prompt", "engine requests (prompts x n)")
     st.limits.prompts(prompts, "prompt")
-    params = p.to_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                  vocab_size=st.engine.tokenizer.vocab_size)
-    params = st.apply_policy(params, request.scope)
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-    reqs = []
-    for k, prompt in enumerate(prompts):
-        base = (GenerateRequest(request_id=rid, prompt=prompt, params=params) if isinstance(prompt, str)
-                else GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params))
-        reqs += fan_out(base, rid, k * body.n, body.n)
+    reqs = completion_requests(body, prompts, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
     return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=False)
 
 
@@ -212,26 +215,14 @@ async def chat_completions(request: Request) -> Response:
     st.limits.sampling(body)
     messages = chat_messages(body.messages)
     st.limits.messages(messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    params = p.to_sampling_params(body, max_tokens=max_tokens, logprobs=top,
-                                  vocab_size=st.engine.tokenizer.vocab_size,
-                                  default_max_tokens=st.engine.max_model_len)
-    params = st.apply_policy(params, request.scope)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    base = GenerateRequest(request_id=rid, messages=messages, params=params,
-                           add_generation_prompt=body.add_generation_prompt)
-    st.admit(body.n)
-    if max_tokens is None:
-        base = await st.fit_to_context(base)
-    return await respond(request, st, fan_out(base, rid, 0, body.n), rid, body.n, body.stream,
-                         body.stream_options, chat=True)
+    reqs = chat_requests(body, messages, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=True)
 
 
 async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
                   stream: bool, options: p.StreamOptions | None, *, chat: bool) -> Response:
-    st.admit(len(reqs))
-    gen, buffered = await start(st, reqs)
+    gen, buffered = await st.start(reqs)  # admitted here, once
     fmt = Formatter(st)
     created = int(time.time())
     if stream:
@@ -268,43 +259,6 @@ async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count:
         if c.finish_reason in ("error", "timeout"):
             raise failure(c)
     return choices
-
-
-def failure(out: RequestOutput | Choice) -> ApiError:
-    """A request the engine ended with an error (or at its deadline), as the API's error.
-
-    The engine down or not responding: 503, code engine_down / engine_stalled (retry later or
-    elsewhere). The request's deadline: 504, code request_timeout; a whole response is an error
-    rather than partial text with a finish_reason, which a client could take for a complete
-    answer (streams do send what was generated, then the finish chunk and the error). The
-    engine's own failures ("internal error: ..."): 500. The rest come from the request (a
-    grammar this vocabulary cannot follow, say): 400, with the engine's message, also after
-    some output."""
-    error = out.error or "generation failed"
-    if out.error_code in (ENGINE_DOWN, ENGINE_STALLED):
-        return ApiError(error, 503, type="server_error", code=out.error_code, headers={"Retry-After": "5"})
-    if out.finish_reason == "timeout":
-        return ApiError(error, 504, type="server_error", code="request_timeout")
-    internal = out.error is None or out.error.startswith("internal error")
-    return ApiError(error, 500 if internal else 400, type="server_error" if internal else "invalid_request_error")
-
-
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
-    """Run work; if the client goes away first, cancel it (which aborts its engine requests)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if not task.cancelled() else None
 
 
 # ---- SSE -----------------------------------------------------------------------------

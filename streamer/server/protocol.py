@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct, field
 
-from streamer.errors import RequestError
 from streamer.messages import MAX_CACHE_SALT, GrammarSpec, SamplingParams
 
 # ---- errors ------------------------------------------------------------------
@@ -253,53 +252,69 @@ class ModelList(Struct):
 
 # ---- mapping -----------------------------------------------------------------
 
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for completions (chat and WebSocket turns fill the context instead)."""
 
-def grammar_of(body: SamplingFields) -> GrammarSpec | None:
-    """response_format and the guided_* extensions -> at most one GrammarSpec."""
-    specs: list[GrammarSpec] = []
-    rf = body.response_format
+
+def grammar_of(specs: list[GrammarSpec | None], names: str) -> GrammarSpec | None:
+    """The one output constraint among a body's grammar fields (each field's spec, or None
+    where it is absent): more than one is refused, naming the fields (`names`)."""
+    given = [g for g in specs if g is not None]
+    if len(given) > 1:
+        raise ApiError(f"give at most one of {names}")
+    return given[0] if given else None
+
+
+def json_schema_spec(schema: str | dict[str, Any] | None) -> GrammarSpec | None:
+    """A JSON schema given as an object or as its text."""
+    if schema is None:
+        return None
+    return GrammarSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def choice_spec(choices: list[str] | None, name: str, param: str | None) -> GrammarSpec | None:
+    if choices is None:
+        return None
+    if not choices:
+        raise ApiError(f"{name} needs at least one choice", param=param)
+    return GrammarSpec("choice", json.dumps(choices))
+
+
+def response_format_spec(rf: ResponseFormat | str | None) -> GrammarSpec | None:
     kind = rf if isinstance(rf, str) else rf.type if rf is not None else "text"
     if kind == "json_object":
-        specs.append(GrammarSpec("json_object"))
-    elif kind == "json_schema":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
         js = rf.json_schema if isinstance(rf, ResponseFormat) else None
         if js is None or js.schema_ is None:
             raise ApiError("response_format json_schema needs json_schema.schema", param="response_format")
-        specs.append(GrammarSpec("json_schema", json.dumps(js.schema_)))
-    elif kind != "text":
+        return GrammarSpec("json_schema", json.dumps(js.schema_))
+    if kind != "text":
         raise ApiError(f"unknown response_format type {kind!r}", param="response_format")
-    if body.guided_json is not None:
-        gj = body.guided_json
-        specs.append(GrammarSpec("json_schema", gj if isinstance(gj, str) else json.dumps(gj)))
-    if body.guided_regex is not None:
-        specs.append(GrammarSpec("regex", body.guided_regex))
-    if body.guided_grammar is not None:
-        specs.append(GrammarSpec("ebnf", body.guided_grammar))
-    if body.guided_choice is not None:
-        if not body.guided_choice:
-            raise ApiError("guided_choice needs at least one choice", param="guided_choice")
-        specs.append(GrammarSpec("choice", json.dumps(body.guided_choice)))
-    if len(specs) > 1:
-        raise ApiError("give at most one of response_format, guided_json/regex/grammar/choice")
-    return specs[0] if specs else None
+    return None
 
 
 def to_sampling_params(
-    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int, default_max_tokens: int = 16
+    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int, fill_context: bool = False
 ) -> SamplingParams:
-    """The one mapping from any request body to SamplingParams (n stays 1: the server fans out).
-
-    Chat passes the context length as default_max_tokens, to be narrowed to
-    the room the prompt leaves (ServerState.fit_to_context).
-    """
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    """The one mapping from an OpenAI body (or a WebSocket turn) to SamplingParams; n stays 1
+    (the server fans out). fill_context: an omitted max_tokens means the room the prompt
+    leaves in the context, which the engine's tokenizer resolves. The engine validates the
+    result (engine/tokenizer.py); here only what needs the body: the fields' names."""
     bias = body.logit_bias or None
     if bias and any(not 0 <= t < vocab_size for t in bias):
         raise ApiError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    params = SamplingParams(
-        max_tokens=max_tokens or default_max_tokens,
+    grammar = grammar_of([
+        response_format_spec(body.response_format),
+        json_schema_spec(body.guided_json),
+        None if body.guided_regex is None else GrammarSpec("regex", body.guided_regex),
+        None if body.guided_grammar is None else GrammarSpec("ebnf", body.guided_grammar),
+        choice_spec(body.guided_choice, "guided_choice", "guided_choice"),
+    ], "response_format, guided_json/regex/grammar/choice")
+    return SamplingParams(
+        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+        fill_context=fill_context and max_tokens is None,
         min_tokens=body.min_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -315,15 +330,10 @@ def to_sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
-        grammar=grammar_of(body),
+        grammar=grammar,
         cache_salt=body.cache_salt,
         timeout=body.timeout,
     )
-    try:
-        params.validate()
-    except RequestError as e:
-        raise ApiError(str(e)) from None
-    return params
 
 
 def decode_body(data: bytes, kind: type[Any]) -> Any:

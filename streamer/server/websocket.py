@@ -24,6 +24,11 @@ here); a wrong key closes the socket with code 1008. When the engine dies, every
 session gets an error message and is closed with 1011 (ServerState.watch_engine; a
 running turn's failure does the same).
 
+A turn's pipeline: the frame -> ClientMessage (protocol.decode_body) -> the limits ->
+turn_request: a GenerateRequest with the whole history as messages and SamplingParams
+(protocol.to_sampling_params; without max_tokens the turn fills the context, resolved by
+the engine's tokenizer) -> admit + ServerState.stream -> delta frames, then done.
+
 Before this module runs, guard.HostCheck has refused (403) a handshake from a foreign
 Origin; uvicorn closes a frame larger than --max-request-bytes with 1009; a turn over the
 request limits (server/limits.py, the history counted with the new message) is an error.
@@ -35,19 +40,17 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamer.messages import ENGINE_DOWN, GenerateRequest, SamplingParams
+from streamer.messages import ENGINE_DOWN, GenerateRequest
 from streamer.server import protocol as p
-from streamer.server.openai_api import failure
+from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
 from streamer.server.protocol import ApiError
-
-if TYPE_CHECKING:
-    from streamer.server.app import ServerState
+from streamer.server.state import ServerState, failure
 
 ENDPOINT = "/v1/chat/ws"
 
@@ -62,8 +65,6 @@ async def chat_session(ws: WebSocket) -> None:
     await ws.accept()
     keys = st.config.api_keys
     if keys:
-        from streamer.server.app import KEY_ID, bearer, key_id, matching_key  # noqa: PLC0415 - app imports this module
-
         key = (matching_key(keys, bearer(ws.headers.get("authorization", "")))
                or matching_key(keys, ws.query_params.get("api_key")))
         if key is None:
@@ -112,7 +113,7 @@ class Session:
     async def run(self) -> None:
         idle = self.st.config.session_idle_timeout
         await self.send({"type": "session", "id": self.id, "model": self.st.model_name,
-                         "max_model_len": self.st.engine.max_model_len, "idle_timeout": idle})
+                         "max_model_len": self.st.info.max_model_len, "idle_timeout": idle})
         try:
             while True:
                 msg = await self.receive(idle)
@@ -168,13 +169,11 @@ class Session:
         # the turn's prompt is the whole conversation: its limits apply to the history with this message
         self.st.limits.messages([*self.messages, {"role": "user", "content": msg.content}], "content")
         self.st.check_model(msg.model)
-        params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
-                                      vocab_size=self.st.engine.tokenizer.vocab_size,
-                                      default_max_tokens=self.st.engine.max_model_len)
-        params = self.st.apply_policy(params, self.ws.scope)
+        req = self.turn_request(msg, f"ws-{self.id}-{self.turns + 1}")
         self.turns += 1
-        self.turn_rid = f"ws-{self.id}-{self.turns}"
-        self.turn = asyncio.create_task(self.run_turn(msg.content, params, fit=msg.max_tokens is None))
+        self.turn_rid = req.request_id
+        self.messages.append({"role": "user", "content": msg.content})  # (popped if the turn fails)
+        self.turn = asyncio.create_task(self.run_turn(req))
         # a send to a closed socket ends the turn with an exception: retrieve it, nobody awaits it
         self.turn.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -184,16 +183,22 @@ class Session:
             with contextlib.suppress(Exception):
                 await self.turn
 
-    async def run_turn(self, content: str, params: SamplingParams, fit: bool) -> None:
-        assert self.turn_rid is not None
-        self.messages.append({"role": "user", "content": content})
-        req = GenerateRequest(request_id=self.turn_rid, messages=list(self.messages), params=params)
+    def turn_request(self, msg: ClientMessage, rid: str) -> GenerateRequest:
+        """A user message -> the engine request of its turn: the history and the message as
+        messages; without max_tokens, the reply may fill the context (the engine's tokenizer
+        resolves it)."""
+        assert msg.content is not None
+        params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
+                                      vocab_size=self.st.info.vocab_size, fill_context=True)
+        params = self.st.apply_policy(params, self.ws.scope)
+        messages = [*self.messages, {"role": "user", "content": msg.content}]
+        return GenerateRequest(request_id=rid, messages=messages, params=params)
+
+    async def run_turn(self, req: GenerateRequest) -> None:
         reply: list[str] = []
         last = None
         try:
             self.st.admit(1)
-            if fit:
-                req = await self.st.fit_to_context(req)
             async with contextlib.aclosing(self.st.stream([req])) as outputs:
                 async for _, out in outputs:
                     if out.finish_reason == "error":

@@ -130,6 +130,28 @@ def test_prompt_over_the_context_length_is_a_clear_error(default_model):
         assert out.finish_reason == "error" and "maximum context length is 64" in out.error
 
 
+def test_fill_context_is_the_room_the_prompt_leaves_in_the_context_or_the_pool(default_model):
+    """SamplingParams.fill_context (a chat without max_tokens): the tokenizer actor, which
+    knows the prompt's length, makes max_tokens the room left, and the scheduler's KV check
+    sees that number; a prompt that leaves no room is refused with the context-length error."""
+    from streamer.messages import CONTEXT_LENGTH_EXCEEDED
+
+    fill = SamplingParams(fill_context=True, temperature=0, ignore_eos=True)
+    messages = [{"role": "user", "content": "Hi"}]
+    with LLM(str(default_model), max_model_len=64) as llm:
+        out = llm.chat(messages, fill)
+        assert out.error is None and out.finish_reason == "length"
+        assert out.completion_tokens == 64 - out.prompt_tokens > 0
+        full = llm.generate([list(range(100, 164))], fill)[0]
+        assert full.finish_reason == "error" and full.error_code == CONTEXT_LENGTH_EXCEEDED
+        assert full.error == "this model's maximum context length is 64 tokens; the prompt has 64 tokens"
+    with LLM(str(default_model), num_pages=10) as llm:  # a pool smaller than the context
+        pool = llm.engine.runner.pool
+        out = llm.chat(messages, fill)
+        assert out.error is None and out.completion_tokens == pool.capacity * pool.page_size - out.prompt_tokens
+        settle(llm)
+
+
 @pytest.fixture(scope="module")
 def shared_llm(default_model):
     with LLM(str(default_model), max_num_seqs=2, max_num_batched_tokens=32) as llm:
@@ -325,7 +347,7 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(default_model, tex
         assert outs[2].finish_reason == "error" and "poisoned input" in outs[2].error
         for i in (0, 1, 3, 4):
             assert outs[i].error is None and outs[i].token_ids == expected[i], i
-        assert llm.engine.scheduler.isolated_failures >= 2
+        assert llm.engine.scheduler.counters.isolated_failures >= 2
         settle(llm)
         again = llm.generate(prompts[:2], params)  # the engine serves on, batched as before
         assert [o.token_ids for o in again] == expected[:2]

@@ -13,7 +13,7 @@ import time
 import torch
 
 from streamer.engine import executor
-from streamer.messages import Batch, MaskFill, SampledToken, StepOutput
+from streamer.messages import Batch, MaskFill, SampledToken, Shutdown, StepOutput
 from streamer.model.runner import Launched
 
 
@@ -63,7 +63,7 @@ async def drive(runner: ScriptedRunner, messages: list, expect: int) -> list[Ste
         inbox.put_nowait(m)
         await asyncio.sleep(random.random() * 0.003)
     got = [await asyncio.wait_for(out.get(), 5) for _ in range(expect)]
-    inbox.put_nowait(None)
+    inbox.put_nowait(Shutdown())
     await asyncio.wait_for(task, 5)
     assert out.empty()
     return got
@@ -131,7 +131,7 @@ def test_the_mask_fill_reaches_the_launch_thread_while_the_event_loop_is_busy():
             time.sleep(0.001)  # blocks the event loop
         assert ("sample", 1) in runner.events
         got = await asyncio.wait_for(out.get(), 5)
-        inbox.put_nowait(None)
+        inbox.put_nowait(Shutdown())
         await asyncio.wait_for(task, 5)
         return got
 
@@ -144,7 +144,7 @@ def test_stopping_while_a_step_waits_for_its_masks():
 
     async def scenario() -> StepOutput:
         inbox, out, task = await launched_deferred(runner)
-        inbox.put_nowait(None)
+        inbox.put_nowait(Shutdown())
         await asyncio.wait_for(task, 5)
         return out.get_nowait()
 

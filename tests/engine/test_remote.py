@@ -81,11 +81,12 @@ def same_output(a: RequestOutput, b: RequestOutput) -> bool:
         msgspec.structs.replace(b, request_id="", queue_time=None)
 
 
-def test_ready_without_cuda_in_this_process(served: Served) -> None:
+def test_ready_without_cuda_in_this_process(served: Served, local: LLM) -> None:
     e = served.engine
-    assert e.model_name == "default" and e.max_model_len == 8192 and e.eos_token_ids
-    assert e.tokenizer is not None and e.tokenizer.vocab_size == 49152
-    assert e.tokenizer.encode_prompt(request("t", "Hello")) == e.hf_tokenizer("Hello")["input_ids"]
+    assert e.info.name == "default" and e.info.max_model_len == 8192 and e.info.eos_token_ids
+    assert e.info.hf_tokenizer is not None and e.info.vocab_size == 49152
+    # the server process's tokenizer (/tokenize, logprobs' text) is the engine's
+    assert local.engine.tokenizer.encode_prompt(request("t", "Hello")) == e.info.hf_tokenizer("Hello")["input_ids"]
     assert e.pid is not None and e.pid != os.getpid()
     assert not torch.cuda.is_initialized()
 

@@ -108,12 +108,16 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
     batch = prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 
+    import kernels.common
     from kernels.common import pdl_enabled
 
+    monkeypatch.setattr(kernels.common, "PDL", kernels.common.PDL)  # (the engines below set it)
+
     def run(pdl):
-        monkeypatch.setenv("STREAMER_PDL", pdl)
-        assert pdl_enabled(torch.zeros(1, device="cuda")) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.config.use_pdl)
         with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048) as llm:
+            on = pdl == "1" and torch.cuda.get_device_capability()[0] >= 9
+            assert pdl_enabled(torch.zeros(1, device="cuda")) == on
             return [llm.generate([p], params)[0] for p in batch] + llm.generate(batch, params)
 
     on, off = run("1"), run("0")

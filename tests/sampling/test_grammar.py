@@ -16,9 +16,9 @@ from streamer.sampling.grammar import (
     JUMP_MAX_BYTES,
     GrammarCompiler,
     GrammarState,
-    choice_grammar,
     fill_bitmask,
 )
+from streamer.sampling.grammar_build import choice_grammar
 
 VOCAB = 49152  # SmolLM2's model vocabulary
 

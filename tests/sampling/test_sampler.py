@@ -225,7 +225,7 @@ def test_apply_bitmask_through_pinned_staging_on_cuda():
     """The GPU path copies the host bitmask through a pinned ring buffer on a side stream
     (so the copy overlaps the forward still running): same result, also while the stream
     is busy and when the ring comes round and a buffer is reused for a new mask."""
-    from streamer.model.staging import PinnedRing
+    from streamer.staging import PinnedRing
 
     ring = PinnedRing(slots=2)
     busy = torch.randn(4096, 4096, device="cuda")
@@ -242,7 +242,7 @@ def test_apply_bitmask_through_pinned_staging_on_cuda():
 
 
 def test_apply_bitmask_torch_fallback(monkeypatch):
-    import streamer.sampling.sampler as s
+    import streamer.sampling.processing as s
 
     monkeypatch.setattr(s, "_xgr_apply_ok", False)
     allowed = torch.rand(3, 70) < 0.5

@@ -18,7 +18,8 @@ import pytest
 
 from streamer.config import EngineConfig, ServerConfig
 from streamer.engine.engine import AsyncEngine
-from streamer.server.app import ServerState, create_app
+from streamer.server.app import create_app
+from streamer.server.state import ServerState
 from tests.conftest import serve_in_thread
 
 

@@ -58,7 +58,7 @@ def test_engine_flags_reach_the_engine_config():
 
 def test_the_engine_gets_its_own_process_on_cuda_unless_told():
     from streamer.config import EngineConfig, ServerConfig
-    from streamer.server.app import wants_engine_process
+    from streamer.server.serve import wants_engine_process
 
     def wants(flags, device):
         args = serve_parser().parse_args(flags)

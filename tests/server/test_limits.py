@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from streamer.config import ServerConfig
-from streamer.server.app import ServerState
 from streamer.server.limits import CHARS_PER_TOKEN, Limits
 from streamer.server.native_api import ChatTemplateBody, GenerateBody, TokenizeBody, prompts
 from streamer.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, decode_body
+from streamer.server.state import ServerState
 
 
 def refusal(fn, *args) -> ApiError:
@@ -117,7 +117,7 @@ def test_every_limit_is_a_serve_flag_that_reaches_the_config():
     import argparse
     import dataclasses
 
-    from streamer.server.app import LIMIT_FIELDS, add_server_args
+    from streamer.server.serve import LIMIT_FIELDS, add_server_args
 
     p = argparse.ArgumentParser()
     add_server_args(p)

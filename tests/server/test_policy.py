@@ -11,8 +11,8 @@ import pytest
 from streamer.config import ServerConfig
 from streamer.errors import ConfigError
 from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, RequestOutput, SamplingParams
-from streamer.server.app import KEY_ID, ServerState, bearer, engine_down, key_id, matching_key
-from streamer.server.openai_api import failure
+from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
+from streamer.server.state import ServerState, engine_down, failure
 
 ENGINE = SimpleNamespace(stats=lambda: None, dead=None, stalled=None)
 

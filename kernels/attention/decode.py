@@ -1,0 +1,443 @@
+"""Split-KV paged decode attention: `paged_decode`, one query per sequence.
+
+Grid (KVH, B, num_splits) (KV heads of a sequence are neighbouring programs, so they
+stream the same pages at the same time): a program takes all H // KVH query heads of one
+KV head (padded to >= 16 rows so the scores are one tl.dot) over one chunk of the
+sequence's keys, so every K/V page is read once per KV head. With several splits, each
+writes its normalised partial output and log-sum-exp to fp32 scratch and a second small
+kernel merges the splits. The split count is chosen on the host from shapes only (batch,
+KV heads, page_table width or the `max_seq_len` hint, SM count) - never from device
+values - so the launch is CUDA-graph safe; inside the kernel each sequence's keys are
+divided evenly between the splits. Over float8 pages a program is one warp, and key blocks
+are read as 16-token sub-tiles of pages (`_load_kv_subtiles`; V token-major, as a float8
+`PagePool` holds it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.common import (
+    _LOG2E,
+    _cast_in,
+    _load_kv_block,
+    _load_kv_subtiles,
+    _load_pages,
+    _output,
+    _paged_compute,
+)
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import round_to as _round_to
+
+
+@triton.jit
+def _decode_step(
+    q,
+    k,
+    v,
+    t_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
+    """One online-softmax update of (m_i, l_i, acc) with a block of keys/values (t_mask:
+    the keys that exist, read only if MASKED)."""
+    k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _cast_in(v, IN_DTYPE, COMPUTE, INTERP)
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+# The page-table width and split count change from batch to batch; left to specialize, Triton
+# would compile new variants (divisible by 16, equal to 1) in the middle of serving. So does
+# the alignment of the page table and lengths where a mixed step hands the decode and the
+# extend kernel slices of them (kernels.ops.paged_attention): 16-byte aligned or not,
+# depending on the number of decodes and the table's width. Each is read one scalar at a
+# time, so alignment buys nothing.
+@triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["pt_ptr", "seq_lens_ptr"])
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ptb,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    num_splits,
+    SPLIT: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl_enter(PDL)
+    if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # keys of this sequence are divided evenly (in BLOCK_N units) over the splits
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if COMPUTE == tl.float16 and IN_DTYPE != tl.float16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(COMPUTE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_row = pt_ptr + b64 * stride_ptb
+    if SUBTILE:
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            k, v = _load_kv_subtiles(
+                k_head, v_head, pt_row, n0, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, False,
+            )  # fmt: skip
+            m_i, l_i, acc = _decode_step(
+                q, k, v, offs_n, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, False
+            )
+        if full_end < end:
+            k, v = _load_kv_subtiles(
+                k_head, v_head, pt_row, full_end, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, True,
+            )  # fmt: skip
+            t_mask = (full_end + offs_n) < end
+            m_i, l_i, acc = _decode_step(q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP)
+    elif PREFETCH:
+        # software pipelining in registers: while a block is computed, the next block's
+        # K/V loads and the page ids of the block after it are in flight
+        toks = start + offs_n
+        t_mask = toks < end
+        page = _load_pages(pt_row, toks, t_mask, PAGE_SIZE)
+        k_cur, v_cur = _load_kv_block(
+            k_ptr, v_ptr, page, toks, t_mask, kvh, offs_d, d_mask,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
+        )  # fmt: skip
+        toks = toks + BLOCK_N
+        page_nx = _load_pages(pt_row, toks, toks < end, PAGE_SIZE)
+        for n0 in range(start, end, BLOCK_N):
+            toks_nx = n0 + BLOCK_N + offs_n
+            k_nx, v_nx = _load_kv_block(
+                k_ptr, v_ptr, page_nx, toks_nx, toks_nx < end, kvh, offs_d, d_mask,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
+            )  # fmt: skip
+            toks_nx2 = toks_nx + BLOCK_N
+            page_nx = _load_pages(pt_row, toks_nx2, toks_nx2 < end, PAGE_SIZE)
+            t_mask = (n0 + offs_n) < end
+            m_i, l_i, acc = _decode_step(
+                q, k_cur, v_cur, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP
+            )
+            k_cur = k_nx
+            v_cur = v_nx
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            toks = n0 + offs_n
+            t_mask = toks < end
+            page = _load_pages(pt_row, toks, t_mask, PAGE_SIZE)
+            k, v = _load_kv_block(
+                k_ptr, v_ptr, page, toks, t_mask, kvh, offs_d, d_mask,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
+            )  # fmt: skip
+            m_i, l_i, acc = _decode_step(
+                q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP
+            )
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    mask_o = g_mask[:, None] & d_mask[None, :]
+    if not SPLIT:
+        o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, _round_to(o, OUT_DTYPE, INTERP), mask=mask_o)
+    else:
+        row = (b64 * H + heads) * num_splits + split  # [BLOCK_G] rows of [B, H, num_splits]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_o)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row = (b * H + h) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    o = tl.load(
+        part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, _round_to(res, OUT_DTYPE, INTERP), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# decode kernel variant defaults (see paged_decode)
+_DECODE_PREFETCH = False
+_DECODE_HEAD_MAJOR = True  # measured faster on H200 (3.0 vs 2.5 TB/s at B=64, L=2048)
+
+
+def _choose_splits(
+    batch: int, kv_heads: int, max_seq_len: int, block_n: int, device: torch.device, per_sm: int = 4
+) -> int:
+    """Host-side heuristic from shapes only (CUDA-graph safe). per_sm: programs resident per SM."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 4
+    # about one resident wave of programs, but each split keeps >= 2 key blocks
+    # (benchmarks/profile_gpu.py attn-b1, batch 1, 1024 tokens of a 2048-token graph: 16
+    # splits 6.9 us against 8.3 for 8; shorter contexts use fewer splits either way)
+    want = (per_sm * sms) // max(1, batch * kv_heads)
+    most = max(1, triton.cdiv(max_seq_len, 2 * block_n))
+    return int(max(1, min(want, most, 64)))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    prefetch: bool | None = None,
+    head_major: bool | None = None,
+    compute_dtype: torch.dtype | None = None,
+    maxnreg: int | None = None,
+    subtile: bool | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
+    (written into `out` when given: a [B, H, D] view with unit stride over D).
+
+    max_seq_len: optional host hint (an upper bound of seq_lens) used only to pick the
+    split count; by default the page-table width times the page size. num_splits,
+    block_n, num_warps, num_stages override the heuristics; prefetch (register double
+    buffering of K/V instead of Triton's pipeliner) and head_major (the KV heads of a
+    sequence are neighbouring programs) select kernel variants (tuning/tests).
+    compute_dtype: the dtype of the tensor-core dots (default: see `_decode_compute`).
+    maxnreg: a cap on the registers per thread (more programs resident per SM; 0: none).
+    subtile: address whole key blocks as 16-token sub-tiles of pages (default: float8
+    pages; needs a page size and block that are multiples of 16 and a power-of-2 head_dim).
+    v_cache may be token-major (stride 1 over the page's tokens, see `PagePool`).
+    """
+    batch, h, d = q.shape
+    _, page_size, kvh, dk = k_cache.shape
+    assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1  # V: any strides
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    out = _output(out, q)
+    if batch == 0:
+        return out
+    group = h // kvh
+    block_d = triton.next_power_of_2(d)
+    fp8_pages = k_cache.dtype == torch.float8_e4m3fn and not _interpreting()
+    if block_n is None:
+        block_n = 64 if q.dtype != torch.float32 or _interpreting() else 32
+        if block_d > 128 or fp8_pages:
+            block_n = 32
+    if max_seq_len is None:
+        max_seq_len = page_table.shape[1] * page_size
+    if subtile is None:
+        subtile = k_cache.dtype == torch.float8_e4m3fn
+    subtile = subtile and page_size % 16 == 0 and block_n % 16 == 0 and block_d == d
+    if prefetch is None:
+        prefetch = _DECODE_PREFETCH
+    if head_major is None:
+        head_major = _DECODE_HEAD_MAJOR
+    if num_warps is None:
+        # float8 pages: one warp per program, no cross-warp softmax and operand exchange per
+        # key block (that, not bytes, bound 4 warps: 355 us at batch 256 and 1,500 tokens with
+        # float8 or bf16 pages alike; one warp with 32-key blocks 298 us, and 515 against 684
+        # us at batch 512; profile_gpu.py attn-fp8). bf16 pages are at the bandwidth floor
+        # with 4 warps already.
+        num_warps = 1 if fp8_pages else 4
+    if maxnreg is None and fp8_pages and num_warps == 1 and not subtile:
+        # 168 registers per thread left 12 one-warp programs per SM; capped at 128 (2-4
+        # spilled), 16 fit: 313 against 356 us at batch 256, 538 against 551 at 480, over
+        # 1,000-2,000 tokens (profile_gpu.py attn-occ; a cap of 96 spilled 20-50 and was slower).
+        # The sub-tiled kernel (~237 registers, 8 programs per SM) was fastest uncapped: 389
+        # against 427 us at 128 and 406 at 168 (batch 480; profile_gpu.py attn-subtile).
+        maxnreg = 128
+    if num_stages is None:
+        num_stages = 1 if prefetch else 3  # 3: 7% faster than 2 at B=128-256 (H200 sweep)
+    if num_splits is None:
+        # the one-warp float8 kernel fits 8 programs per SM: batch 64 x 1,000-2,000 tokens
+        # took 87 us in 2 splits against 97 in 1 (profile_gpu.py attn-subtile)
+        per_sm = 8 if fp8_pages and num_warps == 1 else 4
+        num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device, per_sm)
+    block_g = max(16, triton.next_power_of_2(group))
+    if num_splits > 1:
+        part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    compute = _paged_compute(q, k_cache) if compute_dtype is None else _TL_DTYPES[compute_dtype]
+    interp = _interpreting()
+    pdl = _pdl_enabled(q)
+    grid = (kvh, batch, num_splits) if head_major else (batch, kvh, num_splits)
+    _decode_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        v_cache.stride(3),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        H=h,
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        num_splits=num_splits,
+        SPLIT=num_splits > 1,
+        HEAD_MAJOR=head_major,
+        PREFETCH=prefetch,
+        SUBTILE=subtile,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        IN_DTYPE=_TL_DTYPES[q.dtype],
+        COMPUTE=compute,
+        OUT_DTYPE=_TL_DTYPES[q.dtype],
+        PRECISION="ieee" if compute == tl.float32 else "tf32",
+        INTERP=interp,
+        PDL=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, h)](
+            part_o,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            H=h,
+            HEAD_DIM=d,
+            num_splits=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            OUT_DTYPE=_TL_DTYPES[q.dtype],
+            INTERP=interp,
+            PDL=pdl,
+            num_warps=4 if block_d * num_splits >= 2048 else 1,
+            launch_pdl=pdl,
+        )
+    return out

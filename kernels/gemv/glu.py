@@ -1,0 +1,130 @@
+"""`gemv_glu`: silu_and_mul(F.linear(x, W)) for one row, the activation in the epilogue."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import round_to as _round_to
+from kernels.gemv.config import GemvConfig, glu_config
+from kernels.gemv.linear import _scale_args, _x_chunk
+
+
+@triton.jit
+def _gemv_glu_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sx_ptr,
+    sw_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[n] = silu(x . W[n]) * (x . W[N + n]) for one row x: W holds [gate; up] ([2N, K]).
+
+    Each program streams BLOCK_N gate rows and the BLOCK_N up rows that pair with them,
+    so the activation is applied in the epilogue, on values already in registers.
+    Rounding follows the unfused path (gate_up output, silu, product: each to the
+    activation dtype), so the result is what silu_and_mul(gemv(x, W)) gives."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
+    g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
+    _pdl_enter(PDL)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            kk = k + u * BLOCK_K
+            if EVEN_K:
+                wg = tl.load(g_ptrs + kk, eviction_policy="evict_first")
+                wu = tl.load(u_ptrs + kk, eviction_policy="evict_first")
+            else:
+                kmask = (offs_k < K - kk)[None, :]
+                wg = tl.load(g_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
+                wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
+            xv = _x_chunk(x_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
+            acc_g += wg.to(tl.float32) * xv
+            acc_u += wu.to(tl.float32) * xv
+    g = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SCALED:  # float8 operands: the scales of x, of the gate rows and of the up rows
+        sx = tl.load(sx_ptr)
+        g = g * sx * tl.load(sw_ptr + rows)
+        up = up * sx * tl.load(sw_ptr + N + rows)
+    g = _round_to(g, OUT_DTYPE, INTERP).to(tl.float32)
+    up = _round_to(up, OUT_DTYPE, INTERP).to(tl.float32)
+    s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
+    tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
+
+
+def gemv_glu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] with one row, weight [2I, K]
+    holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in out_dtype
+    (default x.dtype). `scales` as in `gemv` (float8 x and W).
+
+    At decode this saves the activation kernel's launch and its round trip through memory."""
+    k = x.shape[-1]
+    assert x.numel() == k, "gemv_glu: one row of x"
+    assert weight.dim() == 2 and weight.shape[1] == k and weight.shape[0] % 2 == 0, (
+        tuple(x.shape),
+        tuple(weight.shape),
+    )
+    assert x.dtype in _TL_DTYPES and weight.dtype in _TL_DTYPES, (x.dtype, weight.dtype)
+    fp8 = scales is not None
+    assert fp8 == (x.dtype == torch.float8_e4m3fn) and (out_dtype is not None or not fp8), "float8 x: scales, out_dtype"
+    n = weight.shape[0] // 2
+    x1 = x.reshape(k).contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(n, dtype=out_dtype, device=x.device)
+    if n == 0 or k == 0:
+        return (out.zero_() if n else out).view(*x.shape[:-1], n)
+    sx, sw = _scale_args(scales, 1, 2 * n, out)
+    cfg = config or glu_config(n, k, weight.element_size())
+    dtype = _TL_DTYPES[out_dtype]
+    pdl = _pdl_enabled(x)
+    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x1,
+        weight,
+        out,
+        sx,
+        sw,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UNROLL=cfg.unroll,
+        EVEN_K=k % (cfg.block_k * cfg.unroll) == 0,
+        SCALED=fp8,
+        OUT_DTYPE=dtype,
+        INTERP=_interpreting(),
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        launch_pdl=pdl,
+    )
+    return out.view(*x.shape[:-1], n)

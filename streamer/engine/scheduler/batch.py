@@ -1,0 +1,108 @@
+"""BatchBuilder: the chunks the policy chose -> one Batch for the executor.
+
+Each chunk becomes a SeqChunk (its tokens, start, page table, whether it samples, the
+prompt logprobs it owes); each sampling row gets its params, the history its penalties
+need and the tokens it may not draw yet (EOS before min_tokens).
+
+Invariants:
+  - building counts the chunk as computed at once (`num_computed`): later batches build
+    on it while it is in flight; the token it samples is appended as a PLACEHOLDER, which
+    results.process overwrites in place;
+  - a batch built ahead with grammar rows goes with masks_deferred: the batch in flight will
+    move those matchers, so its bitmask is filled (fill_deferred) once that batch's tokens
+    are in, and the actor sends it before anything else goes to the executor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from streamer.engine.request import PLACEHOLDER, Request, Status
+from streamer.engine.scheduler.stats import Counters
+from streamer.kv.pages import PagePool
+from streamer.messages import Batch, MaskFill, SeqChunk
+
+
+class BatchBuilder:
+    def __init__(self, pool: PagePool, vocab_size: int, counters: Counters, in_flight: Counter[str]) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        """Width of the grammar bitmasks."""
+        self.pin_masks = pool.k.is_cuda  # grammar bitmasks are filled in pinned memory for the GPU
+        self.counters = counters
+        self.in_flight = in_flight
+        """The scheduler's: request id -> number of batches in flight that contain it."""
+        self.step_id = 0
+        self.built_ahead: set[int] = set()
+        """Steps built while the one before was in flight (their idle_before is host lateness)."""
+        self.deferred_masks: dict[int, list[Request]] = {}
+        """Sampling requests of batches sent with masks_deferred, by step."""
+
+    def build(self, chunks: list[tuple[Request, int]], ahead: bool = False) -> Batch:
+        self.step_id += 1
+        if ahead:
+            self.built_ahead.add(self.step_id)
+        seqs, params, hist, banned = [], [], [], []
+        for req, n in chunks:
+            start = req.num_computed
+            sample = start + n == len(req.tokens)
+            chunk = SeqChunk(
+                req.request_id,
+                req.tokens[start : start + n],
+                start,
+                req.pages[: self.pool.pages_for(start + n)],
+                sample,
+            )
+            want = req.params.prompt_logprobs_from
+            if want is not None and req.num_output == 0:
+                # position p predicts token p+1: positions [want-1, prompt_len-2] are needed
+                lo, hi = max(want - 1, start), min(req.prompt_len - 1, start + n)
+                if lo < hi:
+                    chunk.logprob_from = lo - start
+                    chunk.logprob_targets = req.tokens[lo + 1 : hi + 1]
+            seqs.append(chunk)
+            self.in_flight[req.request_id] += 1
+            # the step will compute these tokens: later batches build on them at once
+            req.num_computed = start + n
+            if sample:
+                params.append(req.params)
+                p = req.params
+                # the sampler needs the output so far only for penalties and seeded draws
+                needed = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.seed is not None
+                hist.append(req.output if needed else [])
+                ban: list[int] = []
+                if req.num_output < req.params.min_tokens:
+                    ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
+                banned.append(ban)
+                # the token this step samples; process() writes its value in place
+                req.tokens.append(PLACEHOLDER)
+        self.counters.batch_sizes_sum += len(seqs)
+        self.counters.max_batch_size = max(self.counters.max_batch_size, len(seqs))
+        sampling = [r for r, n in chunks if r.num_computed == len(r.tokens) - 1]
+        if not any(r.grammar is not None for r in sampling):
+            return Batch(self.step_id, seqs, params, hist, banned)
+        if ahead:
+            # the batch in flight will move these matchers: fill once its tokens are in
+            self.deferred_masks[self.step_id] = sampling
+            self.counters.masks_deferred += 1
+            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True)
+        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling))
+
+    def _grammar_masks(self, sampling: list[Request]) -> Any:
+        from streamer.sampling.grammar import fill_bitmask
+
+        # a request that ended meanwhile (stop, abort, grammar complete) samples unconstrained:
+        # its token is dropped, and a terminated matcher has no mask to give
+        states = [
+            r.grammar
+            if r.grammar is not None and r.status == Status.RUNNING and not r.grammar.is_terminated()
+            else None
+            for r in sampling
+        ]
+        return fill_bitmask(states, self.vocab_size, pin=self.pin_masks)
+
+    def fill_deferred(self, step: int) -> MaskFill:
+        """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they
+        are now: the step before it has been processed."""
+        return MaskFill(step, self._grammar_masks(self.deferred_masks.pop(step)))

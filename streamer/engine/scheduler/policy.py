@@ -1,0 +1,304 @@
+"""Scheduler: the request sets, and what runs next. Synchronous and deterministic: the
+actor loop (actor.py) feeds it messages; tests drive it with fake step outputs.
+
+One step (schedule): running requests first, each with as much of its remaining KV as
+the token budget allows (a decode is one token); a request that cannot grow preempts
+the newest running one (pages.py). Then waiting requests are admitted under what is
+left of the budget, in cache-aware order: the longest cached prefix first (stable, so
+FCFS among equals), plain FCFS once the queue is longer than fcfs_queue_threshold.
+
+Invariants:
+  - prefixes are matched and claimed within the request's cache_salt only; a request
+    whose first page to compute another running request is computing on the same prefix
+    waits for it to reach the tree (`claim`) rather than compute it twice;
+  - a batch built ahead (a batch still in flight, overlap) never preempts (the pages may
+    be in use), and its tokens to come are PLACEHOLDERs that the runner reads on the device;
+  - a request suspected of failing a step (Request.suspect) runs its next step alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Any
+
+from streamer.config import EngineConfig
+from streamer.diagnostics import Diagnostics
+from streamer.engine.request import Request, Status
+from streamer.engine.scheduler import results
+from streamer.engine.scheduler.batch import BatchBuilder
+from streamer.engine.scheduler.clock import AheadClock
+from streamer.engine.scheduler.deadlines import Deadlines, timed_out
+from streamer.engine.scheduler.pages import Pages
+from streamer.engine.scheduler.stats import Counters
+from streamer.kv.pages import PagePool
+from streamer.kv.radix import RadixCache
+from streamer.messages import Batch, EngineStats, MaskFill, StepOutput, TokenDelta, TokenizedRequest
+
+
+class Scheduler:
+    """The policy, synchronous and deterministic (the actor loop is `run`)."""
+
+    jump_forward = True
+    """Append the text a grammar forces without decoding it token by token (tests flip it)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        max_model_len: int,
+        vocab_size: int = 0,
+        diagnostics: Diagnostics | None = None,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.pool = pool
+        self.tree = RadixCache(pool)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        """Every request here, by id: waiting, running or retrying."""
+        self.in_flight: Counter[str] = Counter()
+        """request id -> number of batches in flight that contain it."""
+        self.pages = Pages(pool, self.tree, config.enable_prefix_caching, self.running, self.waiting)
+        self.deadlines = Deadlines(self.requests)
+        self.counters = Counters()
+        self.batches = BatchBuilder(pool, vocab_size, self.counters, self.in_flight)
+        self.clock = AheadClock(config.hold_ahead_ms / 1e3)
+        """Driven by the actor loop; here for the stats."""
+        self.diagnostics = diagnostics if diagnostics is not None else Diagnostics.from_env()
+        self.early_aborts: dict[str, float] = {}
+        """Aborted before they reached the scheduler (still in the tokenizer)."""
+        self.jumps: list[tuple[Request, TokenDelta]] = []
+        """Requests whose grammar may force text after the last process() (jump-forward)."""
+
+    # ---- arrivals and departures ------------------------------------------
+    def add(self, msg: TokenizedRequest) -> TokenDelta | None:
+        """Queue a request, or refuse it at once (returned delta carries the error)."""
+        if self.early_aborts.pop(msg.request_id, None) is not None:
+            return TokenDelta(msg.request_id, [], finish_reason="abort")
+        p = msg.params
+        deadline = None if p.timeout is None else (msg.arrival or time.monotonic()) + p.timeout
+        if deadline is not None and deadline <= time.monotonic():  # (it spent it in the tokenizer)
+            return TokenDelta(msg.request_id, [], finish_reason="timeout", error=timed_out(p, "tokenized"))
+        need = len(msg.prompt_token_ids) + p.max_tokens
+        if self.pool.pages_for(need) > self.pool.capacity:
+            return TokenDelta(
+                msg.request_id,
+                [],
+                finish_reason="error",
+                error=(
+                    f"prompt ({len(msg.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) needs "
+                    f"{self.pool.pages_for(need)} KV pages; the pool has {self.pool.capacity}"
+                ),
+            )
+        req = Request(
+            msg.request_id,
+            len(msg.prompt_token_ids),
+            list(msg.prompt_token_ids),
+            p,
+            frozenset(msg.eos_token_ids),
+            grammar=msg.grammar,
+            deadline=deadline,
+        )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.deadlines.add(req)
+        return None
+
+    def finish(self, request_id: str, reason: str) -> TokenDelta | None:
+        """Abort or stop-string finish (its pages wait for any batch in flight that holds it)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            if reason == "abort":
+                now = time.monotonic()
+                self.early_aborts = {k: t for k, t in self.early_aborts.items() if now - t < 300}
+                self.early_aborts[request_id] = now
+            return None
+        return self.retire(req, reason)
+
+    def abort_all(self) -> list[TokenDelta]:
+        """Stopping: every request still here ends with "abort"."""
+        return [self.retire(req, "abort") for req in list(self.requests.values())]
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a request still here: the actor loop wakes up for it."""
+        return self.deadlines.next()
+
+    def expire(self, now: float) -> list[TokenDelta]:
+        """End every request whose deadline has passed, wherever it is (queued, running,
+        retrying): finish_reason "timeout"; its pages are freed (once no batch in flight
+        holds them)."""
+        out = []
+        for req in self.deadlines.due(now):
+            where = "running" if req.status == Status.RUNNING or req.admitted_once else "queued"
+            out.append(self.retire(req, "timeout", error=timed_out(req.params, where)))
+        return out
+
+    def retire(self, req: Request, reason: str, error: str | None = None) -> TokenDelta:
+        """End req wherever it is (queued, running, retrying); its pages go now or once no
+        batch in flight holds them. The returned delta is its last."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self.pages.leave(req, self.in_flight)
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)
+        self.counters.finished_total += 1
+        d = results.delta(req, [])
+        d.finish_reason, d.error = reason, error
+        return d
+
+    # ---- one iteration --------------------------------------------------
+    def schedule(self, ahead: bool = False) -> Batch | None:
+        """Build the next batch. ahead=True: a batch is still in flight (overlap), so the
+        sampled tokens it will produce are placeholders here, and nothing is preempted
+        (its pages may be in use); a request that cannot grow just sits this step out."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        suspect = next((r for r in self.running if r.suspect), None)
+        if suspect is None:
+            waiting = next((r for r in self.waiting if r.suspect), None)
+            if waiting is not None:
+                self._admit(chunks, budget, only=waiting)
+                if chunks:
+                    self.counters.steps_ahead += ahead
+                    return self.batches.build(chunks, ahead)
+        for req in [suspect] if suspect is not None else list(self.running):
+            if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
+                continue
+            n = min(req.remaining, budget)
+            while not self.pages.grow(req, req.num_computed + n):
+                if ahead:
+                    break
+                victim = self.running[-1]
+                self.pages.preempt(victim)
+                self.counters.preemptions += 1
+                preempted = True
+                if victim is req:
+                    break
+            if ahead and self.pool.pages_for(req.num_computed + n) > len(req.pages):
+                continue
+            if req.status != Status.RUNNING:
+                continue
+            chunks.append((req, n))
+            budget -= n
+        if not preempted and suspect is None:
+            budget = self._admit(chunks, budget)
+        if not chunks:
+            return None
+        # One-token chunks first (decodes, and admitted requests whose prompt was cached but
+        # for its last token), the longest context first: the decode kernel's programs start
+        # in batch order, so the longest sequences do not form the tail of its last wave; and
+        # one-token chunks leading a mixed step can go through the decode kernel
+        # (runner.prepare), which reads a sequence's pages once per KV head where the extend
+        # kernel reads them once per query head. Decodes all grow by one token a step, so
+        # the list is nearly sorted already.
+        chunks.sort(key=lambda c: (c[1] != 1, -c[0].num_computed))
+        self.counters.steps_ahead += ahead
+        return self.batches.build(chunks, ahead)
+
+    def _awaiting_last_token(self, req: Request) -> bool:
+        """Its final token is already being sampled by a batch in flight."""
+        return req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len
+
+    def can_overlap(self) -> bool:
+        """Scheduling ahead needs no sampled token's value on the host: no penalties (they
+        read the output so far) and no jump-forward (it appends tokens where the batch
+        ahead already placed its own). Grammar rows are fine: their masks are deferred."""
+        for r in self.running:
+            p = r.params
+            if r.grammar is not None and self.jump_forward:
+                return False
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                return False
+        return True
+
+    def _admit(self, chunks: list[tuple[Request, int]], budget: int, only: Request | None = None) -> int:
+        """Move waiting requests to running while the budget and the pages allow. Suspects
+        are admitted alone, through `only`."""
+        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            # (a full batch admits nobody: spare the cache-aware ordering's tree walks, one
+            # per waiting prompt, that every step would otherwise repeat)
+            return budget
+        order = [only] if only is not None else [r for r in self.waiting if not r.suspect]
+        matches: dict[str, tuple[list[int], Any]] = {}
+        if self.config.enable_prefix_caching and len(order) <= self.config.fcfs_queue_threshold:
+            # cache-aware: the longest cached prefix first (stable, so FCFS among equals)
+            for r in order:
+                matches[r.request_id] = self.tree.peek(r.tokens[: self.pages.cacheable(r)], r.params.cache_salt)
+            order.sort(key=lambda r: -len(matches[r.request_id][0]))
+        claimed = {r.claim for r in self.running if r.claim is not None}
+        for req in order:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            pages: list[int] = []
+            node = None
+            if self.config.enable_prefix_caching:
+                pages, node = self.tree.match_prefix(req.tokens[: self.pages.cacheable(req)], req.params.cache_salt)
+                claim = self.pages.claim(req, len(pages))
+                if claim is not None and claim in claimed:
+                    # another request is prefilling this very page on the same prefix: wait for
+                    # it to reach the tree rather than compute the shared prefix twice
+                    continue
+                req.claim = claim
+                if claim is not None:
+                    claimed.add(claim)
+            self.pages.adopt(req, pages, node)
+            computed = req.num_computed
+            n = min(len(req.tokens) - computed, budget)
+            if not self.pages.grow(req, computed + n):
+                self.pages.release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.queue_time = time.monotonic() - req.arrival
+                req.cached_tokens = computed
+                self.counters.cached_tokens_total += computed
+                self.counters.prompt_tokens_total += req.prompt_len
+            chunks.append((req, n))
+            budget -= n
+        return budget
+
+    def fill_deferred(self, step: int) -> MaskFill:
+        """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they
+        are now: the step before it has been processed."""
+        fill = self.batches.fill_deferred(step)
+        self.diagnostics.on_mask_fill(step)
+        return fill
+
+    # ---- step results (results.py) ----------------------------------------
+    def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
+        """A step's output in: tokens appended, requests ended; the deltas for the detokenizer."""
+        return results.process(self, batch, out)
+
+    def compute_jumps(self) -> list[list[int]]:
+        """Jump-forward, in a thread: the tokens each grammar in `jumps` forces (results.py)."""
+        return results.compute_jumps(self.jumps, self.max_model_len)
+
+    def apply_jumps(self, forced: list[list[int]]) -> list[TokenDelta]:
+        return results.apply_jumps(self, forced)
+
+    # ---- state ------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> EngineStats:
+        return self.counters.snapshot(
+            self.batches.step_id, len(self.running), len(self.waiting), self.pool, self.tree, self.clock, time.monotonic()
+        )
+
+    def step_age(self) -> float:
+        """Seconds the oldest batch in flight has been with the executor (0: none)."""
+        return self.clock.step_age(time.monotonic())
+
+    def check(self) -> None:
+        """The page invariant (Pages.check)."""
+        self.pages.check()

@@ -1,0 +1,190 @@
+"""Step results: a StepOutput in, TokenDeltas out.
+
+process() writes each sampled token over its PLACEHOLDER, ends the requests it stops
+(stop token, max_tokens, the context, a grammar that is complete or refused the token),
+caches a freshly prefilled prompt, and releases the pages that were waiting for the batch
+(Pages.returned). A failed step of several requests sends each back to the queue to run
+alone (Pages.retry_later); a request that fails alone fails.
+
+Jump-forward: after process(), the requests in `Scheduler.jumps` may have text their
+grammar forces next. The actor loop finds it in a thread (compute_jumps: matcher work,
+bounded, but not for the event loop) and waits for it before anything else touches the
+scheduler; apply_jumps then appends the tokens, which the next step computes as one
+multi-token chunk. Not for requests that want logprobs (a forced token has no sampled
+distribution to report).
+
+Invariant: a request that ends while a batch in flight holds it is retired at once (its
+final delta goes out), but its pages wait for that batch's StepOutput (Pages.leave, then
+Pages.returned here).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from streamer.engine.request import Request, Status
+from streamer.messages import Batch, StepOutput, TokenDelta
+
+if TYPE_CHECKING:
+    from streamer.engine.scheduler.policy import Scheduler
+
+log = logging.getLogger("streamer.scheduler")
+
+
+def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]:
+    deltas: list[TokenDelta] = []
+    counters, in_flight, requests, pages = sched.counters, sched.in_flight, sched.requests, sched.pages
+    counters.device_busy_s += out.device_time - out.mask_wait
+    built_ahead = sched.batches.built_ahead
+    ahead = batch.step in built_ahead
+    if ahead:  # (before a batch built with none in flight, the device may just have had no work)
+        built_ahead.discard(batch.step)
+        counters.device_idle_s += out.idle_before
+    counters.device_idle_s += out.mask_wait
+    t_begin, c_begin = time.perf_counter(), time.thread_time()
+    sampled = iter(out.sampled)
+    isolate = False
+    if out.error is not None:
+        # one request's bad input must not fail the others: each goes back to the queue
+        # and runs its next step alone; a request that fails alone fails. (Count every
+        # request of the step, also those already retrying: a step built on a failed one
+        # may fail because of them.)
+        isolate = len({s.request_id for s in batch.seqs}) > 1
+        if isolate:
+            counters.isolated_failures += 1
+            log.warning("step %d failed with %d requests; each runs alone next: %s",
+                        batch.step, len(batch.seqs), out.error)
+    for seq in batch.seqs:
+        in_flight[seq.request_id] -= 1
+        if in_flight[seq.request_id] <= 0:
+            del in_flight[seq.request_id]
+        req = requests.get(seq.request_id)
+        tok = next(sampled) if seq.sample and out.error is None else None
+        if req is None or req.status != Status.RUNNING:
+            continue
+        if out.error is not None:
+            if isolate and not req.suspect:
+                pages.retry_later(req, seq.start)
+            else:
+                deltas.append(sched.retire(req, "error", error=out.error))
+            continue
+        if seq.request_id in out.prompt_logprobs:
+            req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
+        if tok is None:
+            continue
+        req.suspect = False  # it sampled alone without failing: batched again from now
+        at = seq.start + len(seq.token_ids)
+        req.tokens[at] = tok.token_id
+        counters.generated_tokens_total += 1
+        if at == req.prompt_len and sched.config.enable_prefix_caching:
+            pages.cache_prompt(req)
+        reason = stop_reason(req, tok.token_id, at + 1, sched.max_model_len)
+        if reason is not None:
+            del req.tokens[at + 1 :]  # placeholders of batches still in flight
+        logprobs = [tok] if req.params.logprobs is not None else None
+        new = [tok.token_id]
+        if reason is None:
+            d = delta(req, new, logprobs)
+            deltas.append(d)
+            if req.grammar is not None and sched.jump_forward and req.params.logprobs is None:
+                sched.jumps.append((req, d))
+        else:
+            error = grammar_error(req, sched.vocab_size) if reason == "error" else None
+            d = sched.retire(req, reason, error=error)
+            if error is None:  # a token the grammar refused is not output
+                d.token_ids, d.logprobs = new, logprobs
+            deltas.append(d)
+    # KV efficiency: of the slots in pages held by running requests, how many hold tokens
+    counters.kv_live += sum(r.num_computed for r in sched.running)
+    counters.kv_slots += sum(len(r.pages) for r in sched.running) * sched.pool.page_size
+    pages.returned(in_flight)
+    sched.diagnostics.on_step(batch, out, ahead, t_begin, c_begin)
+    return deltas
+
+
+def stop_reason(req: Request, token: int, length: int, max_model_len: int) -> str | None:
+    """Why req ends at `token`, the last of its first `length` tokens (None: it goes on)."""
+    p = req.params
+    num_output = length - req.prompt_len
+    if req.grammar is not None:
+        if not req.grammar.accept(token):
+            return "error"
+        if req.grammar.is_terminated():
+            return "stop"
+    if num_output >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+    if num_output >= p.max_tokens or length >= max_model_len:
+        return "length"
+    return None
+
+
+def grammar_error(req: Request, vocab_size: int) -> str:
+    """Why req's grammar refused its sampled token. The usual cause: from here the grammar
+    admits no token of this model's vocabulary (a character no token sequence spells, say),
+    so every logit was masked; a user's constraint, not an engine failure."""
+    from streamer.sampling.grammar import fill_bitmask
+
+    assert req.grammar is not None
+    if vocab_size and not bool(fill_bitmask([req.grammar], vocab_size).any()):
+        return (f"the grammar admits no token of this model's vocabulary after {req.grammar.num_accepted} "
+                "output token(s): the constraint cannot be met with this tokenizer")
+    return "internal error: the sampled token is not allowed by the grammar"
+
+
+def compute_jumps(jumps: list[tuple[Request, TokenDelta]], max_model_len: int) -> list[list[int]]:
+    """The forced tokens of each request in `jumps` (already accepted by its matcher), at
+    most what its max_tokens and the context leave. Touches only those matchers."""
+    from streamer.sampling.grammar import JUMP_MAX_BYTES, JUMP_STEP_BYTES
+
+    out = []
+    budget = JUMP_STEP_BYTES  # (once spent, the others jump after the next step)
+    for req, _ in jumps:
+        assert req.grammar is not None
+        limit = min(req.params.max_tokens - req.num_output, max_model_len - len(req.tokens))
+        toks = req.grammar.jump_forward(limit, min(JUMP_MAX_BYTES, budget))
+        budget -= req.grammar.jump_bytes + 1
+        out.append(toks)
+    return out
+
+
+def apply_jumps(sched: Scheduler, forced: list[list[int]]) -> list[TokenDelta]:
+    """Append compute_jumps' tokens to their requests and deltas; the deltas of requests
+    that a forced token ends (a stop token, max_tokens, the context)."""
+    ended: list[TokenDelta] = []
+    counters = sched.counters
+    for (req, d), toks in zip(sched.jumps, forced):
+        p = req.params
+        reason = None
+        for t in toks:
+            req.tokens.append(t)
+            d.token_ids.append(t)
+            counters.generated_tokens_total += 1
+            counters.jump_forward_tokens += 1
+            if req.num_output >= p.min_tokens and (
+                t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
+            ):
+                reason = "stop"
+                break
+        if reason is None and (req.num_output >= p.max_tokens or len(req.tokens) >= sched.max_model_len):
+            reason = "length"
+        if reason is not None:
+            ended.append(sched.retire(req, reason))
+    sched.jumps = []
+    return ended
+
+
+def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
+    """A TokenDelta of req; its first carries the prompt's numbers (and prompt logprobs)."""
+    d = TokenDelta(req.request_id, tokens, logprobs)
+    if not req.sent_prompt_info:
+        req.sent_prompt_info = True
+        d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
+        d.queue_time = req.queue_time
+        if req.params.prompt_logprobs_from is not None:
+            d.prompt_logprobs = req.prompt_logprobs
+    return d
