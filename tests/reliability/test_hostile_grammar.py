@@ -1,8 +1,9 @@
 """Hostile grammars against a real server: none freezes it, none keeps running once refused.
 
 Each case sends the hostile request in a thread and, while it is in flight, a bystander's
-streamed completion, whose first token must come within 2 s; /health must answer 200 all
-along. Afterwards the server's processes are idle again within seconds, their resident
+streamed completion, whose first token must come within 2 s, or within 5 times what it takes
+on the idle server where that is longer (a slow machine is not a frozen server: before the
+hardening, the bystander waited forever); /health must answer 200 all along. Afterwards the server's processes are idle again within seconds, their resident
 memory is back within 200 MB of where it was, and no request or KV page is left behind.
 """
 
@@ -75,6 +76,8 @@ def hostile(srv: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, An
         result.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
 
     rss0 = srv.rss()
+    idle = first_token_s(srv.url)
+    bound = max(2.0, 5 * idle)
     t = threading.Thread(target=send)
     t.start()
     time.sleep(0.3)  # (the hostile request is in the engine)
@@ -85,10 +88,10 @@ def hostile(srv: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, An
     t.join(60)
     assert not t.is_alive(), "the hostile request got no answer in 60 s"
     assert httpx.get(srv.url + "/health", timeout=3).status_code == 200
-    result.update(bystander=bystander, grammar_bystander=grammar_bystander)
+    result.update(bystander=bystander, grammar_bystander=grammar_bystander, idle=idle)
     print(f"\n{path}: {result['status']} in {result['seconds']:.2f} s; bystander's first token after "
-          f"{bystander:.2f} s, with a grammar {grammar_bystander:.2f} s")
-    assert bystander < 2.0 and grammar_bystander < 2.0, result
+          f"{bystander:.2f} s, with a grammar {grammar_bystander:.2f} s (idle: {idle:.2f} s)")
+    assert bystander < bound and grammar_bystander < bound, result
     deadline = time.monotonic() + 10
     while (busy := cpu_busy(srv)) > 0.3:
         assert time.monotonic() < deadline, f"the server still uses {busy:.1f} cores 10 s after the answer"
@@ -123,12 +126,12 @@ def test_a_compilation_past_the_time_limit_is_refused_and_stopped(server: Server
     res = hostile(server, "/v1/completions", {"prompt": "Go:", "max_tokens": 8, "guided_json": BIG_SCHEMA})
     assert res["status"] == 400, res
     assert "took longer than 3 s (the limit, --grammar-compile-timeout)" in res["body"]["error"]["message"]
-    assert res["seconds"] < 6
+    assert res["seconds"] < 8  # (the 3 s limit, and the request's own work)
     # the refusal is remembered: the same schema again is refused at once
     t0 = time.monotonic()
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"prompt": "Go:", "max_tokens": 8, "guided_json": BIG_SCHEMA})
-    assert r.status_code == 400 and time.monotonic() - t0 < 1.0
+    assert r.status_code == 400 and time.monotonic() - t0 < 2.0  # (not the 3 s limit again)
 
 
 def test_structured_output_still_works_afterwards(server: ServerProcess) -> None:

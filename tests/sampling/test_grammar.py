@@ -100,12 +100,12 @@ def test_a_compilation_past_its_time_limit_is_killed(hf_tokenizer):
         t0 = time.monotonic()
         with pytest.raises(RequestError, match=r"took longer than 1 s \(the limit, --grammar-compile-timeout\)"):
             gc.state_for(big_schema(10_000))
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 3.0  # (the limit, and the kill)
         assert _trial_children(gc) == []
         t0 = time.monotonic()
         with pytest.raises(RequestError, match="took longer than"):
             gc.state_for(big_schema(10_000))
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 0.5  # (no second trial: that would take the limit again)
         assert isinstance(gc.state_for(GrammarSpec("regex", "[a-z]{3}")), GrammarState)  # service goes on
     finally:
         gc.close()
