@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from streamer.errors import ConfigError
+from streamer.chat_template import check_kwargs
+from streamer.errors import ConfigError, RequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -150,6 +151,11 @@ class EngineConfig:
     """Memory one grammar compilation may take, in MB; past it, likewise killed and refused."""
     grammar_compile_workers: int = 2
     """Grammar compilations at once (each in a process of its own); more wait their turn."""
+    chat_template: str | None = None
+    """A Jinja file that replaces the model's chat template (--chat-template)."""
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    """Variables of every chat prompt's template (e.g. {"enable_thinking": false}); a
+    request's chat_template_kwargs win over them."""
     grammar_prestart: bool = False
     """Start the grammar compilation process with the engine (`streamer serve` does: it takes
     a few seconds, which the first structured-output request would otherwise wait), not on
@@ -178,6 +184,11 @@ class EngineConfig:
             raise ConfigError(f"hold_ahead_ms must be >= 0, not {self.hold_ahead_ms}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.default_chat_template_kwargs is not None:
+            try:
+                check_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+            except RequestError as e:
+                raise ConfigError(str(e)) from None
         if self.grammar_compile_timeout <= 0 or self.grammar_compile_memory_mb < 1 or self.grammar_compile_workers < 1:
             raise ConfigError("grammar_compile_timeout must be > 0, grammar_compile_memory_mb and "
                               "grammar_compile_workers >= 1")

@@ -108,6 +108,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, rendered into the prompt by the chat template (with messages)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables of the chat template (e.g. enable_thinking), over the engine's defaults."""
 
 
 class Tokenize(msgspec.Struct):

@@ -132,13 +132,14 @@ class AsyncEngine:
         self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
         self._collector_started = False
         """start() told _collector (stop() undoes it)."""
-        self.hf_tokenizer = load_tokenizer(self.model_path)
+        self.hf_tokenizer = load_tokenizer(self.model_path, self.config.chat_template)
         hf = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_ids(hf, self.hf_tokenizer, self.model_path)
         pool = self.runner.pool
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
                                              pool_tokens=pool.capacity * pool.page_size)
+        self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
                               self.hf_tokenizer)
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
