@@ -141,7 +141,7 @@ class AsyncEngine:
                                              pool_tokens=pool.capacity * pool.page_size)
         self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
-                              self.hf_tokenizer)
+                              self.hf_tokenizer, dict(self.config.default_chat_template_kwargs or {}))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics)
         self._attach_grammar()

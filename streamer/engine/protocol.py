@@ -24,7 +24,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from streamer.messages import EngineStats, GenerateRequest, RequestOutput
@@ -41,6 +41,9 @@ class ModelInfo:
     hf_tokenizer: Any
     """The transformers tokenizer (None for a weight-only model): token strings of logprobs,
     /tokenize and /apply_chat_template, and the frontend language's text."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The engine's default template variables (the server decides from them, e.g. whether
+    a reasoning model thinks before its constrained answer)."""
 
 
 class Engine(Protocol):

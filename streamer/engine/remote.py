@@ -130,7 +130,8 @@ class EngineProcess:
         self.model_name, self._stats = first.model_name, first.stats
         # the engine's own tokenizer, for /tokenize and the text of logprobs' tokens
         hf = load_tokenizer(Path(first.model_path), self.config.chat_template)
-        self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf)
+        self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf,
+                               dict(self.config.default_chat_template_kwargs or {}))
 
     @property
     def info(self) -> ModelInfo:
