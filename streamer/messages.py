@@ -25,7 +25,8 @@ MAX_CACHE_SALT = 1024
 
 
 class GrammarSpec(msgspec.Struct, frozen=True):
-    """A constraint on the output. kind: json_object | json_schema | regex | ebnf | choice."""
+    """A constraint on the output. kind: json_object | json_schema | regex | ebnf | choice |
+    structural_tag (sampling/grammar.py says what each value holds)."""
 
     kind: str
     value: str = ""
