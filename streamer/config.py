@@ -26,6 +26,8 @@ from streamer.errors import ConfigError, RequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 CACHE_ISOLATIONS = ("none", "per-key")
 
 
@@ -260,9 +262,21 @@ class ServerConfig:
     None: a process of its own when the engine runs on CUDA (where the GPU waits whenever
     the host falls behind), in the server's process on CPU (where the model's compute
     takes the cores, and a second process would only add its ~350 MB)."""
+    tool_call_parser: str = "auto"
+    """The markup of tool calls in the model's output: hermes, llama3_json, mistral, or auto
+    (from the chat template; a template that does not read tools gets hermes)."""
+    reasoning_parser: str | None = None
+    """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
+    grammars (response_format, tools) apply from its end. None: all text is content."""
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"not {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or none), "
+                              f"not {self.reasoning_parser!r}")
         if self.cache_isolation not in CACHE_ISOLATIONS:
             raise ConfigError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}, "
                               f"not {self.cache_isolation!r}")

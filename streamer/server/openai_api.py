@@ -27,8 +27,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.messages import GenerateRequest, RequestOutput, SampledToken, SamplingParams
+from streamer.chat_template import check_kwargs
+from streamer.errors import RequestError
+from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SampledToken, SamplingParams
 from streamer.server import protocol as p
+from streamer.server.chat_output import ChatDelta, ChatOutput, ChatSetup, finish_reason
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
 from streamer.server.state import Merged, ServerState, failure, until_disconnect
@@ -82,8 +85,28 @@ def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
+
+
+def chat_setup(st: ServerState, body: p.ChatCompletionRequest, grammar: GrammarSpec | None) -> ChatSetup:
+    """Tools, reasoning and the grammar of a chat body, against the server's parsers."""
+    try:
+        mine = check_kwargs(body.chat_template_kwargs)
+    except RequestError as e:
+        raise ApiError(str(e), param="chat_template_kwargs") from None
+    return ChatSetup.of(
+        tools=msgspec.to_builtins(body.tools) if body.tools else None,
+        tool_choice=msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else None,
+        parallel=body.parallel_tool_calls, grammar=grammar,
+        template_kwargs={**st.info.chat_template_kwargs, **mine}, hf_tokenizer=st.info.hf_tokenizer,
+        tool_parser=st.config.tool_call_parser, reasoning_parser=st.config.reasoning_parser)
 
 
 def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[GenerateRequest]:
@@ -110,16 +133,21 @@ def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]
     return reqs
 
 
-def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]], rid: str, vocab_size: int,
-                  policy: Policy) -> list[GenerateRequest]:
-    """A chat body (its messages flattened) -> one engine request per choice; without
-    max_tokens, each may fill the context (resolved by the engine's tokenizer)."""
+def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]], rid: str, st: ServerState,
+                  policy: Policy) -> tuple[list[GenerateRequest], ChatSetup]:
+    """A chat body (its messages flattened) -> one engine request per choice, and what its
+    output needs (tool calls, reasoning); without max_tokens, each may fill the context
+    (resolved by the engine's tokenizer)."""
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = policy(p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                         logprobs=top, vocab_size=vocab_size, fill_context=True))
+    params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                  logprobs=top, vocab_size=st.info.vocab_size, fill_context=True)
+    setup = chat_setup(st, body, params.grammar)
+    params = policy(msgspec.structs.replace(params, grammar=setup.grammar))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
-                           add_generation_prompt=body.add_generation_prompt)
-    return fan_out(base, rid, 0, body.n)
+                           add_generation_prompt=body.add_generation_prompt,
+                           tools=msgspec.to_builtins(body.tools) if body.tools else None,
+                           chat_template_kwargs=body.chat_template_kwargs)
+    return fan_out(base, rid, 0, body.n), setup
 
 
 # ---- outputs -> OpenAI shapes ------------------------------------------------------
@@ -203,7 +231,7 @@ async def completions(request: Request) -> Response:
     st.limits.prompts(prompts, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     reqs = completion_requests(body, prompts, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
-    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=False)
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=None)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -216,17 +244,18 @@ async def chat_completions(request: Request) -> Response:
     messages = chat_messages(body.messages)
     st.limits.messages(messages)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    reqs = chat_requests(body, messages, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
-    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=True)
+    reqs, setup = chat_requests(body, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup)
 
 
 async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
-                  stream: bool, options: p.StreamOptions | None, *, chat: bool) -> Response:
+                  stream: bool, options: p.StreamOptions | None, *, chat: ChatSetup | None) -> Response:
+    """chat: the chat request's setup (None for a completion)."""
     gen, buffered = await st.start(reqs)  # admitted here, once
     fmt = Formatter(st)
     created = int(time.time())
     if stream:
-        chunks = ChatChunks(fmt, rid, created, st.model_name) if chat else \
+        chunks = ChatChunks(fmt, rid, created, st.model_name, chat) if chat is not None else \
             CompletionChunks(fmt, rid, created, st.model_name)
         usage_wanted = bool(options and options.include_usage)
         return EventStream(events(gen, buffered, chunks, n, len(reqs), usage_wanted), sep="\n",
@@ -235,15 +264,27 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     if choices is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     ordered = sorted(choices.items())
-    if chat:
+    if chat is not None:
         return json_response(p.ChatCompletionResponse(
             rid, "chat.completion", created, st.model_name, usage=usage(choices, n),
-            choices=[p.ChatChoice(i, p.AssistantMessage("assistant", "".join(c.text)),
-                                  fmt.chat_logprobs(c.logprobs), c.finish_reason) for i, c in ordered]))
+            choices=[chat_choice(i, c, chat, fmt) for i, c in ordered]))
     return json_response(p.CompletionResponse(
         rid, "text_completion", created, st.model_name, usage=usage(choices, n),
         choices=[p.CompletionChoice(i, "".join(c.text), fmt.completion_logprobs(c.logprobs, c), c.finish_reason)
                  for i, c in ordered]))
+
+
+def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> p.ChatChoice:
+    text = "".join(c.text)
+    lps = fmt.chat_logprobs(c.logprobs)
+    if setup.tools is None and setup.reasoning is None:
+        return p.ChatChoice(i, p.AssistantMessage("assistant", text), lps, c.finish_reason)
+    out = setup.output()
+    parsed = out.parse(text)
+    calls = [p.ToolCallItem(k.id, p.FunctionCall(k.name, k.arguments)) for k in parsed.calls]
+    msg = p.AssistantMessage("assistant", parsed.content if parsed.content or not calls else None,
+                             calls or None, parsed.reasoning)
+    return p.ChatChoice(i, msg, lps, finish_reason(c.finish_reason, out.called))
 
 
 async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
@@ -282,8 +323,25 @@ class CompletionChunks:
 
 
 class ChatChunks:
-    def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
+    """With tools or reasoning, each choice's text goes through its ChatOutput: markup held
+    back until decided, reasoning and calls in their own delta fields."""
+
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str, setup: ChatSetup) -> None:
         self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
+        self.plain = setup.tools is None and setup.reasoning is None
+        self.setup = setup
+        self.outputs: dict[int, ChatOutput] = {}
+
+    def output(self, i: int) -> ChatOutput:
+        if i not in self.outputs:
+            self.outputs[i] = self.setup.output()
+        return self.outputs[i]
+
+    @staticmethod
+    def delta(d: ChatDelta) -> p.Delta:
+        calls = [p.DeltaToolCall(k.index, p.DeltaFunction(k.name, k.arguments if k.name is None else k.arguments or ""),
+                                 k.id, "function" if k.id is not None else None) for k in d.calls]
+        return p.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
     def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> bytes:
         return data_event(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
@@ -292,10 +350,21 @@ class ChatChunks:
         return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in range(count)]
 
     def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
-        return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), self.fmt.chat_logprobs(out.logprobs or [])))
+        lps = self.fmt.chat_logprobs(out.logprobs or [])
+        if self.plain:
+            return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), lps))
+        d = self.output(i).feed(out.text)
+        if not d and lps is None:
+            return b""  # (all held back: markup not decided yet)
+        return self.encode(p.ChatChunkChoice(i, self.delta(d), lps))
 
     def finish(self, i: int, reason: str | None) -> bytes:
-        return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
+        if self.plain:
+            return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
+        out = self.output(i)
+        d = out.finish()
+        last = self.encode(p.ChatChunkChoice(i, p.Delta(), None, finish_reason(reason, out.called)))
+        return (self.encode(p.ChatChunkChoice(i, self.delta(d))) if d else b"") + last
 
 
 async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
@@ -334,14 +403,17 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
         return left == 0
 
     def flush() -> bytes:
+        pending[:] = [x for x in pending if x]  # (a chunk of held-back text is b"")
+        if not pending:
+            return b""
         data = pending[0] if len(pending) == 1 else b"".join(pending)
         pending.clear()
         return data
 
     try:
         done = any(take(i, out) for i, out in buffered)  # (the first outputs, already here)
-        if not done and pending:
-            yield flush()
+        if not done and pending and (data := flush()):
+            yield data
         if not failed:
             async for i, out in gen:
                 # once every choice has finished nothing more comes: the loop only waits for
@@ -350,8 +422,8 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
                     done = take(i, out)
                     if failed:
                         break
-                    if not done and pending:
-                        yield flush()
+                    if not done and pending and (data := flush()):
+                        yield data
         if not failed and usage_wanted:
             pending.append(chunks.encode(use=usage(choices, n)))
         pending.append(DONE_EVENT)

@@ -123,14 +123,59 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+    """A JSON object as a string, as OpenAI sends and answers it."""
+
+
+class ToolCallItem(Struct):
+    """A call in an assistant message: in the history (request) and in the answer."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    """An earlier answer's reasoning: passed to the template, which keeps or drops it."""
+
+
+class FunctionDef(Struct, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted; the arguments of a constrained call always follow `parameters`."""
+
+
+class Tool(Struct):
+    type: str
+    function: FunctionDef
+
+
+class FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: str
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    """none | auto | required | {"type": "function", "function": {"name"}}; default auto with tools."""
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
@@ -195,9 +240,11 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # (no default: null is sent when the answer is only tool calls)
+    tool_calls: list[ToolCallItem] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(Struct):
@@ -216,9 +263,25 @@ class ChatCompletionResponse(Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """OpenAI's streamed call: index, id, type and name first, then argument fragments."""
+
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

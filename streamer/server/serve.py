@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from streamer.config import CACHE_ISOLATIONS, EngineConfig, ServerConfig
+from streamer.config import CACHE_ISOLATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 from streamer.engine.protocol import Engine
 from streamer.server import transport
 from streamer.server.app import create_app
@@ -48,6 +48,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                    help="run the engine in a process of its own (--no-engine-process: in the server's process "
                         "and event loop); default: its own process on CUDA, the server's on CPU")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
+                   help="the markup of tool calls in the model's output (default auto: from the chat template; "
+                        "hermes where the template does not read tools)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
+                   help="answer the model's <think> text as reasoning_content; grammars apply from its end "
+                        "(default: none, all text is content)")
     add_limit_args(p, d)
 
 
@@ -150,6 +156,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         max_queue=getattr(args, "max_queue", d.max_queue),
         session_idle_timeout=getattr(args, "session_idle_timeout", d.session_idle_timeout),
         engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
+        tool_call_parser=getattr(args, "tool_call_parser", d.tool_call_parser),
+        reasoning_parser=getattr(args, "reasoning_parser", d.reasoning_parser),
         **{f: getattr(args, f, getattr(d, f)) for f in LIMIT_FIELDS},
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
