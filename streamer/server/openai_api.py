@@ -95,7 +95,7 @@ def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_setup(st: ServerState, body: p.ChatCompletionRequest, grammar: GrammarSpec | None) -> ChatSetup:
+def chat_setup(st: ServerState, body: p.ChatFields, grammar: GrammarSpec | None) -> ChatSetup:
     """Tools, reasoning and the grammar of a chat body, against the server's parsers."""
     try:
         mine = check_kwargs(body.chat_template_kwargs)

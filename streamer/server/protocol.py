@@ -169,13 +169,18 @@ class NamedToolChoice(Struct):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+class ChatFields(SamplingFields, kw_only=True):
+    """Fields shared by chat completions and WebSocket turns: tools and the template."""
+
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     """none | auto | required | {"type": "function", "function": {"name"}}; default auto with tools."""
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatFields, kw_only=True):
+    messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
