@@ -235,6 +235,8 @@ class TokenDelta(msgspec.Struct):
     """With the first delta: seconds from arrival at the scheduler to the first batch."""
     error_code: str | None = None
     """With error: RequestOutput.error_code (CONTEXT_LENGTH_EXCEEDED, from the tokenizer)."""
+    prompt_token_ids: list[int] | None = None
+    """With prompt_logprobs: RequestOutput.prompt_token_ids."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -266,6 +268,9 @@ class RequestOutput(msgspec.Struct):
     ENGINE_STALLED (it stopped answering); CONTEXT_LENGTH_EXCEEDED: the request's prompt and
     max_tokens do not fit the context. None: another error of the request's own, or an internal
     one ("internal error: ..."). (A deadline is finish_reason "timeout", with an error message.)"""
+    prompt_token_ids: list[int] | None = None
+    """With prompt_logprobs (first output): the prompt's token ids, as the engine tokenized it
+    (what OpenAI's echo reports the logprobs of)."""
 
 
 ENGINE_DOWN = "engine_down"

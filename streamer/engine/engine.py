@@ -27,6 +27,7 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
+from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
@@ -140,7 +141,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
                                              pool_tokens=pool.capacity * pool.page_size)
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
-                              self.hf_tokenizer)
+                              self.hf_tokenizer, generation_defaults(self.model_path))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics)
         self._attach_grammar()

@@ -75,6 +75,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
         error_code=b.error_code or a.error_code,
+        prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
     )
 
 
@@ -109,12 +110,12 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
     ids: list[int] = []
     text: list[str] = []
     logprobs: list = []
-    prompt_logprobs = None
+    prompt_logprobs = prompt_ids = None
     queue_time = None
     last = None
     async for out in outputs:
         if out.prompt_logprobs is not None:
-            prompt_logprobs = out.prompt_logprobs
+            prompt_logprobs, prompt_ids = out.prompt_logprobs, out.prompt_token_ids
         if out.queue_time is not None:
             queue_time = out.queue_time
         ids.extend(out.token_ids)
@@ -137,4 +138,5 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         prompt_logprobs=prompt_logprobs,
         queue_time=queue_time,
         error_code=last.error_code,
+        prompt_token_ids=prompt_ids,
     )

@@ -187,4 +187,5 @@ def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
         d.queue_time = req.queue_time
         if req.params.prompt_logprobs_from is not None:
             d.prompt_logprobs = req.prompt_logprobs
+            d.prompt_token_ids = req.tokens[: req.prompt_len]
     return d
