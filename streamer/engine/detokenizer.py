@@ -135,6 +135,7 @@ class Stream:
             queue_time=d.queue_time,
             error_code=d.error_code,
             prompt_token_ids=d.prompt_token_ids,
+            prompt_top_logprobs=d.prompt_top_logprobs,
         )
 
 
