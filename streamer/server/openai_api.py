@@ -18,8 +18,8 @@ A chat request without max_tokens goes to the engine with fill_context: the engi
 tokenizer gives it the room its prompt leaves (the server never applies the template).
 
 echo (completions): each choice's text starts with its prompt (a token-id prompt decoded).
-With logprobs, the engine reports the prompt's tokens and their logprobs
-(prompt_logprobs_from 1). max_tokens 0 (only with echo) answers the prompt alone: the
+With logprobs, the engine reports the prompt's tokens, their logprobs and the top
+alternatives at each (prompt_logprobs_from 1, prompt_top_logprobs). max_tokens 0 (only with echo) answers the prompt alone: the
 engine runs the prompt with max_tokens 1, for its usage and logprobs, and the token it
 samples is dropped (prompt_only): it cannot run a request that samples nothing.
 """
@@ -94,10 +94,6 @@ def check_completion(body: p.CompletionRequest) -> None:
                        code="unsupported_parameter")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens")
-    if body.echo and body.logprobs:
-        raise ApiError("echo with logprobs > 0 is not supported: the engine reports the prompt tokens' own "
-                       "logprobs, not their top alternatives (echo with logprobs 0 gives those)",
-                       param="logprobs", code="unsupported_parameter")
     check_stream_options(body.stream, body.stream_options)
 
 
@@ -165,7 +161,7 @@ def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]
     params = p.to_sampling_params(body, max_tokens=body.max_tokens or (1 if body.max_tokens == 0 else None),
                                   logprobs=body.logprobs, vocab_size=vocab_size, defaults=defaults)
     if body.echo and body.logprobs is not None:
-        params = msgspec.structs.replace(params, prompt_logprobs_from=1)
+        params = msgspec.structs.replace(params, prompt_logprobs_from=1, prompt_top_logprobs=body.logprobs)
     params = policy(params)
     reqs = []
     for k, prompt in enumerate(prompts):

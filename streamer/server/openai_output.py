@@ -33,15 +33,21 @@ class Choice:
     """text_offset of the next token (completions' logprobs)."""
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float] | None = None
-    """With echo and logprobs: the prompt's tokens and their logprobs (from the first output)."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With echo and logprobs: the prompt's tokens, their logprobs and (logprobs > 0) the top
+    tokens at each position after the first (from the first output)."""
+
+    def take_prompt(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
+            self.prompt_top_logprobs = out.prompt_top_logprobs
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         self.logprobs.extend(out.logprobs or [])
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.completion_tokens = out.completion_tokens
-        if out.prompt_token_ids is not None:
-            self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
+        self.take_prompt(out)
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error, self.error_code = out.error, out.error_code
@@ -92,15 +98,18 @@ class Formatter:
         return p.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
 
     def prompt_logprobs(self, c: Choice) -> p.CompletionLogprobs | None:
-        """The echoed prompt's tokens: the first without a logprob, each without top logprobs
-        (echo is refused with logprobs > 0, openai_api.check_completion)."""
+        """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
+        predicts it), the others with the engine's (top logprobs: with logprobs > 0)."""
         ids = c.prompt_token_ids
         if ids is None:
             return None
         values: list[float | None] = [None, *(c.prompt_logprobs or [])][: len(ids)]
         values += [None] * (len(ids) - len(values))
+        tops: list[dict[str, float] | None] = [None] * len(ids)
+        for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
+            tops[k + 1] = {self.token(i): lp for i, lp in top}
         tokens = [self.token(t) for t in ids]
-        return p.CompletionLogprobs(tokens, values, [None] * len(ids), self.offsets(tokens, c))
+        return p.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
 
     def chat_logprobs(self, lps: list[SampledToken]) -> p.ChoiceLogprobs | None:
         if not lps:
@@ -185,8 +194,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
     """
     choices = {i: Choice() for i in range(count)}
     for i, out in buffered:  # (the first output of every choice: ServerState.start waited for them)
-        if out.prompt_token_ids is not None:
-            choices[i].prompt_token_ids, choices[i].prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
+        choices[i].take_prompt(out)
     pending: list[bytes] = chunks.opening(choices)
     left = count
     failed = False

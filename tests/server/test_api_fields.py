@@ -35,7 +35,6 @@ REFUSED = [
     (CMPL, {"suffix": " and so on"}, "suffix"),
     (CMPL, {"best_of": 3}, "best_of"),
     (CMPL, {"best_of": 2, "n": 3}, "best_of"),
-    (CMPL, {"echo": True, "logprobs": 2}, "logprobs"),
     (CMPL, {"max_tokens": 0}, "max_tokens"),
     (CMPL, {"stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),

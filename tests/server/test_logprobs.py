@@ -54,6 +54,22 @@ def test_an_echoed_token_has_the_logprob_the_model_gave_it(client):
     assert lp.tokens[-1] == token and lp.token_logprobs[-1] == pytest.approx(generated, abs=1e-3)
 
 
+def test_echo_with_top_logprobs_scores_a_continuation_as_evaluation_harnesses_do(client):
+    """lm-eval's loglikelihood: echo, max_tokens 0, logprobs 1; the continuation is greedy
+    when each of its tokens is the top one at its position."""
+    first = client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0)
+    greedy = first.choices[0].text
+    r = client.completions.create(model="smol", prompt=PROMPT + greedy, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert max(top.values()) >= logprob - 1e-4
+        if token in top:
+            assert top[token] == pytest.approx(logprob, abs=1e-4)
+    tail = list(zip(lp.tokens, lp.top_logprobs))[-2:]  # the greedy continuation's two tokens
+    assert all(max(top, key=top.get) == token for token, top in tail)
+
+
 def test_echo_with_max_tokens_0_is_the_prompt_alone(client):
     r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=0, echo=True)
     assert r.choices[0].text == PROMPT and r.choices[0].finish_reason == "length"
