@@ -93,12 +93,15 @@ def check_refused(data: bytes, rules: Mapping[str, Rule], message_rules: Mapping
     names = [*rules, *(message_rules or ())]
     if not any(b'"' + n.encode() + b'"' in data for n in names):
         return
-    raw = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
-    check(raw, rules, "")
-    if message_rules and "messages" in raw:
-        messages = msgspec.json.decode(raw["messages"], type=list[dict[str, msgspec.Raw]])
-        for i, m in enumerate(messages):
-            check(m, message_rules, f"messages[{i}].")
+    try:
+        raw = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+        check(raw, rules, "")
+        if message_rules and "messages" in raw:
+            messages = msgspec.json.decode(raw["messages"], type=list[dict[str, msgspec.Raw]])
+            for i, m in enumerate(messages):
+                check(m, message_rules, f"messages[{i}].")
+    except RecursionError:  # (decode_body refuses such a body first; this is for the value alone)
+        raise ApiError("the body nests too deeply") from None
 
 
 def check(raw: Mapping[str, msgspec.Raw], rules: Mapping[str, Rule], prefix: str) -> None:

@@ -10,12 +10,13 @@ refused with a 400 that names it: fields.py holds the refused ones and says, for
 accepted one, why it needs no effect on one server.
 
 What is ignored, exactly:
-  - keys that are neither OpenAI's nor this server's (the extensions below): other
-    servers' extensions (vLLM's use_beam_search, include_stop_str_in_output,
-    continue_final_message, SGLang's ..., a client library's own keys). Clients send them
-    freely, often by default for a whole family of servers, and refusing them would break
-    those clients; a key this server does not know cannot be told from a misspelling,
-    which is the price of that;
+  - keys that are neither OpenAI's nor this server's (its extensions are listed below),
+    at the top of a body or inside its objects: other servers' extensions (vLLM's
+    use_beam_search, include_stop_str_in_output, continue_final_message; SGLang's
+    no_stop_trim, lora_path) and client libraries' own keys. Clients send them freely,
+    often by default for a whole family of servers, and refusing them would break those
+    clients; the price is that a misspelt field goes unnoticed too;
+  - the OpenAI fields that need no effect on one server (fields.ACCEPTED, each with why);
   - for now, the tool fields that another part of the server will implement (tools,
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.

@@ -152,3 +152,11 @@ def test_best_of_equal_to_n_is_n_samples(fake):
     engine, client = fake
     r = client.post(CMPL, json={"prompt": "x", "max_tokens": 2, "n": 3, "best_of": 3})
     assert r.status_code == 200 and len(r.json()["choices"]) == 3 and len(engine.sent) == 3
+
+
+def test_a_refused_field_nested_too_deeply_is_a_400(fake):
+    _, client = fake
+    deep = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"messages": [{"role": "user", "content": "x"}], "functions": ' + deep + b"}"
+    r = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
