@@ -158,7 +158,7 @@ def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]
     """A completion body (its prompts parsed) -> one engine request per prompt and choice.
     With echo and logprobs, the prompt's logprobs are asked for (all but the first token's,
     which nothing predicts); max_tokens 0 runs one token, which respond() drops."""
-    params = p.to_sampling_params(body, max_tokens=body.max_tokens or (1 if body.max_tokens == 0 else None),
+    params = p.to_sampling_params(body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
                                   logprobs=body.logprobs, vocab_size=vocab_size, defaults=defaults)
     if body.echo and body.logprobs is not None:
         params = msgspec.structs.replace(params, prompt_logprobs_from=1, prompt_top_logprobs=body.logprobs)
