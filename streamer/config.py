@@ -29,6 +29,7 @@ QUANTIZATIONS = ("fp8",)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 CACHE_ISOLATIONS = ("none", "per-key")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 ENV_PREFIX = "STREAMER_"
@@ -222,6 +223,10 @@ class ServerConfig:
     request_timeout: float | None = None
     """Seconds a request may take from its arrival at the engine to its end (None: no limit);
     also the cap of a request's own `timeout` field. See SamplingParams.timeout."""
+    generation_config: str = "auto"
+    """Where the sampling fields a request omits (temperature, top_p, top_k, repetition_penalty,
+    min_p) take their values: auto, the model folder's generation_config.json where it gives
+    them (engine/generation_config.py), else streamer's defaults; none: streamer's defaults."""
     # ---- hostile input (server/limits.py, server/guard.py, server/transport.py) ----
     max_request_bytes: int = 8 << 20
     """An HTTP body (413 beyond it) or a WebSocket message (closed with 1009)."""
@@ -285,5 +290,8 @@ class ServerConfig:
                               "with --api-key (repeated, or comma-separated)")
         if any(not k for k in self.api_keys):
             raise ConfigError("an API key must not be empty")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ConfigError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
+                              f"not {self.generation_config!r}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ConfigError(f"request_timeout must be a positive number of seconds, not {self.request_timeout}")

@@ -80,3 +80,40 @@ def test_reserved_template_arguments_are_refused():
 def test_a_template_error_is_the_requests_error(smol_tok):
     with pytest.raises(RequestError, match="cannot apply the chat template"):
         render(smol_tok, [{"role": "user"}, {"role": "assistant", "content": 3}])
+
+
+def test_a_chat_template_file_replaces_the_models(default_model, tmp_path):
+    from streamer.engine.tokenizer import load_tokenizer
+    from streamer.errors import ModelLoadError
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    tok = load_tokenizer(default_model, str(f))
+    assert tok.decode(render(tok, [{"role": "user", "content": "hi"}])) == "[user] hi\n"
+    with pytest.raises(ModelLoadError, match="--chat-template .*missing.jinja: cannot read it"):
+        load_tokenizer(default_model, str(tmp_path / "missing.jinja"))
+
+
+def test_default_template_kwargs_are_checked_at_start():
+    from streamer.config import EngineConfig
+    from streamer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs may not set tokenize"):
+        EngineConfig(default_chat_template_kwargs={"tokenize": False})
+    assert EngineConfig(default_chat_template_kwargs={"enable_thinking": False}).default_chat_template_kwargs
+
+
+def test_the_tokenizer_actor_applies_the_defaults_under_the_requests_own(qwen3_tok):
+    from streamer.engine.tokenizer import Tokenizer
+    from streamer.messages import GenerateRequest
+
+    actor = Tokenizer(qwen3_tok, [151645], 4096, 151936)
+    actor.chat_template_kwargs = {"enable_thinking": False}
+    ask = [{"role": "user", "content": "hi"}]
+    off = actor.encode_prompt(GenerateRequest(request_id="a", messages=ask))
+    on = actor.encode_prompt(GenerateRequest(request_id="b", messages=ask, chat_template_kwargs={"enable_thinking": True}))
+    assert qwen3_tok.decode(off).endswith("<think>\n\n</think>\n\n") and off[:len(on)] == on and len(off) > len(on)
+    with_tools = actor.encode_prompt(GenerateRequest(request_id="c", messages=ask, tools=TOOLS))
+    assert "get_weather" in qwen3_tok.decode(with_tools)
+    with pytest.raises(RequestError, match="need messages"):
+        actor.encode_prompt(GenerateRequest(request_id="d", prompt="hi", tools=TOOLS))

@@ -27,6 +27,7 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
+from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
@@ -141,7 +142,8 @@ class AsyncEngine:
                                              pool_tokens=pool.capacity * pool.page_size)
         self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
-                              self.hf_tokenizer, dict(self.config.default_chat_template_kwargs or {}))
+                              self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
+                              chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics)
         self._attach_grammar()

@@ -35,8 +35,8 @@ running turn's failure does the same).
 
 A turn's pipeline: the frame -> ClientMessage (protocol.decode_body) -> the limits ->
 turn_request: a GenerateRequest with the whole history as messages and SamplingParams
-(protocol.to_sampling_params; without max_tokens the turn fills the context, resolved by
-the engine's tokenizer) -> admit + ServerState.stream -> delta frames, then done.
+(protocol.to_sampling_params, the model's sampling defaults for what the message omits;
+without max_tokens the turn fills the context, resolved by the engine's tokenizer) -> admit + ServerState.stream -> delta frames, then done.
 
 Before this module runs, guard.HostCheck has refused (403) a handshake from a foreign
 Origin; uvicorn closes a frame larger than --max-request-bytes with 1009; a turn over the
@@ -231,7 +231,8 @@ class Session:
         """The engine request of a turn: the history and `entry` as messages; without
         max_tokens, the reply may fill the context (the engine's tokenizer resolves it)."""
         params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
-                                      vocab_size=self.st.info.vocab_size, fill_context=True)
+                                      vocab_size=self.st.info.vocab_size, fill_context=True,
+                                      defaults=self.st.sampling_defaults)
         setup = chat_setup(self.st, msg, params.grammar)
         params = self.st.apply_policy(msgspec.structs.replace(params, grammar=setup.grammar), self.ws.scope)
         tools = msgspec.to_builtins(msg.tools) if msg.tools else None
