@@ -50,6 +50,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory one grammar compilation may take; past it likewise (default 2048)")
     g.add_argument("--grammar-compile-workers", type=int, default=2,
                    help="grammar compilations at once, each in a process of its own (default 2)")
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template that replaces the model's (tools, reasoning and chat prompts)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
+                   help='variables of every chat prompt\'s template, e.g. \'{"enable_thinking": false}\'; '
+                        "a request's chat_template_kwargs win over them")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -20,12 +20,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from streamer.errors import ConfigError
+from streamer.chat_template import check_kwargs
+from streamer.errors import ConfigError, RequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 CACHE_ISOLATIONS = ("none", "per-key")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 ENV_PREFIX = "STREAMER_"
@@ -150,6 +154,11 @@ class EngineConfig:
     """Memory one grammar compilation may take, in MB; past it, likewise killed and refused."""
     grammar_compile_workers: int = 2
     """Grammar compilations at once (each in a process of its own); more wait their turn."""
+    chat_template: str | None = None
+    """A Jinja file that replaces the model's chat template (--chat-template)."""
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    """Variables of every chat prompt's template (e.g. {"enable_thinking": false}); a
+    request's chat_template_kwargs win over them."""
     grammar_prestart: bool = False
     """Start the grammar compilation process with the engine (`streamer serve` does: it takes
     a few seconds, which the first structured-output request would otherwise wait), not on
@@ -178,6 +187,11 @@ class EngineConfig:
             raise ConfigError(f"hold_ahead_ms must be >= 0, not {self.hold_ahead_ms}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.default_chat_template_kwargs is not None:
+            try:
+                check_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+            except RequestError as e:
+                raise ConfigError(str(e)) from None
         if self.grammar_compile_timeout <= 0 or self.grammar_compile_memory_mb < 1 or self.grammar_compile_workers < 1:
             raise ConfigError("grammar_compile_timeout must be > 0, grammar_compile_memory_mb and "
                               "grammar_compile_workers >= 1")
@@ -209,6 +223,10 @@ class ServerConfig:
     request_timeout: float | None = None
     """Seconds a request may take from its arrival at the engine to its end (None: no limit);
     also the cap of a request's own `timeout` field. See SamplingParams.timeout."""
+    generation_config: str = "auto"
+    """Where the sampling fields a request omits (temperature, top_p, top_k, repetition_penalty,
+    min_p) take their values: auto, the model folder's generation_config.json where it gives
+    them (engine/generation_config.py), else streamer's defaults; none: streamer's defaults."""
     # ---- hostile input (server/limits.py, server/guard.py, server/transport.py) ----
     max_request_bytes: int = 8 << 20
     """An HTTP body (413 beyond it) or a WebSocket message (closed with 1009)."""
@@ -249,9 +267,21 @@ class ServerConfig:
     None: a process of its own when the engine runs on CUDA (where the GPU waits whenever
     the host falls behind), in the server's process on CPU (where the model's compute
     takes the cores, and a second process would only add its ~350 MB)."""
+    tool_call_parser: str = "auto"
+    """The markup of tool calls in the model's output: hermes, llama3_json, mistral, or auto
+    (from the chat template; a template that does not read tools gets hermes)."""
+    reasoning_parser: str | None = None
+    """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
+    grammars (response_format, tools) apply from its end. None: all text is content."""
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"not {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or none), "
+                              f"not {self.reasoning_parser!r}")
         if self.cache_isolation not in CACHE_ISOLATIONS:
             raise ConfigError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}, "
                               f"not {self.cache_isolation!r}")
@@ -260,5 +290,8 @@ class ServerConfig:
                               "with --api-key (repeated, or comma-separated)")
         if any(not k for k in self.api_keys):
             raise ConfigError("an API key must not be empty")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ConfigError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
+                              f"not {self.generation_config!r}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ConfigError(f"request_timeout must be a positive number of seconds, not {self.request_timeout}")

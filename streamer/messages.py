@@ -25,7 +25,8 @@ MAX_CACHE_SALT = 1024
 
 
 class GrammarSpec(msgspec.Struct, frozen=True):
-    """A constraint on the output. kind: json_object | json_schema | regex | ebnf | choice."""
+    """A constraint on the output. kind: json_object | json_schema | regex | ebnf | choice |
+    structural_tag (sampling/grammar.py says what each value holds)."""
 
     kind: str
     value: str = ""
@@ -59,6 +60,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     prompt_logprobs_from: int | None = None
     """Report the logprob of every prompt token at this position and after (>= 1).
     The radix cache serves at most the tokens before it (their logits are needed)."""
+    prompt_top_logprobs: int = 0
+    """With prompt_logprobs_from: also the top this-many tokens (id, logprob) at each of those
+    positions (OpenAI's echo with logprobs > 0)."""
     cache_salt: str | None = None
     """Prefix-cache namespace: requests share cached KV pages only with requests of the same
     salt (None: the unsalted namespace), so neither `cached_tokens` nor timing tells one
@@ -89,6 +93,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"n must be at least 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not 0 <= self.prompt_top_logprobs <= 20:
+            raise RequestError(f"prompt_top_logprobs must be in [0, 20], got {self.prompt_top_logprobs}")
+        if self.prompt_top_logprobs and self.prompt_logprobs_from is None:
+            raise RequestError("prompt_top_logprobs needs prompt_logprobs_from")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
             raise RequestError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
         if self.timeout is not None and not 0 < self.timeout < math.inf:  # (NaN fails too)
@@ -108,6 +116,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, rendered into the prompt by the chat template (with messages)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables of the chat template (e.g. enable_thinking), over the engine's defaults."""
 
 
 class Tokenize(msgspec.Struct):
@@ -164,6 +176,8 @@ class SeqChunk(msgspec.Struct):
     """Chunk index from which prompt logprobs are wanted (-1: none)."""
     logprob_targets: list[int] = msgspec.field(default_factory=list)
     """The next token of each such position, whose logprob is reported."""
+    logprob_top: int = 0
+    """And the top this-many tokens at each such position (SamplingParams.prompt_top_logprobs)."""
 
 
 class Batch(msgspec.Struct):
@@ -203,6 +217,9 @@ class StepOutput(msgspec.Struct):
     """One per sampling sequence of the batch, in order."""
     error: str | None = None
     prompt_logprobs: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = msgspec.field(default_factory=dict)
+    """Per request that asked for them (SeqChunk.logprob_top), the top tokens at each of its
+    prompt_logprobs' positions."""
     device_time: float = 0.0
     """Seconds the step took on the device, from its first work to its tokens' copy (on
     the CPU: the launch's wall time). The scheduler predicts decode steps' ends from it."""
@@ -235,6 +252,10 @@ class TokenDelta(msgspec.Struct):
     """With the first delta: seconds from arrival at the scheduler to the first batch."""
     error_code: str | None = None
     """With error: RequestOutput.error_code (CONTEXT_LENGTH_EXCEEDED, from the tokenizer)."""
+    prompt_token_ids: list[int] | None = None
+    """With prompt_logprobs: RequestOutput.prompt_token_ids."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With prompt_logprobs: RequestOutput.prompt_top_logprobs."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -266,6 +287,12 @@ class RequestOutput(msgspec.Struct):
     ENGINE_STALLED (it stopped answering); CONTEXT_LENGTH_EXCEEDED: the request's prompt and
     max_tokens do not fit the context. None: another error of the request's own, or an internal
     one ("internal error: ..."). (A deadline is finish_reason "timeout", with an error message.)"""
+    prompt_token_ids: list[int] | None = None
+    """With prompt_logprobs (first output): the prompt's token ids, as the engine tokenized it
+    (what OpenAI's echo reports the logprobs of)."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With prompt_logprobs and SamplingParams.prompt_top_logprobs: the top (id, logprob) at
+    each of their positions."""
 
 
 ENGINE_DOWN = "engine_down"

@@ -87,6 +87,20 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
     return tiny_family(tmp_path_factory.mktemp("tiny"), default_model)
 
 
+@pytest.fixture(scope="session")
+def qwen3_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with the real Qwen tokenizer and a Qwen3-format chat template
+    (tests/qwen3.py): the path of tools, tool turns and reasoning through a real template."""
+    from tests.qwen3 import FIRST_SPECIAL, IM_END, VOCAB_SIZE, make_qwen3_tokenizer
+
+    root = tmp_path_factory.mktemp("qwen3")
+    tok = make_qwen3_tokenizer(root / "tokenizer")
+    folder = make_tiny_model(root / "model", "Qwen3ForCausalLM", tok, vocab_size=VOCAB_SIZE,
+                             eos_token_id=IM_END, bos_token_id=None, pad_token_id=FIRST_SPECIAL)
+    (folder / "generation_config.json").write_text((tok / "generation_config.json").read_text())
+    return folder
+
+
 def free_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

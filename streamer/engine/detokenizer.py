@@ -134,6 +134,8 @@ class Stream:
             prompt_logprobs=d.prompt_logprobs,
             queue_time=d.queue_time,
             error_code=d.error_code,
+            prompt_token_ids=d.prompt_token_ids,
+            prompt_top_logprobs=d.prompt_top_logprobs,
         )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
+from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
@@ -132,15 +133,17 @@ class AsyncEngine:
         self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
         self._collector_started = False
         """start() told _collector (stop() undoes it)."""
-        self.hf_tokenizer = load_tokenizer(self.model_path)
+        self.hf_tokenizer = load_tokenizer(self.model_path, self.config.chat_template)
         hf = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_ids(hf, self.hf_tokenizer, self.model_path)
         pool = self.runner.pool
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
                                              pool_tokens=pool.capacity * pool.page_size)
+        self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
-                              self.hf_tokenizer)
+                              self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
+                              chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics)
         self._attach_grammar()

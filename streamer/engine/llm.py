@@ -74,9 +74,13 @@ class LLM:
                 reqs.append(GenerateRequest(request_id=rid, prompt_token_ids=list(p), params=sp))
         return self.call(self._run(reqs))
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> RequestOutput:
+        """One chat completion; tools and chat_template_kwargs go to the chat template (the
+        text comes back as written: the server's parsers make tool calls of it)."""
         rid = self.engine.new_request_id()
-        req = GenerateRequest(request_id=rid, messages=messages, params=params or SamplingParams())
+        req = GenerateRequest(request_id=rid, messages=messages, params=params or SamplingParams(), tools=tools,
+                              chat_template_kwargs=chat_template_kwargs)
         return self.call(self._run([req]))[0]
 
     async def _run(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:

@@ -75,6 +75,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         queue_time=a.queue_time if a.queue_time is not None else b.queue_time,
         error_code=b.error_code or a.error_code,
+        prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
+        prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
     )
 
 
@@ -109,12 +111,12 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
     ids: list[int] = []
     text: list[str] = []
     logprobs: list = []
-    prompt_logprobs = None
+    prompt_logprobs = prompt_ids = prompt_tops = None
     queue_time = None
     last = None
     async for out in outputs:
         if out.prompt_logprobs is not None:
-            prompt_logprobs = out.prompt_logprobs
+            prompt_logprobs, prompt_ids, prompt_tops = out.prompt_logprobs, out.prompt_token_ids, out.prompt_top_logprobs
         if out.queue_time is not None:
             queue_time = out.queue_time
         ids.extend(out.token_ids)
@@ -137,4 +139,6 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         prompt_logprobs=prompt_logprobs,
         queue_time=queue_time,
         error_code=last.error_code,
+        prompt_token_ids=prompt_ids,
+        prompt_top_logprobs=prompt_tops,
     )

@@ -23,8 +23,8 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from streamer.messages import EngineStats, GenerateRequest, RequestOutput
@@ -41,6 +41,13 @@ class ModelInfo:
     hf_tokenizer: Any
     """The transformers tokenizer (None for a weight-only model): token strings of logprobs,
     /tokenize and /apply_chat_template, and the frontend language's text."""
+    generation_defaults: Mapping[str, float] = field(default_factory=dict)
+    """The model folder's sampling defaults (engine/generation_config.py): what a request
+    that omits temperature, top_p, top_k, repetition_penalty or min_p gets, unless the
+    server is told otherwise (--generation-config none)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The engine's default template variables (the server decides from them, e.g. whether
+    a reasoning model thinks before its constrained answer)."""
 
 
 class Engine(Protocol):

@@ -38,6 +38,7 @@ import msgspec
 
 from streamer import errors
 from streamer.config import EngineConfig
+from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import FAIL_STALLED_S, HEARTBEAT_S, step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
@@ -129,8 +130,10 @@ class EngineProcess:
         assert isinstance(first, Ready)
         self.model_name, self._stats = first.model_name, first.stats
         # the engine's own tokenizer, for /tokenize and the text of logprobs' tokens
-        hf = load_tokenizer(Path(first.model_path))
-        self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf)
+        hf = load_tokenizer(Path(first.model_path), self.config.chat_template)
+        self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf,
+                               generation_defaults=generation_defaults(Path(first.model_path)),
+                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
 
     @property
     def info(self) -> ModelInfo:

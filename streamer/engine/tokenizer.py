@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from streamer.chat_template import render
 from streamer.errors import ModelLoadError, RequestError
 from streamer.messages import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -38,16 +39,25 @@ from streamer.messages import (
 )
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The transformers tokenizer of a model folder, or None if the folder has none."""
+def load_tokenizer(path: Path, chat_template: str | None = None) -> Any:
+    """The transformers tokenizer of a model folder, or None if the folder has none.
+    chat_template: a Jinja file that replaces the model's template (--chat-template)."""
     from transformers import AutoTokenizer
 
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        if chat_template:
+            raise ModelLoadError(f"--chat-template {chat_template}: {path} has no tokenizer to apply it with")
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: the tokenizer cannot be loaded ({e})") from None
+    if chat_template:
+        try:
+            tok.chat_template = Path(chat_template).read_text()
+        except OSError as e:
+            raise ModelLoadError(f"--chat-template {chat_template}: cannot read it ({e.strerror})") from None
+    return tok
 
 
 class ContextLengthError(RequestError):
@@ -67,6 +77,8 @@ class Tokenizer:
         """The tokens a request may hold in all (fill_context): the context, or the whole KV
         pool when that is smaller (the scheduler refuses a request that needs more pages)."""
         self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
+        self.chat_template_kwargs: dict[str, Any] = {}
+        """The server's defaults (--default-chat-template-kwargs); a request's own win."""
 
     def encode_prompt(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -81,15 +93,11 @@ class Tokenizer:
         if self.hf is None:
             raise RequestError("this model has no tokenizer: send prompt_token_ids")
         if req.messages is not None:
-            try:
-                ids = self.hf.apply_chat_template(
-                    req.messages, tokenize=True, add_generation_prompt=req.add_generation_prompt
-                )
-            except Exception as e:  # noqa: BLE001 - template errors come from user messages
-                raise RequestError(f"cannot apply the chat template to these messages: {e}") from None
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
+            kwargs = {**self.chat_template_kwargs, **(req.chat_template_kwargs or {})}
+            return render(self.hf, req.messages, tools=req.tools, kwargs=kwargs,
+                          add_generation_prompt=req.add_generation_prompt)
+        if req.tools is not None or req.chat_template_kwargs is not None:
+            raise RequestError("tools and chat_template_kwargs need messages (a chat request)")
         assert req.prompt is not None
         return list(self.hf(req.prompt, add_special_tokens=True)["input_ids"])
 

@@ -66,13 +66,13 @@ def prepare(
         last += last[:1] * (padded_rows(n_sample) - n_sample)
     lp_rows: list[int] = []
     lp_targets: list[int] = []
-    lp_owner: list[tuple[str, int]] = []
+    lp_owner: list[tuple[str, int, int]] = []  # (request, positions, top tokens wanted at each)
     for i, s in enumerate(seqs):
         if s.logprob_targets:
             first = int(cu[i]) + s.logprob_from
             lp_rows.extend(range(first, first + len(s.logprob_targets)))
             lp_targets.extend(s.logprob_targets)
-            lp_owner.append((s.request_id, len(s.logprob_targets)))
+            lp_owner.append((s.request_id, len(s.logprob_targets), s.logprob_top))
     decode = max(lens) == 1 and all(s.sample for s in seqs)
     graph: DecodeGraphs | ExtendGraphs | None = None
     if decode and graphs is not None and graphs.fits(len(seqs), width):

@@ -33,6 +33,10 @@ from streamer.model.packing import prepare
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
 
+PromptLogprobs = tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]]]
+"""What a step computed of its prompt logprobs, per request: the logprob of each position's
+next token, and (where asked for, SeqChunk.logprob_top) the top (id, logprob) there."""
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -131,7 +135,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, PromptLogprobs]:
         """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs asked for."""
         x = self.prepare(batch)
         if self.device.type == "cuda":
@@ -140,10 +144,10 @@ class ModelRunner:
             self.step_start.record()
         graph = x["graph"]
         if isinstance(graph, DecodeGraphs):
-            return graph.replay(x), {}  # the LM head is in the graph
+            return graph.replay(x), ({}, {})  # the LM head is in the graph
         if isinstance(graph, ExtendGraphs):
             hidden = graph.replay(x)
-            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], {}
+            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], ({}, {})
         # int32 index arrays, as in the graphs' buffers: the attention kernels of eager steps
         # are then the variants built at capture (the decode kernel of a mixed step's split,
         # int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3)
@@ -163,16 +167,25 @@ class ModelRunner:
         finally:
             set_context(None)
         prompt_logprobs: dict[str, list[float]] = {}
+        prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}
         if x["lp_rows"]:
             rows = torch.tensor(x["lp_rows"], device=self.device)
             targets = torch.tensor(x["lp_targets"], device=self.device)
             logp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
             values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            kmax = max(k for _, _, k in x["lp_owner"])
+            top_v: list[list[float]] = []
+            top_i: list[list[int]] = []
+            if kmax:
+                tv, ti = logp.topk(kmax, dim=-1)
+                top_v, top_i = tv.tolist(), ti.tolist()
             i = 0
-            for rid, n in x["lp_owner"]:
+            for rid, n, k in x["lp_owner"]:
                 prompt_logprobs[rid] = values[i : i + n]
+                if k:
+                    prompt_tops[rid] = [list(zip(top_i[j][:k], top_v[j][:k])) for j in range(i, i + n)]
                 i += n
-        return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], prompt_logprobs
+        return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], (prompt_logprobs, prompt_tops)
 
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
@@ -231,7 +244,7 @@ class ModelRunner:
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
-        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: dict[str, list[float]], plan: Plan | None = None
+        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs, plan: Plan | None = None
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
         copy of its tokens to the host."""
@@ -282,7 +295,8 @@ class ModelRunner:
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         launched.times["ready"] = time.perf_counter()
-        return StepOutput(launched.step, sampled, prompt_logprobs=launched.prompt_logprobs,
+        values, tops = launched.prompt_logprobs
+        return StepOutput(launched.step, sampled, prompt_logprobs=values, prompt_top_logprobs=tops,
                           device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:
@@ -297,7 +311,7 @@ class Launched:
     None while the step awaits its grammar masks."""
     sampled: list[SampledToken] | None
     """Already on the host (non-greedy sampling syncs), or None."""
-    prompt_logprobs: dict[str, list[float]]
+    prompt_logprobs: PromptLogprobs
     done: torch.cuda.Event | None = None
     """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
     plan: Plan | None = None

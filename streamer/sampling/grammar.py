@@ -13,11 +13,15 @@ Spec kinds (messages.GrammarSpec):
   regex         value: a regular expression the whole output must match
   ebnf          value: an xgrammar EBNF grammar with a `root` rule
   choice        value: a JSON list of strings; the output is exactly one of them
+  structural_tag value: an xgrammar structural tag as JSON text, {"type": "structural_tag",
+                "format": {...}} (xgrammar's structural_tag.py lists the formats: sequence, tag,
+                triggered_tags, tags_with_separator, any_text, json_schema, regex, grammar, ...);
+                server/tool_grammar.py builds the tool-call and reasoning ones
 
 JSON is generated compact and fixed-format (`any_whitespace = False`: ", " and ": "
-separators, no free whitespace). A small model cannot then wander into
-whitespace until max_tokens, and the fixed text between values (keys,
-separators) is forced, which is what jump-forward skips over.
+separators, no free whitespace), inside structural tags too (grammar_build.py says how).
+A small model cannot then wander into whitespace until max_tokens, and the fixed text
+between values (keys, separators) is forced, which is what jump-forward skips over.
 
 Compiled grammars are cached by (kind, value), errors included, so a repeated
 bad schema fails at once. A spec not in the cache is first compiled on trial in a

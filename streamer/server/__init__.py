@@ -3,10 +3,13 @@
   app.py         create_app(engine, server_config): routes, middleware, the engine's lifespan
   serve.py       `streamer serve`: its flags, the engine it starts, uvicorn
   state.py       ServerState: admission, the server's policy, streams of engine requests
-  openai_api.py  /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models
-  native_api.py  /generate, /tokenize, /apply_chat_template (the frontend language's server API)
+  openai_api.py  /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
+  openai_output.py  engine outputs -> OpenAI's responses and SSE chunks, logprobs, echo
+  native_api.py  /generate, /tokenize, /detokenize, /apply_chat_template, /version
   websocket.py   /v1/chat/ws chat sessions (the protocol is in its docstring)
   protocol.py    request/response bodies (msgspec Structs) and their mapping to SamplingParams
+  fields.py      each OpenAI field: implemented, accepted without effect (why), or refused
+  openapi.py     the OpenAPI document at /openapi.json
   limits.py      request limits, checked before any work
   guard.py       Host / Origin, API key and JSON body middleware
   transport.py   connection limits and timeouts under uvicorn

@@ -2,9 +2,10 @@
 
   create_app(engine, server_config) -> Starlette   (`streamer serve` runs it: serve.py)
 
-The routes: /v1/completions, /v1/chat/completions, /v1/models (openai_api.py), the WebSocket
-chat /v1/chat/ws (websocket.py), the native API /generate, /tokenize, /apply_chat_template
-(native_api.py), /health, /metrics, /openapi.json and the chat page. Their handlers meet the
+The routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
+(openai_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
+/tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health, /metrics,
+/openapi.json (openapi.py) and the chat page. Their handlers meet the
 engine through one ServerState (state.py), at app.state.server. Every request passes
 guard.py's middleware first (Host and Origin, the API key, the JSON body's size and time).
 """
@@ -29,7 +30,8 @@ from streamer.engine.protocol import Engine
 from streamer.server import native_api, openai_api, websocket
 from streamer.server.guard import ApiKeyCheck, HostCheck, JsonBody, error_response
 from streamer.server.metrics import RequestCounter
-from streamer.server.protocol import ApiError, openapi_document
+from streamer.server.openapi import openapi_document
+from streamer.server.protocol import ApiError
 from streamer.server.state import ServerState
 
 STATIC = Path(__file__).parent / "static"
@@ -84,6 +86,7 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/metrics", state.metrics.render),
         Route("/openapi.json", openapi),
         Route("/v1/models", openai_api.models),
+        Route("/v1/models/{model:path}", openai_api.model),  # (:path: a name may hold "/", org/model)
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", websocket.chat_session),

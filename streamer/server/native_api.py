@@ -1,5 +1,6 @@
-"""The native API: POST /generate (text or token ids in, text and token ids out), and the two
-helpers the frontend language needs from a remote server, POST /tokenize and POST /apply_chat_template.
+"""The native API: POST /generate (text or token ids in, text and token ids out), the two
+helpers the frontend language needs from a remote server, POST /tokenize and POST
+/apply_chat_template, and POST /detokenize and GET /version.
 
   routes() -> [Route]   for server/app.py's app (its ServerState is request.app.state.server)
 
@@ -21,6 +22,9 @@ POST /generate
 
 POST /tokenize            {"text": str | [str]} -> {"input_ids": [ids] | [[ids], ...]}
                           (as the engine tokenizes a text prompt)
+POST /detokenize          {"tokens": [ids], "model"?} -> {"prompt": str}   (special tokens
+                          included; an id outside the tokenizer's vocabulary is a 400)
+GET  /version             {"version": streamer.__version__}   (no API key needed, as /health)
 POST /apply_chat_template {"conversations": [[message, ...], ...]} -> {"texts": [str, ...]}
                           (no generation prompt; an empty conversation renders as "")
 
@@ -29,7 +33,8 @@ API key, JSON bodies under the size limit, decoding through protocol.decode_body
 malformed or too deep JSON; token ids are strict ints, so `true` is refused), the request
 limits (server/limits.py) before any work, admission (--max-queue counts every prompt of a
 batch), and ServerState.start, so that a client that goes away aborts its engine requests,
-streaming or not. /tokenize and /apply_chat_template run in a small thread pool, off the loop.
+streaming or not. /tokenize, /detokenize and /apply_chat_template run in a small thread
+pool, off the loop.
 
 /generate's pipeline: bytes -> GenerateBody (its sampling_params a NativeSampling) -> the
 limits -> generate_requests: SamplingParams (the fields the two share copied by name) and
@@ -48,6 +53,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from streamer import __version__
 from streamer.engine.outputs import merge_outputs
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
@@ -101,6 +107,19 @@ class GenerateBody(msgspec.Struct, kw_only=True):
 
 class TokenizeBody(msgspec.Struct):
     text: str | list[str]
+
+
+class DetokenizeBody(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
 
 
 class ChatTemplateBody(msgspec.Struct):
@@ -288,6 +307,21 @@ def routes() -> list[Route]:
         ids = await off_loop(lambda: [list(x) for x in hf(texts, add_special_tokens=True)["input_ids"]] if texts else [])
         return ok({"input_ids": ids[0] if isinstance(body.text, str) else ids})
 
+    async def detokenize(req: Request) -> Response:
+        st: ServerState = req.app.state.server
+        body: DetokenizeBody = decode_body(await req.body(), DetokenizeBody)
+        st.check_model(body.model)
+        hf = tokenizer(st)
+        size = len(hf)  # (the tokenizer's, added tokens included: the model's may pad beyond it)
+        bad = next((t for t in body.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise ApiError(f"token id {bad} is outside the vocabulary (size {size})", param="tokens")
+        text = await off_loop(lambda: hf.decode(body.tokens, skip_special_tokens=False))
+        return ok(DetokenizeResponse(text))
+
+    async def version(req: Request) -> Response:
+        return ok(VersionResponse(__version__))
+
     async def apply_chat_template(req: Request) -> Response:
         st: ServerState = req.app.state.server
         body: ChatTemplateBody = decode_body(await req.body(), ChatTemplateBody)
@@ -305,5 +339,7 @@ def routes() -> list[Route]:
     return [
         Route("/generate", generate, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version),
         Route("/apply_chat_template", apply_chat_template, methods=["POST"]),
     ]

@@ -1,38 +1,59 @@
-"""/v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models.
+"""/v1/completions, /v1/chat/completions (JSON or SSE), /v1/models and /v1/models/{model}.
 
 The pipeline of both:
-  bytes -> CompletionRequest | ChatCompletionRequest (protocol.decode_body)
+  bytes -> CompletionRequest | ChatCompletionRequest (protocol.decode_body), the fields
+           OpenAI defines that this server refuses (fields.check_refused), the checks of
+           fields that go together (check_completion | check_chat)
         -> the limits (limits.py)
         -> completion_requests | chat_requests: one engine request per choice, GenerateRequest
-           with SamplingParams (protocol.to_sampling_params), ids f"{id}-{index}"
+           with SamplingParams (protocol.to_sampling_params, the model's sampling defaults
+           for what the body omits), ids f"{id}-{index}"
         -> ServerState.start: admitted once, submitted, run concurrently, merged back by
            choice index; the first output of every choice is awaited before any response
            starts (a request the engine refuses, say a prompt too long or a bad grammar,
            arrives as a first output with finish_reason "error" and must become a 400,
            which is no longer possible once a 200 stream has begun)
-        -> one response (collect) or SSE chunks (events: CompletionChunks | ChatChunks).
+        -> one response (collect) or SSE chunks (events), openai_output.py.
 A chat request without max_tokens goes to the engine with fill_context: the engine's
 tokenizer gives it the room its prompt leaves (the server never applies the template).
+
+echo (completions): each choice's text starts with its prompt (a token-id prompt decoded).
+With logprobs, the engine reports the prompt's tokens, their logprobs and the top
+alternatives at each (prompt_logprobs_from 1, prompt_top_logprobs). max_tokens 0 (only with echo) answers the prompt alone: the
+engine runs the prompt with max_tokens 1, for its usage and logprobs, and the token it
+samples is dropped (prompt_only): it cannot run a request that samples nothing.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.messages import GenerateRequest, RequestOutput, SampledToken, SamplingParams
+from streamer.chat_template import check_kwargs
+from streamer.errors import RequestError
+from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server import protocol as p
+from streamer.server.chat_output import ChatSetup
+from streamer.server.fields import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED, check_refused
+from streamer.server.openai_output import (
+    ChatChunks,
+    CompletionChunks,
+    Formatter,
+    chat_choice,
+    collect,
+    events,
+    joined,
+    usage,
+)
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
-from streamer.server.state import Merged, ServerState, failure, until_disconnect
-from streamer.sse import DONE_EVENT, data_event
+from streamer.server.state import Merged, ServerState, until_disconnect
 
 Policy = Callable[[SamplingParams], SamplingParams]
 """ServerState.apply_policy for one request's scope."""
@@ -46,10 +67,46 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
+def card(st: ServerState) -> p.ModelCard:
+    return p.ModelCard(st.model_name, "model", st.started, "streamer", st.info.max_model_len)
+
+
 async def models(request: Request) -> Response:
+    return json_response(p.ModelList("list", [card(server(request))]))
+
+
+async def model(request: Request) -> Response:
+    """One model's card; its folder's name is an alias of the served name (ServerState.serves)."""
     st = server(request)
-    card = p.ModelCard(st.model_name, "model", int(time.time()), "streamer", st.info.max_model_len)
-    return json_response(p.ModelList("list", [card]))
+    name = request.path_params["model"]
+    st.check_model(name)
+    return json_response(card(st))
+
+
+# ---- checks of fields that go together ---------------------------------------------
+
+
+def check_stream_options(stream: bool, options: p.StreamOptions | None) -> None:
+    if options is not None and not stream:
+        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_completion(body: p.CompletionRequest) -> None:
+    if body.best_of not in (None, 1, body.n):
+        raise ApiError(f"best_of {body.best_of} (the best n of several samples) is not supported: best_of may "
+                       "only be 1 or equal n (n samples, all returned)", param="best_of",
+                       code="unsupported_parameter")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens")
+    check_stream_options(body.stream, body.stream_options)
+
+
+def check_chat(body: p.ChatCompletionRequest) -> None:
+    if not body.messages:
+        raise ApiError("messages must not be empty", param="messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    check_stream_options(body.stream, body.stream_options)
 
 
 # ---- request -> engine requests --------------------------------------------------
@@ -73,17 +130,40 @@ def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
 
 def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if m.role == "function":
+            raise ApiError("the function role is deprecated and not supported: use tool messages",
+                           param=f"messages[{i}].role")
         content = m.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise ApiError("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": m.role, "content": content or m.refusal or ""}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
+
+
+def chat_setup(st: ServerState, body: p.ChatFields, grammar: GrammarSpec | None) -> ChatSetup:
+    """Tools, reasoning and the grammar of a chat body, against the server's parsers."""
+    try:
+        mine = check_kwargs(body.chat_template_kwargs)
+    except RequestError as e:
+        raise ApiError(str(e), param="chat_template_kwargs") from None
+    return ChatSetup.of(
+        tools=msgspec.to_builtins(body.tools) if body.tools else None,
+        tool_choice=msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else None,
+        parallel=body.parallel_tool_calls, grammar=grammar,
+        template_kwargs={**st.info.chat_template_kwargs, **mine}, hf_tokenizer=st.info.hf_tokenizer,
+        tool_parser=st.config.tool_call_parser, reasoning_parser=st.config.reasoning_parser)
 
 
 def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[GenerateRequest]:
@@ -98,10 +178,15 @@ def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[G
 
 
 def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]], rid: str, vocab_size: int,
-                        policy: Policy) -> list[GenerateRequest]:
-    """A completion body (its prompts parsed) -> one engine request per prompt and choice."""
-    params = policy(p.to_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                         vocab_size=vocab_size))
+                        policy: Policy, defaults: Mapping[str, float] | None = None) -> list[GenerateRequest]:
+    """A completion body (its prompts parsed) -> one engine request per prompt and choice.
+    With echo and logprobs, the prompt's logprobs are asked for (all but the first token's,
+    which nothing predicts); max_tokens 0 runs one token, which respond() drops."""
+    params = p.to_sampling_params(body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
+                                  logprobs=body.logprobs, vocab_size=vocab_size, defaults=defaults)
+    if body.echo and body.logprobs is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs_from=1, prompt_top_logprobs=body.logprobs)
+    params = policy(params)
     reqs = []
     for k, prompt in enumerate(prompts):
         base = (GenerateRequest(request_id=rid, prompt=prompt, params=params) if isinstance(prompt, str)
@@ -110,82 +195,48 @@ def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]
     return reqs
 
 
-def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]], rid: str, vocab_size: int,
-                  policy: Policy) -> list[GenerateRequest]:
-    """A chat body (its messages flattened) -> one engine request per choice; without
-    max_tokens, each may fill the context (resolved by the engine's tokenizer)."""
+def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]], rid: str, st: ServerState,
+                  policy: Policy) -> tuple[list[GenerateRequest], ChatSetup]:
+    """A chat body (its messages flattened) -> one engine request per choice, and what its
+    output needs (tool calls, reasoning); without max_tokens, each may fill the context
+    (resolved by the engine's tokenizer)."""
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = policy(p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                         logprobs=top, vocab_size=vocab_size, fill_context=True))
+    params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
+                                  vocab_size=st.info.vocab_size, fill_context=True, defaults=st.sampling_defaults)
+    setup = chat_setup(st, body, params.grammar)
+    params = policy(msgspec.structs.replace(params, grammar=setup.grammar))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
-                           add_generation_prompt=body.add_generation_prompt)
-    return fan_out(base, rid, 0, body.n)
+                           add_generation_prompt=body.add_generation_prompt,
+                           tools=msgspec.to_builtins(body.tools) if body.tools else None,
+                           chat_template_kwargs=body.chat_template_kwargs)
+    return fan_out(base, rid, 0, body.n), setup
 
 
-# ---- outputs -> OpenAI shapes ------------------------------------------------------
+def echo_texts(st: ServerState, prompts: list[str | list[int]], n: int) -> list[str]:
+    """Each choice's prompt as text (choice i is of prompt i // n; token ids decoded as they are)."""
+    texts = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            hf = st.info.hf_tokenizer
+            prompt = hf.decode(prompt, skip_special_tokens=False) if hf is not None else ""
+        texts += [prompt] * n
+    return texts
 
 
-@dataclass
-class Choice:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    error_code: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    offset: int = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text)
-        self.logprobs.extend(out.logprobs or [])
-        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
-        self.completion_tokens = out.completion_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.error, self.error_code = out.error, out.error_code
+def prompt_only(out: RequestOutput) -> RequestOutput:
+    """max_tokens 0: an output without the token the engine sampled (the prompt is the answer)."""
+    if out.error is not None:
+        return out
+    return msgspec.structs.replace(out, token_ids=[], text="", logprobs=None, completion_tokens=0,
+                                   finish_reason="length" if out.finished else None)
 
 
-def usage(choices: dict[int, Choice], n: int) -> p.Usage:
-    """Prompt tokens count once per prompt (choice index // n), completions for every choice."""
-    firsts = [c for i, c in choices.items() if i % n == 0]
-    prompt = sum(c.prompt_tokens for c in firsts)
-    completion = sum(c.completion_tokens for c in choices.values())
-    return p.Usage(prompt, completion, prompt + completion,
-                   p.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
-
-
-class Formatter:
-    """Token strings for logprobs (decoded one token at a time, as OpenAI reports them)."""
-
-    def __init__(self, st: ServerState) -> None:
-        self.tok = st.info.hf_tokenizer
-
-    def token(self, tid: int) -> str:
-        return self.tok.decode([tid]) if self.tok is not None else str(tid)
-
-    def completion_logprobs(self, lps: list[SampledToken], c: Choice) -> p.CompletionLogprobs | None:
-        if not lps:
-            return None
-        tokens = [self.token(t.token_id) for t in lps]
-        offsets = []
-        for s in tokens:
-            offsets.append(c.offset)
-            c.offset += len(s)
-        tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
-                for t in lps]
-        return p.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, offsets)
-
-    def chat_logprobs(self, lps: list[SampledToken]) -> p.ChoiceLogprobs | None:
-        if not lps:
-            return None
-        content = []
-        for t in lps:
-            s = self.token(t.token_id)
-            tops = [p.TopLogprob(self.token(i), lp, list(self.token(i).encode())) for i, lp in t.top_logprobs or []]
-            content.append(p.TokenLogprob(s, t.logprob if t.logprob is not None else 0.0, list(s.encode()), tops))
-        return p.ChoiceLogprobs(content)
+async def prompts_only(gen: Merged) -> Merged:
+    try:
+        async for i, out in gen:
+            yield i, prompt_only(out)
+    finally:
+        await gen.aclose()
 
 
 # ---- endpoints ---------------------------------------------------------------------
@@ -193,168 +244,66 @@ class Formatter:
 
 async def completions(request: Request) -> Response:
     st = server(request)
-    body: p.CompletionRequest = p.decode_body(await request.body(), p.CompletionRequest)
+    data = await request.body()
+    body: p.CompletionRequest = p.decode_body(data, p.CompletionRequest)
+    check_refused(data, COMPLETION_REFUSED)
     st.check_model(body.model)
-    if body.echo:
-        raise ApiError("echo is not supported", param="echo")
+    check_completion(body)
     st.limits.sampling(body)
     prompts = prompts_of(body.prompt)
     st.limits.batch(len(prompts) * body.n, "prompt", "engine requests (prompts x n)")
     st.limits.prompts(prompts, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-    reqs = completion_requests(body, prompts, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
-    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=False)
+    reqs = completion_requests(body, prompts, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope),
+                               st.sampling_defaults)
+    echo = echo_texts(st, prompts, body.n) if body.echo else None
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=None, echo=echo,
+                         prompt_alone=body.max_tokens == 0)
 
 
 async def chat_completions(request: Request) -> Response:
     st = server(request)
-    body: p.ChatCompletionRequest = p.decode_body(await request.body(), p.ChatCompletionRequest)
+    data = await request.body()
+    body: p.ChatCompletionRequest = p.decode_body(data, p.ChatCompletionRequest)
+    check_refused(data, CHAT_REFUSED, MESSAGE_REFUSED)
     st.check_model(body.model)
-    if not body.messages:
-        raise ApiError("messages must not be empty", param="messages")
+    check_chat(body)
     st.limits.sampling(body)
     messages = chat_messages(body.messages)
     st.limits.messages(messages)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    reqs = chat_requests(body, messages, rid, st.info.vocab_size, lambda sp: st.apply_policy(sp, request.scope))
-    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=True)
+    reqs, setup = chat_requests(body, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup)
 
 
 async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
-                  stream: bool, options: p.StreamOptions | None, *, chat: bool) -> Response:
+                  stream: bool, options: p.StreamOptions | None, *, chat: ChatSetup | None,
+                  echo: list[str] | None = None, prompt_alone: bool = False) -> Response:
+    """chat: the chat request's setup (None for a completion)."""
     gen, buffered = await st.start(reqs)  # admitted here, once
+    if prompt_alone:
+        gen, buffered = prompts_only(gen), [(i, prompt_only(out)) for i, out in buffered]
     fmt = Formatter(st)
     created = int(time.time())
     if stream:
-        chunks = ChatChunks(fmt, rid, created, st.model_name) if chat else \
-            CompletionChunks(fmt, rid, created, st.model_name)
+        chunks = ChatChunks(fmt, rid, created, st.model_name, chat) if chat is not None else \
+            CompletionChunks(fmt, rid, created, st.model_name, echo)
         usage_wanted = bool(options and options.include_usage)
-        return EventStream(events(gen, buffered, chunks, n, len(reqs), usage_wanted), sep="\n",
-                           shutdown_grace_period=20)
+        stream_events: AsyncIterator[bytes] = events(gen, buffered, chunks, n, len(reqs), usage_wanted)
+        return EventStream(stream_events, sep="\n", shutdown_grace_period=20)
     choices = await until_disconnect(request, collect(gen, buffered, len(reqs)))
     if choices is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     ordered = sorted(choices.items())
-    if chat:
+    if chat is not None:
         return json_response(p.ChatCompletionResponse(
             rid, "chat.completion", created, st.model_name, usage=usage(choices, n),
-            choices=[p.ChatChoice(i, p.AssistantMessage("assistant", "".join(c.text)),
-                                  fmt.chat_logprobs(c.logprobs), c.finish_reason) for i, c in ordered]))
-    return json_response(p.CompletionResponse(
-        rid, "text_completion", created, st.model_name, usage=usage(choices, n),
-        choices=[p.CompletionChoice(i, "".join(c.text), fmt.completion_logprobs(c.logprobs, c), c.finish_reason)
-                 for i, c in ordered]))
-
-
-async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
-    choices = {i: Choice() for i in range(count)}
-    try:
-        for i, out in buffered:
-            choices[i].add(out)
-        async for i, out in gen:
-            choices[i].add(out)
-    finally:
-        await gen.aclose()
-    for c in choices.values():
-        if c.finish_reason in ("error", "timeout"):
-            raise failure(c)
-    return choices
-
-
-# ---- SSE -----------------------------------------------------------------------------
-
-
-class CompletionChunks:
-    def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
-        self.fmt, self.head = fmt, (rid, "text_completion", created, model)
-
-    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> bytes:
-        return data_event(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
-
-    def opening(self, count: int) -> list[bytes]:
-        return []
-
-    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
-        return self.encode(p.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
-
-    def finish(self, i: int, reason: str | None) -> bytes:
-        return self.encode(p.CompletionChoice(i, "", None, reason))
-
-
-class ChatChunks:
-    def __init__(self, fmt: Formatter, rid: str, created: int, model: str) -> None:
-        self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
-
-    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> bytes:
-        return data_event(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
-
-    def opening(self, count: int) -> list[bytes]:
-        return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in range(count)]
-
-    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
-        return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), self.fmt.chat_logprobs(out.logprobs or [])))
-
-    def finish(self, i: int, reason: str | None) -> bytes:
-        return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
-
-
-async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
-                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[bytes]:
-    """OpenAI's chunk order: [role], content deltas, a finish chunk per choice, [usage], [DONE].
-
-    A failure after the stream began cannot change the status any more: it is
-    sent as an {"error": ...} event before [DONE].
-
-    The events of one engine output leave in one write (one send, one syscall): the role
-    chunk with the first content, the last content with its finish chunk, the usage and
-    [DONE].
-    """
-    choices = {i: Choice() for i in range(count)}
-    pending: list[bytes] = chunks.opening(count)
-    left = count
-    failed = False
-
-    def take(i: int, out: RequestOutput) -> bool:
-        """Queue the events of one output; True once nothing more is to be sent before the end."""
-        nonlocal left, failed
-        choices[i].add(out)
-        if out.error:
-            if out.finish_reason == "timeout":  # what was generated stands: its end, then why
-                if out.text or out.logprobs:
-                    pending.append(chunks.content(i, out, choices[i]))
-                pending.append(chunks.finish(i, out.finish_reason))
-            pending.append(data_event(failure(out).body()))
-            failed = True
-            return True
-        if out.text or out.logprobs:
-            pending.append(chunks.content(i, out, choices[i]))
-        if out.finished:
-            pending.append(chunks.finish(i, out.finish_reason))
-            left -= 1
-        return left == 0
-
-    def flush() -> bytes:
-        data = pending[0] if len(pending) == 1 else b"".join(pending)
-        pending.clear()
-        return data
-
-    try:
-        done = any(take(i, out) for i, out in buffered)  # (the first outputs, already here)
-        if not done and pending:
-            yield flush()
-        if not failed:
-            async for i, out in gen:
-                # once every choice has finished nothing more comes: the loop only waits for
-                # the generator's end, and the last events leave with [DONE]
-                if not done:
-                    done = take(i, out)
-                    if failed:
-                        break
-                    if not done and pending:
-                        yield flush()
-        if not failed and usage_wanted:
-            pending.append(chunks.encode(use=usage(choices, n)))
-        pending.append(DONE_EVENT)
-        yield b"".join(pending)
-    finally:
-        await gen.aclose()
+            choices=[chat_choice(i, c, chat, fmt) for i, c in ordered]))
+    out = []
+    for i, c in ordered:
+        prefix = echo[i] if echo is not None else ""
+        lps = fmt.prompt_logprobs(c) if echo is not None else None  # (first: the offsets start with the prompt)
+        lps = joined(lps, fmt.completion_logprobs(c.logprobs, c))
+        out.append(p.CompletionChoice(i, prefix + "".join(c.text), lps, c.finish_reason))
+    return json_response(p.CompletionResponse(rid, "text_completion", created, st.model_name,
+                                              usage=usage(choices, n), choices=out))

@@ -5,8 +5,28 @@ is refused by msgspec with the path of the field (which becomes the error's
 `param`). Range constraints live in the annotations (`Meta`) so that they also
 appear in the OpenAPI document that /openapi.json serves.
 
-Unknown fields are ignored, as most OpenAI-compatible servers do: clients
-send vendor extensions freely and a strict server would break them.
+Every field OpenAI's API defines is implemented here, accepted without effect, or
+refused with a 400 that names it: fields.py holds the refused ones and says, for each
+accepted one, why it needs no effect on one server.
+
+What is ignored, exactly:
+  - keys that are neither OpenAI's nor this server's (its extensions are listed below),
+    at the top of a body or inside its objects: other servers' extensions (vLLM's
+    use_beam_search, include_stop_str_in_output, continue_final_message; SGLang's
+    no_stop_trim, lora_path) and client libraries' own keys. Clients send them freely,
+    often by default for a whole family of servers, and refusing them would break those
+    clients; the price is that a misspelt field goes unnoticed too;
+  - the OpenAI fields that need no effect on one server (fields.ACCEPTED, each with why);
+  - for now, the tool fields that another part of the server will implement (tools,
+    tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
+    tool_call_id): fields.py's docstring.
+This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, guided_json / regex /
+grammar / choice, cache_salt, timeout, and for chat add_generation_prompt.
+
+An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
+(its generation_config.json, unless `--generation-config none`), passed to
+to_sampling_params as `defaults`; streamer's own defaults stand where it has none.
 """
 
 from __future__ import annotations
@@ -93,7 +113,7 @@ class SamplingFields(Struct, kw_only=True):
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
@@ -112,8 +132,14 @@ class SamplingFields(Struct, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """0 only with echo: the prompt alone (and with logprobs, its logprobs)."""
     logprobs: TopLogprobs | None = None
+    """The top logprobs of each token (OpenAI's limit is 5; up to 20 here)."""
     echo: bool = False
+    """The prompt precedes the completion in each choice's text (and logprobs)."""
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    """Accepted when 1 or equal to n (n samples, all returned); other values are refused."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -123,13 +149,65 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+    """A JSON object as a string, as OpenAI sends and answers it."""
+
+
+class ToolCallItem(Struct):
+    """A call in an assistant message: in the history (request) and in the answer."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    """An earlier answer's reasoning: passed to the template, which keeps or drops it."""
+    refusal: str | None = None
+    """An assistant's refusal, given back in the history: its content when it has none."""
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
+class FunctionDef(Struct, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted; the arguments of a constrained call always follow `parameters`."""
+
+
+class Tool(Struct):
+    type: str
+    function: FunctionDef
+
+
+class FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: str
+    function: FunctionName
+
+
+class ChatFields(SamplingFields, kw_only=True):
+    """Fields shared by chat completions and WebSocket turns: tools and the template."""
+
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    """none | auto | required | {"type": "function", "function": {"name"}}; default auto with tools."""
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
@@ -195,9 +273,11 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # (no default: null is sent when the answer is only tool calls)
+    tool_calls: list[ToolCallItem] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(Struct):
@@ -216,9 +296,25 @@ class ChatCompletionResponse(Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """OpenAI's streamed call: index, id, type and name first, then argument fragments."""
+
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -295,12 +391,20 @@ def response_format_spec(rf: ResponseFormat | str | None) -> GrammarSpec | None:
 
 
 def to_sampling_params(
-    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int, fill_context: bool = False
+    body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int, fill_context: bool = False,
+    defaults: Mapping[str, float] | None = None,
 ) -> SamplingParams:
     """The one mapping from an OpenAI body (or a WebSocket turn) to SamplingParams; n stays 1
     (the server fans out). fill_context: an omitted max_tokens means the room the prompt
-    leaves in the context, which the engine's tokenizer resolves. The engine validates the
-    result (engine/tokenizer.py); here only what needs the body: the fields' names."""
+    leaves in the context, which the engine's tokenizer resolves. defaults: the model's
+    values (engine/generation_config.py) of the sampling fields the body omits. The engine
+    validates the result (engine/tokenizer.py); here only what needs the body: the fields' names."""
+    given = defaults or {}
+
+    def pick(name: str, fallback: float) -> Any:
+        value = getattr(body, name)
+        return value if value is not None else given.get(name, fallback)
+
     bias = body.logit_bias or None
     if bias and any(not 0 <= t < vocab_size for t in bias):
         raise ApiError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
@@ -313,16 +417,16 @@ def to_sampling_params(
         choice_spec(body.guided_choice, "guided_choice", "guided_choice"),
     ], "response_format, guided_json/regex/grammar/choice")
     return SamplingParams(
-        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         fill_context=fill_context and max_tokens is None,
         min_tokens=body.min_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
-        min_p=body.min_p or 0.0,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=int(pick("top_k", -1)),
+        min_p=pick("min_p", 0.0),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
         logit_bias=bias,
         seed=body.seed,
         stop=stop,
@@ -348,39 +452,3 @@ def decode_body(data: bytes, kind: type[Any]) -> Any:
         raise ApiError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError("the body nests too deeply") from None
-
-
-def openapi_document(version: str) -> dict[str, Any]:
-    """OpenAPI 3.1 from the Structs' JSON schemas (the fuzzing tests read it)."""
-    kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-             ModelList, ErrorResponse]
-    (req_c, req_ch, res_c, res_ch, models, err), comps = msgspec.json.schema_components(
-        kinds, ref_template="#/components/schemas/{name}"
-    )
-    errors = {str(s): {"description": d, "content": {"application/json": {"schema": err}}}
-              for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
-                           (503, "queue full, shutting down, or the engine down or not responding"),
-                           (504, "the request's deadline passed (timeout, --request-timeout)"))}
-
-    def post(req: dict, res: dict, summary: str) -> dict:
-        ok = {"description": "a response, or an SSE stream of chunks when stream is true",
-              "content": {"application/json": {"schema": res}, "text/event-stream": {"schema": {"type": "string"}}}}
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": req}}}, "responses": {"200": ok, **errors}}}
-
-    def get(summary: str, schema: dict | None = None, media: str = "application/json") -> dict:
-        content = {media: {"schema": schema or {"type": "string" if media != "application/json" else "object"}}}
-        return {"get": {"summary": summary, "responses": {"200": {"description": "ok", "content": content}}}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "streamer", "version": version},
-        "paths": {
-            "/v1/completions": post(req_c, res_c, "Text completion"),
-            "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
-            "/v1/models": get("Served models", models),
-            "/health": get("200 while the engine serves; 503 when it is down or stalled (no heartbeat)"),
-            "/metrics": get("Prometheus metrics", media="text/plain"),
-        },
-        "components": {"schemas": comps},
-    }

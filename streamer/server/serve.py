@@ -17,7 +17,14 @@ from typing import Any
 
 import uvicorn
 
-from streamer.config import CACHE_ISOLATIONS, EngineConfig, ServerConfig
+from streamer.config import (
+    CACHE_ISOLATIONS,
+    GENERATION_CONFIGS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    ServerConfig,
+)
 from streamer.engine.protocol import Engine
 from streamer.server import transport
 from streamer.server.app import create_app
@@ -39,6 +46,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=_positive(float), default=d.request_timeout, metavar="SECONDS",
                    help="seconds a request may run, from its arrival to its end (queued, running): then it "
                         "ends with a timeout error; also caps a request's own 'timeout' (default: no limit)")
+    g.add_argument("--generation-config", choices=GENERATION_CONFIGS, default=d.generation_config,
+                   help="defaults of the sampling fields a request omits (temperature, top_p, top_k, "
+                        "repetition_penalty, min_p): auto, the model folder's generation_config.json where "
+                        "it gives them; none, streamer's (temperature 1, no top_p/top_k/min_p/repetition "
+                        "penalty) (default auto)")
     g.add_argument("--served-model-name", default=d.served_model_name,
                    help="model name reported by /v1/models and accepted in requests (default: the folder's name)")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
@@ -48,6 +60,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                    help="run the engine in a process of its own (--no-engine-process: in the server's process "
                         "and event loop); default: its own process on CUDA, the server's on CPU")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
+                   help="the markup of tool calls in the model's output (default auto: from the chat template; "
+                        "hermes where the template does not read tools)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
+                   help="answer the model's <think> text as reasoning_content; grammars apply from its end "
+                        "(default: none, all text is content)")
     add_limit_args(p, d)
 
 
@@ -139,19 +157,27 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+def server_config(args: argparse.Namespace, engine_config: EngineConfig) -> ServerConfig:
+    """The ServerConfig of `streamer serve`'s flags (a flag absent from args: its default)."""
     d = ServerConfig()
-    config = ServerConfig(
+    return ServerConfig(
         host=getattr(args, "host", d.host), port=getattr(args, "port", d.port),
         api_keys=tuple(k for ks in getattr(args, "api_keys", None) or [] for k in ks),
         served_model_name=getattr(args, "served_model_name", None),
         cache_isolation=getattr(args, "cache_isolation", d.cache_isolation),
         request_timeout=getattr(args, "request_timeout", d.request_timeout),
+        generation_config=getattr(args, "generation_config", d.generation_config),
         max_queue=getattr(args, "max_queue", d.max_queue),
         session_idle_timeout=getattr(args, "session_idle_timeout", d.session_idle_timeout),
         engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
+        tool_call_parser=getattr(args, "tool_call_parser", d.tool_call_parser),
+        reasoning_parser=getattr(args, "reasoning_parser", d.reasoning_parser),
         **{f: getattr(args, f, getattr(d, f)) for f in LIMIT_FIELDS},
     )
+
+
+def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    config = server_config(args, engine_config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine: Engine
     if wants_engine_process(config):
@@ -176,6 +202,10 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     server.state = app.state.server
     host = f"[{config.host}]" if ":" in config.host else config.host
     base = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else host}:{config.port}"
+    defaults = app.state.server.sampling_defaults
+    if defaults:
+        print("streamer: sampling defaults from the model's generation_config.json: "
+              + ", ".join(f"{k}={v:g}" for k, v in defaults.items()) + " (--generation-config none: off)")
     print(f"streamer: serving {app.state.server.model_name!r}\n"
           f"  chat page:     {base}/  (open in a browser)\n"
           f"  OpenAI client: OpenAI(base_url=\"{base}/v1\", api_key=\"{'<your --api-key>' if config.api_keys else 'none'}\")\n"

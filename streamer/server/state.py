@@ -16,7 +16,8 @@ chunk), and feeds the metrics.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Coroutine
+import time
+from collections.abc import AsyncGenerator, Coroutine, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -25,6 +26,7 @@ from starlette.types import Scope
 
 from streamer.config import ServerConfig
 from streamer.engine.protocol import Engine, ModelInfo
+from streamer.engine.token_bytes import TokenBytes
 from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, GenerateRequest, RequestOutput, SamplingParams
 from streamer.server.guard import KEY_ID
 from streamer.server.limits import Limits
@@ -53,6 +55,9 @@ class ServerState:
         self.sessions: set[OpenSession] = set()
         """Open WebSocket sessions (closed when the engine dies)."""
         self._limits: Limits | None = None
+        self._token_bytes: TokenBytes | None = None
+        self.started = int(time.time())
+        """The server's start (Unix seconds): `created` of its model cards, the same in every answer."""
 
     @property
     def info(self) -> ModelInfo:
@@ -70,10 +75,27 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_name or self.info.name
 
+    @property
+    def sampling_defaults(self) -> Mapping[str, float]:
+        """What a request that omits a sampling field gets (--generation-config): the model's
+        generation_config.json values (auto), or none, leaving streamer's own."""
+        return self.info.generation_defaults if self.config.generation_config == "auto" else {}
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's own bytes (logprobs' `bytes`), looked up in the vocabulary as needed."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.info.hf_tokenizer)
+        return self._token_bytes
+
+    def serves(self, name: str) -> bool:
+        """The served name, or the model's own (its folder's) name, which stays an alias."""
+        return name in (self.model_name, self.info.name)
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.info.name):
-            raise ApiError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        """404 for a model this server does not serve, in OpenAI's words (an omitted model is this one)."""
+        if name is not None and not self.serves(name):
+            raise ApiError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
 
     def admit(self, n: int) -> None:
         """Refuse (503) while draining, when the engine is down, or when the queue is full.

@@ -9,12 +9,21 @@ Protocol (JSON text frames):
   server -> {"type": "done", "finish_reason": "stop" | "length" | "abort" | "timeout",
              "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}   ends the turn
              (on "timeout", also "error": the deadline; the reply so far stays in the history)
+  client -> {"type": "user", ..., "tools": [...], "tool_choice", "parallel_tool_calls",
+             "chat_template_kwargs"}   a turn that may call tools (as in chat completions)
+  server -> {"type": "reasoning", "text": "..."}  the model's <think> text (--reasoning-parser)
+  server -> {"type": "tool_calls", "tool_calls": [{"id", "type", "function": {"name",
+             "arguments"}}]}   before done (finish_reason "tool_calls"): the turn waits for results
+  client -> {"type": "tool", "tool_call_id": "...", "content": "..."}   one result; once every
+             call has one, the turn continues (a new reply, with the same tools and sampling;
+             tool_choice "auto" where it was "required" or named, which would call again)
   client -> {"type": "cancel"}   stop the running turn (it ends with done, finish_reason "abort")
   client -> {"type": "reset"}    forget the conversation; server answers {"type": "reset"}
   server -> {"type": "error", "message": "..."}   bad input; the session stays open
 
-Each turn's prompt is the chat template over the whole history (user and
-assistant messages so far), so it starts with the previous turn's prompt and
+Each turn's prompt is the chat template over the whole history (user, assistant and
+tool messages so far; an answer's reasoning is kept as its reasoning_content, which the
+template keeps or drops), so it starts with the previous turn's prompt and
 reply: the radix cache serves that prefix, and usage.cached_tokens grows turn
 after turn. A session whose client goes away aborts its running turn. A
 session idle (no message, no running turn) for session_idle_timeout seconds
@@ -26,8 +35,8 @@ running turn's failure does the same).
 
 A turn's pipeline: the frame -> ClientMessage (protocol.decode_body) -> the limits ->
 turn_request: a GenerateRequest with the whole history as messages and SamplingParams
-(protocol.to_sampling_params; without max_tokens the turn fills the context, resolved by
-the engine's tokenizer) -> admit + ServerState.stream -> delta frames, then done.
+(protocol.to_sampling_params, the model's sampling defaults for what the message omits;
+without max_tokens the turn fills the context, resolved by the engine's tokenizer) -> admit + ServerState.stream -> delta frames, then done.
 
 Before this module runs, guard.HostCheck has refused (403) a handshake from a foreign
 Origin; uvicorn closes a frame larger than --max-request-bytes with 1009; a turn over the
@@ -48,16 +57,20 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamer.messages import ENGINE_DOWN, GenerateRequest
 from streamer.server import protocol as p
+from streamer.server.chat_output import ChatDelta, ChatSetup, finish_reason
 from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
+from streamer.server.openai_api import chat_setup
 from streamer.server.protocol import ApiError
 from streamer.server.state import ServerState, failure
+from streamer.server.tool_stream import ToolCallDelta, collect_calls
 
 ENDPOINT = "/v1/chat/ws"
 
 
-class ClientMessage(p.SamplingFields, kw_only=True):
+class ClientMessage(p.ChatFields, kw_only=True):
     type: str
     content: str | None = None
+    tool_call_id: str | None = None
 
 
 async def chat_session(ws: WebSocket) -> None:
@@ -90,6 +103,10 @@ class Session:
         self.last_active = time.monotonic()
         self.send_lock = asyncio.Lock()
         self.closed = False
+        self.pending_calls: list[str] = []
+        """Ids of the last answer's tool calls that have no result yet."""
+        self.calling: ClientMessage | None = None
+        """The user message whose turn called tools: its continuation's tools and sampling."""
 
     @property
     def busy(self) -> bool:
@@ -146,15 +163,18 @@ class Session:
             msg: ClientMessage = p.decode_body(data.encode() if isinstance(data, str) else data, ClientMessage)
             if msg.type == "user":
                 self.start_turn(msg)
+            elif msg.type == "tool":
+                self.tool_result(msg)
             elif msg.type == "cancel":
                 if self.busy and self.turn_rid:
                     self.st.engine.abort(self.turn_rid)
             elif msg.type == "reset":
                 await self.stop_turn()
                 self.messages.clear()
+                self.pending_calls, self.calling = [], None
                 await self.send({"type": "reset"})
             else:
-                raise ApiError(f"unknown message type {msg.type!r} (user, cancel or reset)")
+                raise ApiError(f"unknown message type {msg.type!r} (user, tool, cancel or reset)")
         except ApiError as e:
             await self.send({"type": "error", "message": e.message})
 
@@ -163,17 +183,41 @@ class Session:
             raise ApiError("a reply is still streaming: wait for done, or send cancel")
         if not msg.content:
             raise ApiError("a user message needs a non-empty content string")
+        if self.pending_calls:
+            raise ApiError(f"the last answer called tools: send a tool message for {', '.join(self.pending_calls)}")
+        self.begin(msg, {"role": "user", "content": msg.content})
+
+    def tool_result(self, msg: ClientMessage) -> None:
+        """One tool call's result; the last one missing continues the turn."""
+        if self.busy:
+            raise ApiError("a reply is still streaming: wait for done, or send cancel")
+        if msg.tool_call_id not in self.pending_calls:
+            waiting = ", ".join(self.pending_calls) or "none"
+            raise ApiError(f"no tool call {msg.tool_call_id!r} waits for a result (waiting: {waiting})")
+        entry = {"role": "tool", "tool_call_id": msg.tool_call_id, "content": msg.content or ""}
+        if len(self.pending_calls) > 1:
+            self.st.limits.messages([*self.messages, entry], "content")
+            self.pending_calls.remove(msg.tool_call_id)
+            self.messages.append(entry)
+            return
+        assert self.calling is not None
+        self.begin(self.calling, entry)
+        self.pending_calls = []
+
+    def begin(self, msg: ClientMessage, entry: dict[str, Any]) -> None:
+        """Start a turn whose history ends with `entry` (a user message or a tool result);
+        msg holds the turn's sampling and tools."""
         if msg.n != 1:
             raise ApiError("n must be 1 in a chat session")
         self.st.limits.sampling(msg)
         # the turn's prompt is the whole conversation: its limits apply to the history with this message
-        self.st.limits.messages([*self.messages, {"role": "user", "content": msg.content}], "content")
+        self.st.limits.messages([*self.messages, entry], "content")
         self.st.check_model(msg.model)
-        req = self.turn_request(msg, f"ws-{self.id}-{self.turns + 1}")
+        req, setup = self.turn_request(msg, entry, f"ws-{self.id}-{self.turns + 1}")
         self.turns += 1
         self.turn_rid = req.request_id
-        self.messages.append({"role": "user", "content": msg.content})  # (popped if the turn fails)
-        self.turn = asyncio.create_task(self.run_turn(req))
+        self.messages.append(entry)  # (popped if the turn fails)
+        self.turn = asyncio.create_task(self.run_turn(req, setup, msg))
         # a send to a closed socket ends the turn with an exception: retrieve it, nobody awaits it
         self.turn.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -183,20 +227,34 @@ class Session:
             with contextlib.suppress(Exception):
                 await self.turn
 
-    def turn_request(self, msg: ClientMessage, rid: str) -> GenerateRequest:
-        """A user message -> the engine request of its turn: the history and the message as
-        messages; without max_tokens, the reply may fill the context (the engine's tokenizer
-        resolves it)."""
-        assert msg.content is not None
+    def turn_request(self, msg: ClientMessage, entry: dict[str, Any], rid: str) -> tuple[GenerateRequest, ChatSetup]:
+        """The engine request of a turn: the history and `entry` as messages; without
+        max_tokens, the reply may fill the context (the engine's tokenizer resolves it)."""
         params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
-                                      vocab_size=self.st.info.vocab_size, fill_context=True)
-        params = self.st.apply_policy(params, self.ws.scope)
-        messages = [*self.messages, {"role": "user", "content": msg.content}]
-        return GenerateRequest(request_id=rid, messages=messages, params=params)
+                                      vocab_size=self.st.info.vocab_size, fill_context=True,
+                                      defaults=self.st.sampling_defaults)
+        setup = chat_setup(self.st, msg, params.grammar)
+        params = self.st.apply_policy(msgspec.structs.replace(params, grammar=setup.grammar), self.ws.scope)
+        tools = msgspec.to_builtins(msg.tools) if msg.tools else None
+        return GenerateRequest(request_id=rid, messages=[*self.messages, entry], params=params, tools=tools,
+                               chat_template_kwargs=msg.chat_template_kwargs), setup
 
-    async def run_turn(self, req: GenerateRequest) -> None:
+    async def run_turn(self, req: GenerateRequest, setup: ChatSetup, msg: ClientMessage) -> None:
         reply: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCallDelta] = []
+        output = setup.output()
         last = None
+
+        async def emit(d: ChatDelta) -> None:
+            calls.extend(d.calls)
+            if d.reasoning:
+                reasoning.append(d.reasoning)
+                await self.send({"type": "reasoning", "text": d.reasoning})
+            if d.content:
+                reply.append(d.content)
+                await self.send({"type": "delta", "text": d.content})
+
         try:
             self.st.admit(1)
             async with contextlib.aclosing(self.st.stream([req])) as outputs:
@@ -204,9 +262,9 @@ class Session:
                     if out.finish_reason == "error":
                         raise failure(out)
                     if out.text:
-                        reply.append(out.text)
-                        await self.send({"type": "delta", "text": out.text})
+                        await emit(output.feed(out.text))
                     last = out
+            await emit(output.finish())
         except ApiError as e:
             self.messages.pop()
             self.st.metrics.requests.labels(ENDPOINT, str(e.status)).inc()
@@ -218,15 +276,29 @@ class Session:
         finally:
             self.last_active = time.monotonic()
         text = "".join(reply)
-        if text:
-            self.messages.append({"role": "assistant", "content": text})
-        else:
+        made = [msgspec.to_builtins(p.ToolCallItem(c.id, p.FunctionCall(c.name, c.arguments)))
+                for c in collect_calls(calls)]
+        if text or made:
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if made:
+                answer["tool_calls"] = made
+            if reasoning:
+                answer["reasoning_content"] = "".join(reasoning)
+            self.messages.append(answer)
+        elif self.messages[-1]["role"] == "user":
             self.messages.pop()  # nothing to answer to: keep user/assistant turns alternating
         self.st.metrics.requests.labels(ENDPOINT, "200").inc()
         assert last is not None
+        if made:
+            # the continuation chooses freely: a required or named choice again would call again,
+            # forever (agent frameworks reset tool_choice after a call for the same reason)
+            self.pending_calls = [c["id"] for c in made]
+            self.calling = msgspec.structs.replace(msg, tool_choice="auto" if msg.tool_choice != "none" else "none")
+            await self.send({"type": "tool_calls", "tool_calls": made})
         usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                  "cached_tokens": last.cached_tokens}
-        done: dict[str, Any] = {"type": "done", "finish_reason": last.finish_reason, "usage": usage}
+        done: dict[str, Any] = {"type": "done", "finish_reason": finish_reason(last.finish_reason, bool(made)),
+                                "usage": usage}
         if last.finish_reason == "timeout":
             done["error"] = last.error  # (what was generated until the deadline is kept in the history)
         await self.send(done)

@@ -28,3 +28,23 @@ def test_prompt_logprobs_match_transformers_with_a_cached_prefix(default_model):
         assert o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(c)
         assert torch.allclose(torch.tensor(o.prompt_logprobs), torch.tensor(want), atol=1e-4)
     assert sum(outs[0].prompt_logprobs) > sum(outs[1].prompt_logprobs), "blue is likelier than green"
+
+
+def test_prompt_top_logprobs_are_transformers_top_tokens(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    ids = tok("The capital of France is Paris, and the capital of Italy is Rome.")["input_ids"]
+    with LLM(str(default_model)) as llm:
+        (out,) = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1,
+                                                    prompt_top_logprobs=3))
+        (plain,) = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1))
+    assert out.prompt_token_ids == ids and plain.prompt_top_logprobs is None
+    tops = out.prompt_top_logprobs
+    assert tops is not None and len(tops) == len(ids) - 1 == len(out.prompt_logprobs or [])
+    with torch.no_grad():
+        logp = torch.log_softmax(_hf_model(str(default_model))(torch.tensor([ids])).logits[0].float(), -1)
+    for p, top in enumerate(tops):  # position p predicts token p + 1
+        want_v, want_i = logp[p].topk(3)
+        assert [t for t, _ in top] == want_i.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in top]), want_v, atol=1e-4)

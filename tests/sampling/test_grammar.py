@@ -19,6 +19,7 @@ from streamer.sampling.grammar import (
     fill_bitmask,
 )
 from streamer.sampling.grammar_build import choice_grammar
+from tests.sampling.test_grammar_build import st
 
 VOCAB = 49152  # SmolLM2's model vocabulary
 
@@ -54,6 +55,18 @@ def feed(state: GrammarState, tok, text: str) -> None:
         (GrammarSpec("choice", '["a", 1]'), "non-empty JSON list of strings"),
         (GrammarSpec("choice", '["a", ""]'), "must not be empty strings"),
         (GrammarSpec("choice", "yes|no"), "invalid choice: not a JSON list"),
+        (GrammarSpec("structural_tag", "{not json"), "invalid structural_tag: not JSON"),
+        (GrammarSpec("structural_tag", '{"type": "structural_tag"}'), '"format": {...}}'),
+        (GrammarSpec("structural_tag", '{"type": "tag", "format": {"type": "any_text"}}'),
+         'its type must be "structural_tag"'),
+        (GrammarSpec("structural_tag", st({"type": "nope"})), "invalid structural_tag: Format type not recognized: nope"),
+        (GrammarSpec("structural_tag", st({"type": "triggered_tags", "triggers": ["<x"], "tags": [
+            {"type": "tag", "begin": "<a>", "content": {"type": "any_text"}, "end": "</a>"}]})),
+         "One tag does not match any trigger"),
+        (GrammarSpec("structural_tag", st({"type": "json_schema", "json_schema": {"type": "strange"}})),
+         'invalid structural_tag: Unsupported type "strange"'),
+        (GrammarSpec("structural_tag", st({"type": "grammar", "grammar": 'root ::= "a" x'})),
+         'Rule "x" is not defined'),
         (GrammarSpec("xml", "<a/>"), "unknown grammar kind 'xml'"),
     ],
 )
@@ -107,6 +120,18 @@ def test_a_compilation_past_its_time_limit_is_killed(hf_tokenizer):
             gc.state_for(big_schema(10_000))
         assert time.monotonic() - t0 < 0.5  # (no second trial: that would take the limit again)
         assert isinstance(gc.state_for(GrammarSpec("regex", "[a-z]{3}")), GrammarState)  # service goes on
+    finally:
+        gc.close()
+
+
+def test_a_structural_tag_compiles_on_trial_too(hf_tokenizer):
+    """The schema inside a structural tag is compiled under the same limits as one alone."""
+    gc = GrammarCompiler(hf_tokenizer, VOCAB, timeout_s=1.0)
+    try:
+        schema = json.loads(big_schema(10_000).value)
+        with pytest.raises(RequestError, match="compiling the structural_tag grammar took longer than 1 s"):
+            gc.state_for(GrammarSpec("structural_tag", st({"type": "json_schema", "json_schema": schema})))
+        assert _trial_children(gc) == []
     finally:
         gc.close()
 
@@ -306,3 +331,4 @@ def test_random_walks_stay_in_the_language(compiler, hf_tokenizer):
             finished += 1
             assert re.fullmatch(pattern, hf_tokenizer.decode(out)), hf_tokenizer.decode(out)
     assert finished >= 4
+

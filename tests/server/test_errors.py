@@ -31,7 +31,6 @@ BAD = [
     ("/v1/completions", json.dumps({"prompt": "x", "top_k": 0}), None),
     ("/v1/completions", json.dumps({"prompt": "x", "n": 0}), "n"),
     ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {"999999999": 1}}), "logit_bias"),
-    ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-4"}), "model"),
     ("/v1/completions", json.dumps({"prompt": "hello " * 9000, "max_tokens": 8}), None),
     ("/v1/completions", json.dumps({"prompt": [10**9], "max_tokens": 8}), None),
     (CHAT, json.dumps({"messages": "hi"}), "messages"),
@@ -39,7 +38,6 @@ BAD = [
     (CHAT, json.dumps({"messages": [{"content": "no role"}]}), "messages"),
     (CHAT, json.dumps({"messages": MSGS, "stream": "yes"}), "stream"),
     (CHAT, json.dumps({"messages": MSGS, "max_completion_tokens": 0}), "max_completion_tokens"),
-    (CHAT, json.dumps({"messages": MSGS, "model": "unknown"}), "model"),
     (CHAT, json.dumps({"messages": MSGS, "response_format": {"type": "xml"}}), "response_format"),
     (CHAT, json.dumps({"messages": MSGS, "response_format": {"type": "json_schema"}}), "response_format"),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi " * 9000}]}), None),
@@ -106,7 +104,7 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_a_400_even_after_some_output(h
     engine accepts, so after "É" the grammar admits no token at all. The user's constraint,
     not an engine failure: 400 with the reason (the fuzz found a 500 here), and in a stream
     an error event of the same type, with no refused token in the text."""
-    body = {"prompt": "hello", "max_tokens": 16, "guided_regex": "\u00c9\U000ba78e4"}
+    body = {"prompt": "hello", "max_tokens": 16, "temperature": 0, "guided_regex": "\u00c9\U000ba78e4"}
     err = assert_openai_error(http.post("/v1/completions", json=body), 400)
     assert "admits no token of this model's vocabulary after 2 output token(s)" in err["message"]
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:

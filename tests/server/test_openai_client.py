@@ -148,5 +148,12 @@ def test_sampling_extensions_are_accepted(client):
 
 def test_bad_request_raises_openai_error(client):
     with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=HELLO, max_tokens=4, temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+
+
+def test_an_unknown_model_raises_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=HELLO, max_tokens=4)
-    assert e.value.status_code == 400 and e.value.body["param"] == "model"
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    assert e.value.body["message"] == "The model `nope` does not exist."

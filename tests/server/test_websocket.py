@@ -132,3 +132,40 @@ def test_idle_session_is_closed(live, short_idle):
 
     close = asyncio.run(main())
     assert close.code == 1000 and "idle" in close.reason
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+
+
+def test_a_tool_round_trip_in_a_session(live):
+    """A turn with tools answers with a tool_calls message and waits; the client's tool
+    result continues the turn, and the history keeps the call and its result."""
+    async def main():
+        async with await open_session(live) as ws:
+            await ws.send(json.dumps({"type": "user", "content": "Weather in Oslo?", "tools": [WEATHER_TOOL],
+                                      "tool_choice": "required", "parallel_tool_calls": False,
+                                      "max_tokens": 60, "temperature": 0}))
+            frames = []
+            while (msg := await recv(ws))["type"] != "done":
+                frames.append(msg)
+            assert msg["finish_reason"] == "tool_calls"
+            assert frames[-1]["type"] == "tool_calls" and not any(f["type"] == "delta" for f in frames)
+            (call,) = frames[-1]["tool_calls"]
+            assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+            # a new user message must wait for the result; an unknown id is refused
+            await ws.send(json.dumps({"type": "user", "content": "hello?"}))
+            assert "send a tool message for " + call["id"] in (await recv(ws))["message"]
+            await ws.send(json.dumps({"type": "tool", "tool_call_id": "call_nope", "content": "?"}))
+            assert "no tool call 'call_nope'" in (await recv(ws))["message"]
+            first_prompt = msg["usage"]["prompt_tokens"]
+            await ws.send(json.dumps({"type": "tool", "tool_call_id": call["id"], "content": '{"celsius": 3}'}))
+            text = []
+            while (msg := await recv(ws))["type"] != "done":
+                assert msg["type"] in ("delta", "tool_calls"), msg  # the same tools, tool_choice now auto
+                text.append(msg.get("text", ""))
+            assert msg["finish_reason"] in ("tool_calls", "stop", "length")
+            assert msg["usage"]["prompt_tokens"] > first_prompt  # the call and its result are in the prompt
+            assert msg["usage"]["cached_tokens"] >= first_prompt - 16  # (the history's KV, from the tree)
+
+    asyncio.run(main())

@@ -61,6 +61,7 @@ class BatchBuilder:
                 if lo < hi:
                     chunk.logprob_from = lo - start
                     chunk.logprob_targets = req.tokens[lo + 1 : hi + 1]
+                    chunk.logprob_top = req.params.prompt_top_logprobs
             seqs.append(chunk)
             self.in_flight[req.request_id] += 1
             # the step will compute these tokens: later batches build on them at once

@@ -72,6 +72,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
             continue
         if seq.request_id in out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
+            req.prompt_top_logprobs.extend(out.prompt_top_logprobs.get(seq.request_id, ()))
         if tok is None:
             continue
         req.suspect = False  # it sampled alone without failing: batched again from now
@@ -187,4 +188,7 @@ def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
         d.queue_time = req.queue_time
         if req.params.prompt_logprobs_from is not None:
             d.prompt_logprobs = req.prompt_logprobs
+            d.prompt_token_ids = req.tokens[: req.prompt_len]
+            if req.params.prompt_top_logprobs:
+                d.prompt_top_logprobs = req.prompt_top_logprobs
     return d

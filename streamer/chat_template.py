@@ -1,0 +1,162 @@
+"""Chat messages (with tools) -> the model's prompt, through its chat template.
+
+The engine's tokenizer actor renders every chat prompt here; the server only asks which
+tool-call markup the template speaks (`tool_format`) and checks what a request brings
+(`check_kwargs`). Tool definitions reach the model through the template
+(`apply_chat_template(..., tools=...)`), as do assistant `tool_calls` and `tool` results.
+
+A template that never reads `tools` (SmolLM2's, say) would drop them silently. For such a
+template the messages are rewritten first, in the hermes format the model can be asked
+to follow (and that the hermes parser and grammar expect): the tool signatures appended
+to the system message, each assistant call written as `<tool_call>` markup in its content,
+tool results as a user turn of `<tool_response>` blocks. Nothing the client sent is lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from streamer.errors import RequestError
+
+RESERVED_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+    "padding", "truncation", "max_length", "tokenizer_kwargs",
+})
+"""apply_chat_template's own arguments: chat_template_kwargs may not set them."""
+
+
+def check_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's (or the server's default) template variables; RequestError naming a
+    reserved one (it would override the messages, the tools or the tokenization)."""
+    if not kwargs:
+        return {}
+    bad = sorted(k for k in kwargs if k in RESERVED_KWARGS)
+    if bad:
+        raise RequestError(f"{param} may not set {', '.join(bad)} (arguments of the template call itself)")
+    return dict(kwargs)
+
+
+def template_text(hf_tokenizer: Any) -> str:
+    """The template the tokenizer applies to tool requests ("" when it has none)."""
+    t = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(t, dict):  # named templates: the tool one where there is one
+        t = t.get("tool_use") or t.get("default") or next(iter(t.values()), None)
+    return t or ""
+
+
+@functools.lru_cache(maxsize=8)
+def renders_tools(template: str) -> bool:
+    """True if the template reads the `tools` variable."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return "tools" in template
+
+
+def tool_format(hf_tokenizer: Any) -> str | None:
+    """The tool-call markup the model is told to write: from the template where it renders
+    tools (None when no known markup shows: the server then needs --tool-call-parser),
+    else hermes (the rewriting of this module)."""
+    text = template_text(hf_tokenizer)
+    if not renders_tools(text):
+        return "hermes"
+    if "<tool_call>" in text:
+        return "hermes"
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<|python_tag|>" in text or '"parameters"' in text:
+        return "llama3_json"
+    return None
+
+
+def _arguments(call: Mapping[str, Any]) -> Any:
+    """A call's arguments as the template expects them: OpenAI sends a JSON string, most
+    templates `tojson` a mapping (a string that is not a JSON object stays a string)."""
+    args = call.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return args if args is not None else {}
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls' arguments decoded for the template; everything else as sent."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m)
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": _arguments(c["function"])}} if "function" in c
+                else c for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def hermes_call(name: str, arguments: Any) -> str:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Messages for a template that does not read tools: see the module docstring."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        text = ("# Tools\n\nYou may call the functions whose JSON signatures follow.\n<tools>\n" + sigs
+                + "\n</tools>\n\nTo call one, answer with its name and arguments in tool_call tags:\n"
+                + '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>')
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0])
+            first["content"] = (first.get("content") or "") + "\n\n" + text
+            out.append(first)
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": text})
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [hermes_call(c["function"]["name"], _arguments(c["function"])) for c in m["tool_calls"]]
+            content = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            out.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        else:
+            out.append({k: v for k, v in m.items() if k != "reasoning_content"})
+    for m in out:
+        m.pop("_tool_results", None)
+        if m.get("content") is None:
+            m["content"] = ""
+    return out
+
+
+def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+           kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids; RequestError when the template refuses these messages."""
+    extra = check_kwargs(kwargs)
+    if renders_tools(template_text(hf_tokenizer)):
+        msgs, call_tools = template_messages(messages), tools or None
+    else:
+        msgs, call_tools = hermes_messages(messages, tools), None
+    try:
+        ids = hf_tokenizer.apply_chat_template(msgs, tools=call_tools, tokenize=True,
+                                               add_generation_prompt=add_generation_prompt, **extra)
+    except Exception as e:  # noqa: BLE001 - template errors come from user messages
+        raise RequestError(f"cannot apply the chat template to these messages: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,113 @@
+"""What this server does with each field of OpenAI's completions and chat completions bodies.
+
+Nothing OpenAI's API defines is silently ignored: a field is implemented (a field of the
+request Structs in protocol.py), accepted because it has no effect on one server
+(ACCEPTED below says why, one by one), or refused with a 400 whose `param` is its name
+(REFUSED, checked here after decoding). Checks that involve two fields (best_of and n,
+echo and logprobs, top_logprobs without logprobs, stream_options without stream) are in
+the endpoints' own checks (openai_api.py).
+
+The refused fields are not Struct fields: they would appear in the OpenAPI document as
+if they worked. They are read from a second, shallow decode of the body (its top-level
+keys, values left undecoded), and only when one of their names occurs in the body's bytes
+at all, so that the usual body costs one substring search per name.
+
+tools, tool_choice, parallel_tool_calls, chat_template_kwargs and the messages' tool_calls,
+tool_call_id and reasoning_content are implemented (protocol.py, chat_output.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from streamer.server.protocol import ApiError
+
+Rule = Callable[[Any], str | None]
+"""A refused field's check: its value (decoded JSON; null counts as absent and is never
+checked) -> why the value is refused, or None when it is accepted."""
+
+
+def unsupported(why: str) -> Rule:
+    return lambda value: why
+
+
+def only(allowed: tuple[Any, ...], why: str) -> Rule:
+    """Accepted when the value is one of `allowed` (the values that ask for nothing this
+    server does not do: OpenAI's defaults, mostly)."""
+    return lambda value: None if any(value == a and type(value) is type(a) for a in allowed) else why
+
+
+DEPRECATED_FUNCTIONS = "is deprecated and not supported: use tools and tool_choice"
+
+COMPLETION_REFUSED: dict[str, Rule] = {
+    "suffix": only(("",), "suffix (text that follows the completion: insertion) is not supported"),
+}
+"""(best_of is checked with n by the endpoint: it is accepted when it asks for n samples.)"""
+
+CHAT_REFUSED: dict[str, Rule] = {
+    "audio": unsupported("audio (audio output) is not supported: this server answers text"),
+    "modalities": only((["text"],), 'only text output is supported: modalities may only be ["text"]'),
+    "store": only((False,), "this server stores no completions: store may only be false"),
+    "service_tier": only(("auto", "default"), "this server has one service tier: service_tier may be "
+                                              "auto or default"),
+    "web_search_options": unsupported("web_search_options (web search) is not supported"),
+    "reasoning_effort": unsupported("reasoning_effort is not supported by this server"),
+    "verbosity": only(("medium",), "verbosity is not supported: it may only be medium (the default)"),
+    "functions": unsupported(f"functions {DEPRECATED_FUNCTIONS}"),
+    "function_call": unsupported(f"function_call {DEPRECATED_FUNCTIONS}"),
+}
+
+MESSAGE_REFUSED: dict[str, Rule] = {
+    "function_call": unsupported("function_call is deprecated and not supported: use tool_calls"),
+    "audio": unsupported("audio (a previous audio response) is not supported: this server answers text"),
+}
+"""Fields of a chat message, checked in every message (param: messages[i].field)."""
+
+ACCEPTED: Mapping[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring; one server has none",
+    "safety_identifier": "user's successor: the same",
+    "prompt_cache_key": "a routing hint for OpenAI's caches across machines; here the prefix cache is "
+                        "automatic, and cache_salt is what namespaces it",
+    "metadata": "tags of a stored completion; nothing is stored (store may only be false)",
+    "prediction": "Predicted Outputs: a latency hint (content the answer will likely repeat); the answer "
+                  "is the same without it",
+    "stream_options.include_obfuscation": "padding that hides token lengths on OpenAI's shared service; "
+                                          "no padding is sent",
+    "store": "false: nothing is stored (true is refused)",
+    "service_tier": '"auto" or "default": there is one tier (others are refused)',
+    "modalities": '["text"]: what this server answers (others are refused)',
+    "verbosity": '"medium": the default (others are refused)',
+    "best_of": "1, or equal to n: n samples, all returned (others are refused)",
+}
+"""The OpenAI fields accepted without an effect, and why none is needed (documentation, and
+the specification tests/server/test_api_fields.py checks)."""
+
+
+def check_refused(data: bytes, rules: Mapping[str, Rule], message_rules: Mapping[str, Rule] | None = None) -> None:
+    """Refuse (400, param: the field) a body that gives a refused field a value other than null
+    or one its rule accepts. `data` decoded into its Struct already, so it is valid JSON."""
+    names = [*rules, *(message_rules or ())]
+    if not any(b'"' + n.encode() + b'"' in data for n in names):
+        return
+    try:
+        raw = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+        check(raw, rules, "")
+        if message_rules and "messages" in raw:
+            messages = msgspec.json.decode(raw["messages"], type=list[dict[str, msgspec.Raw]])
+            for i, m in enumerate(messages):
+                check(m, message_rules, f"messages[{i}].")
+    except RecursionError:  # (decode_body refuses such a body first; this is for the value alone)
+        raise ApiError("the body nests too deeply") from None
+
+
+def check(raw: Mapping[str, msgspec.Raw], rules: Mapping[str, Rule], prefix: str) -> None:
+    for name, rule in rules.items():
+        if name not in raw:
+            continue
+        value = msgspec.json.decode(raw[name])
+        why = None if value is None else rule(value)
+        if why is not None:
+            raise ApiError(why, param=prefix + name, code="unsupported_parameter")

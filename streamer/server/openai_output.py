@@ -1,0 +1,293 @@
+"""Engine outputs -> OpenAI's shapes: whole responses (collect) and SSE chunks (events).
+
+Each choice's outputs accumulate in a Choice. Logprobs are formatted as OpenAI reports them:
+a token's string is the token decoded alone, and (chat) its `bytes` are the token's own
+bytes from the vocabulary (engine/token_bytes.py), which differ from its string's UTF-8
+where the token holds part of a character. With echo, a completion choice starts with its
+prompt: the prompt's text, and with logprobs its tokens, whose first has no logprob (nothing
+predicts it) and the rest the engine's prompt logprobs (SamplingParams.prompt_logprobs_from 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from streamer.messages import RequestOutput, SampledToken
+from streamer.server import protocol as p
+from streamer.server.chat_output import ChatDelta, ChatOutput, ChatSetup, finish_reason
+from streamer.server.state import Merged, ServerState, failure
+from streamer.sse import DONE_EVENT, data_event
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    offset: int = 0
+    """text_offset of the next token (completions' logprobs)."""
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With echo and logprobs: the prompt's tokens, their logprobs and (logprobs > 0) the top
+    tokens at each position after the first (from the first output)."""
+
+    def take_prompt(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
+            self.prompt_top_logprobs = out.prompt_top_logprobs
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs or [])
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        self.take_prompt(out)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error, self.error_code = out.error, out.error_code
+
+
+def usage(choices: dict[int, Choice], n: int) -> p.Usage:
+    """Prompt tokens count once per prompt (choice index // n), completions for every choice."""
+    firsts = [c for i, c in choices.items() if i % n == 0]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in choices.values())
+    return p.Usage(prompt, completion, prompt + completion,
+                   p.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+
+
+def joined(a: p.CompletionLogprobs | None, b: p.CompletionLogprobs | None) -> p.CompletionLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    return p.CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
+                                a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)
+
+
+class Formatter:
+    """Token strings and bytes for logprobs (decoded one token at a time, as OpenAI reports them)."""
+
+    def __init__(self, st: ServerState) -> None:
+        self.st = st
+        self.tok = st.info.hf_tokenizer
+
+    def token(self, tid: int) -> str:
+        return self.tok.decode([tid]) if self.tok is not None else str(tid)
+
+    def token_bytes(self, tid: int) -> list[int] | None:
+        return list(self.st.token_bytes(tid)) if self.tok is not None else None
+
+    def offsets(self, tokens: list[str], c: Choice) -> list[int]:
+        out = []
+        for s in tokens:
+            out.append(c.offset)
+            c.offset += len(s)
+        return out
+
+    def completion_logprobs(self, lps: list[SampledToken], c: Choice) -> p.CompletionLogprobs | None:
+        if not lps:
+            return None
+        tokens = [self.token(t.token_id) for t in lps]
+        tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
+                for t in lps]
+        return p.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
+
+    def prompt_logprobs(self, c: Choice) -> p.CompletionLogprobs | None:
+        """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
+        predicts it), the others with the engine's (top logprobs: with logprobs > 0)."""
+        ids = c.prompt_token_ids
+        if ids is None:
+            return None
+        values: list[float | None] = [None, *(c.prompt_logprobs or [])][: len(ids)]
+        values += [None] * (len(ids) - len(values))
+        tops: list[dict[str, float] | None] = [None] * len(ids)
+        for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
+            tops[k + 1] = {self.token(i): lp for i, lp in top}
+        tokens = [self.token(t) for t in ids]
+        return p.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
+
+    def chat_logprobs(self, lps: list[SampledToken]) -> p.ChoiceLogprobs | None:
+        if not lps:
+            return None
+        content = []
+        for t in lps:
+            tops = [p.TopLogprob(self.token(i), lp, self.token_bytes(i)) for i, lp in t.top_logprobs or []]
+            content.append(p.TokenLogprob(self.token(t.token_id), t.logprob if t.logprob is not None else 0.0,
+                                          self.token_bytes(t.token_id), tops))
+        return p.ChoiceLogprobs(content)
+
+
+async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
+    choices = {i: Choice() for i in range(count)}
+    try:
+        for i, out in buffered:
+            choices[i].add(out)
+        async for i, out in gen:
+            choices[i].add(out)
+    finally:
+        await gen.aclose()
+    for c in choices.values():
+        if c.finish_reason in ("error", "timeout"):
+            raise failure(c)
+    return choices
+
+
+# ---- SSE -----------------------------------------------------------------------------
+
+
+class CompletionChunks:
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str, echo: list[str] | None = None) -> None:
+        self.fmt, self.head = fmt, (rid, "text_completion", created, model)
+        self.echo = echo
+        """With echo: each choice's prompt text, sent as its first chunk."""
+
+    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> bytes:
+        return data_event(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
+
+    def opening(self, choices: dict[int, Choice]) -> list[bytes]:
+        """With echo, each choice's prompt (its first output is in choices already: the
+        prompt's logprobs come with it)."""
+        if self.echo is None:
+            return []
+        return [self.encode(p.CompletionChoice(i, self.echo[i], self.fmt.prompt_logprobs(c)))
+                for i, c in sorted(choices.items())]
+
+    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
+        return self.encode(p.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
+
+    def finish(self, i: int, reason: str | None) -> bytes:
+        return self.encode(p.CompletionChoice(i, "", None, reason))
+
+
+class ChatChunks:
+    """With tools or reasoning, each choice's text goes through its ChatOutput: markup held
+    back until decided, reasoning and calls in their own delta fields."""
+
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str, setup: ChatSetup) -> None:
+        self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
+        self.plain = setup.tools is None and setup.reasoning is None
+        self.setup = setup
+        self.outputs: dict[int, ChatOutput] = {}
+
+    def output(self, i: int) -> ChatOutput:
+        if i not in self.outputs:
+            self.outputs[i] = self.setup.output()
+        return self.outputs[i]
+
+    @staticmethod
+    def delta(d: ChatDelta) -> p.Delta:
+        calls = [p.DeltaToolCall(k.index, p.DeltaFunction(k.name, k.arguments if k.name is None else k.arguments or ""),
+                                 k.id, "function" if k.id is not None else None) for k in d.calls]
+        return p.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
+
+    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> bytes:
+        return data_event(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
+
+    def opening(self, choices: dict[int, Choice]) -> list[bytes]:
+        return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in sorted(choices)]
+
+    def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
+        lps = self.fmt.chat_logprobs(out.logprobs or [])
+        if self.plain:
+            return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), lps))
+        d = self.output(i).feed(out.text)
+        if not d and lps is None:
+            return b""  # (all held back: markup not decided yet)
+        return self.encode(p.ChatChunkChoice(i, self.delta(d), lps))
+
+    def finish(self, i: int, reason: str | None) -> bytes:
+        if self.plain:
+            return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
+        out = self.output(i)
+        d = out.finish()
+        last = self.encode(p.ChatChunkChoice(i, p.Delta(), None, finish_reason(reason, out.called)))
+        return (self.encode(p.ChatChunkChoice(i, self.delta(d))) if d else b"") + last
+
+
+def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> p.ChatChoice:
+    """One choice of a whole chat answer: its text split into reasoning, content and calls."""
+    text = "".join(c.text)
+    lps = fmt.chat_logprobs(c.logprobs)
+    if setup.tools is None and setup.reasoning is None:
+        return p.ChatChoice(i, p.AssistantMessage("assistant", text), lps, c.finish_reason)
+    out = setup.output()
+    parsed = out.parse(text)
+    calls = [p.ToolCallItem(k.id, p.FunctionCall(k.name, k.arguments)) for k in parsed.calls]
+    msg = p.AssistantMessage("assistant", parsed.content if parsed.content or not calls else None,
+                             calls or None, parsed.reasoning)
+    return p.ChatChoice(i, msg, lps, finish_reason(c.finish_reason, out.called))
+
+
+async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
+                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[bytes]:
+    """OpenAI's chunk order: [role | echo], content deltas, a finish chunk per choice, [usage], [DONE].
+
+    A failure after the stream began cannot change the status any more: it is
+    sent as an {"error": ...} event before [DONE].
+
+    The events of one engine output leave in one write (one send, one syscall): the opening
+    chunks with the first content, the last content with its finish chunk, the usage and
+    [DONE].
+    """
+    choices = {i: Choice() for i in range(count)}
+    for i, out in buffered:  # (the first output of every choice: ServerState.start waited for them)
+        choices[i].take_prompt(out)
+    pending: list[bytes] = chunks.opening(choices)
+    left = count
+    failed = False
+
+    def take(i: int, out: RequestOutput) -> bool:
+        """Queue the events of one output; True once nothing more is to be sent before the end."""
+        nonlocal left, failed
+        choices[i].add(out)
+        if out.error:
+            if out.finish_reason == "timeout":  # what was generated stands: its end, then why
+                if out.text or out.logprobs:
+                    pending.append(chunks.content(i, out, choices[i]))
+                pending.append(chunks.finish(i, out.finish_reason))
+            pending.append(data_event(failure(out).body()))
+            failed = True
+            return True
+        if out.text or out.logprobs:
+            pending.append(chunks.content(i, out, choices[i]))
+        if out.finished:
+            pending.append(chunks.finish(i, out.finish_reason))
+            left -= 1
+        return left == 0
+
+    def flush() -> bytes:
+        pending[:] = [x for x in pending if x]  # (a chunk of held-back text is b"")
+        if not pending:
+            return b""
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
+        return data
+
+    try:
+        done = any(take(i, out) for i, out in buffered)  # (the first outputs, already here)
+        if not done and pending:
+            if data := flush():
+                yield data
+        if not failed:
+            async for i, out in gen:
+                # once every choice has finished nothing more comes: the loop only waits for
+                # the generator's end, and the last events leave with [DONE]
+                if not done:
+                    done = take(i, out)
+                    if failed:
+                        break
+                    if not done and pending:
+                        if data := flush():
+                            yield data
+        if not failed and usage_wanted:
+            pending.append(chunks.encode(use=usage(choices, n)))
+        pending.append(DONE_EVENT)
+        yield b"".join(pending)
+    finally:
+        await gen.aclose()

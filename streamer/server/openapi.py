@@ -1,0 +1,72 @@
+"""GET /openapi.json: OpenAPI 3.1, from the JSON schemas of the routes' Structs.
+
+The fuzzing tests (tests/reliability/test_fuzz.py) read it: every POST route here has its
+request body as a $ref to a component schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
+from streamer.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
+             ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse]
+    (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver), comps = \
+        msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+
+    def error(status: int, why: str) -> dict:
+        return {str(status): {"description": why, "content": {"application/json": {"schema": err}}}}
+
+    errors = {**error(400, "invalid request"), **error(401, "missing or wrong API key"),
+              **error(404, "the model does not exist (code model_not_found)"),
+              **error(503, "queue full, shutting down, or the engine down or not responding"),
+              **error(504, "the request's deadline passed (timeout, --request-timeout)")}
+
+    def post(req: dict, res: dict, summary: str, stream: bool = True) -> dict:
+        content: dict[str, Any] = {"application/json": {"schema": res}}
+        if stream:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        ok = {"description": "a response, or an SSE stream of chunks when stream is true" if stream else "ok",
+              "content": content}
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": req}}}, "responses": {"200": ok, **errors}}}
+
+    def get(summary: str, schema: dict | None = None, media: str = "application/json", **more: Any) -> dict:
+        content = {media: {"schema": schema or {"type": "string" if media != "application/json" else "object"}}}
+        return {"get": {"summary": summary, "responses": {"200": {"description": "ok", "content": content}},
+                        **more}}
+
+    model_param = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "streamer", "version": version},
+        "paths": {
+            "/v1/completions": post(req_c, res_c, "Text completion"),
+            "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
+            "/v1/models": get("Served models", models),
+            "/v1/models/{model}": get("One served model (404, code model_not_found, for any other)", card,
+                                      parameters=model_param),
+            "/tokenize": post(tok, {"type": "object"}, "Text -> token ids, as the engine tokenizes a prompt",
+                              stream=False),
+            "/detokenize": post(detok, detok_res, "Token ids -> text (400 for an id outside the vocabulary)",
+                                stream=False),
+            "/version": get("The server's version", ver),
+            "/health": get("200 while the engine serves; 503 when it is down or stalled (no heartbeat)"),
+            "/metrics": get("Prometheus metrics", media="text/plain"),
+        },
+        "components": {"schemas": comps},
+    }

@@ -1,0 +1,145 @@
+"""Reasoning ("<think>...</think>") split from the answer, whole or as it streams.
+
+Two conventions, one per REASONING_PARSERS entry:
+
+- qwen3: the model opens the block itself: `<think>\\n...\\n</think>\\n\\n` then the answer.
+  An output that does not start (after whitespace) with `<think>` has no reasoning and is
+  all content, verbatim: with enable_thinking=false the template put an empty block in the
+  prompt and the model writes only the answer.
+- deepseek_r1: the template already wrote `<think>\\n` into the prompt, so the output starts
+  inside the reasoning (a leading `<think>` is accepted and dropped anyway).
+
+Either way the reasoning runs to `</think>`; an output that never closes it is all
+reasoning. What is stripped, as vLLM does: the tags; the whitespace at both ends of the
+reasoning (the newlines inside the tags); the whitespace at the start of the content that
+follows `</think>` (the "\\n\\n"). Content after the tag is otherwise verbatim.
+
+ReasoningParser.split() is the stream fed the whole text at once, so for any splitting of
+an output the streamed fragments concatenate to exactly split()'s answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """One convention; stateless. starts_inside: the prompt already opened the block."""
+
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    starts_inside: bool = False
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole output; reasoning is None when there is none."""
+        s = self.stream()
+        r1, c1 = s.feed(text)
+        r2, c2 = s.finish()
+        return (r1 + r2) or None, c1 + c2
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+
+class ReasoningStream:
+    """The split of one output as it streams: feed() each piece of text, finish() at the end.
+
+    Held back, never emitted in either channel: a possible partial tag at the end of the
+    text seen so far, whitespace at the start of the output (qwen3 does not know yet whether
+    `<think>` follows), and whitespace at the end of the reasoning (it may be the last before
+    `</think>`, which strips it).
+
+    `ended` is True once the reasoning is over: the end tag has been seen, or (qwen3) the
+    output turned out to have no think block. A grammar may constrain tokens from there."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.ended = False
+        self._buf = ""
+        self._state = "start"  # start -> reasoning -> after -> content
+        self._began = False  # some non-whitespace reasoning has gone out
+        self._held_ws = ""
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning fragment, content fragment) safe to emit now."""
+        self._buf += delta
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """At the end of output: what was held back (a trailing partial tag is text then)."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        while self._step(final):
+            pass
+        out = "".join(self._reasoning), "".join(self._content)
+        self._reasoning, self._content = [], []
+        return out
+
+    def _take(self, n: int) -> str:
+        head, self._buf = self._buf[:n], self._buf[n:]
+        return head
+
+    def _step(self, final: bool) -> bool:
+        """Decide what can be decided at the head of the buffer; True to be called again."""
+        start, end = self.parser.start, self.parser.end
+        rest = self._buf.lstrip()
+        if self._state == "start":
+            if len(rest) < len(start) and start.startswith(rest) and not final:
+                return False
+            if rest.startswith(start):
+                self._take(len(self._buf) - len(rest) + len(start))
+                self._state = "reasoning"
+            elif self.parser.starts_inside:
+                self._state = "reasoning"
+            else:
+                self._state, self.ended = "content", True
+            return True
+        if self._state == "reasoning":
+            i = self._buf.find(end)
+            if i < 0:
+                keep = 0 if final else _partial_tag(self._buf, end)
+                self._reason(self._take(len(self._buf) - keep))
+                return False
+            self._reason(self._take(i))
+            self._take(len(end))
+            self._state, self.ended = "after", True
+            return True
+        if self._state == "after":
+            self._take(len(self._buf) - len(rest))
+            if not rest:
+                return False
+            self._state = "content"
+        self._content.append(self._take(len(self._buf)))
+        return False
+
+    def _reason(self, text: str) -> None:
+        """Reasoning text out, stripped at both ends across all the pieces."""
+        if not self._began:
+            text = text.lstrip()
+            if not text:
+                return
+            self._began = True
+        body = text.rstrip()
+        if body:
+            self._reasoning.append(self._held_ws + body)
+            self._held_ws = text[len(body) :]
+        else:
+            self._held_ws += text
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of text that is a proper beginning of tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+REASONING_PARSERS: dict[str, ReasoningParser] = {
+    p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_r1", starts_inside=True))
+}

@@ -1,0 +1,184 @@
+"""Grammars for OpenAI tool calls, and for an answer that follows a reasoning block.
+
+  FORMATS                                   the tool-call markups below
+  tool_call_grammar(tools, tool_choice, parallel_tool_calls, fmt) -> GrammarSpec | None
+  after_reasoning(spec, end="</think>", start="<think>") -> GrammarSpec
+
+Pure functions of request data (no server state), in one module because they compose:
+after_reasoning(tool_call_grammar(...)) constrains a reasoning model's calls. Both return
+structural_tag specs, which the engine compiles like any spec (on trial, under limits).
+Errors a client caused are RequestError (a 400), naming what was wrong.
+
+A call, per format (NAME: the tool's name as a JSON string; ARGS: JSON of the tool's
+`parameters` schema, {"type": "object"} when it has none; JSON whitespace as for any
+json_schema spec, grammar_build.py says how):
+
+  hermes        <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>   calls joined by "\\n"
+  llama3_json   {"name": NAME, "parameters": ARGS}                             calls joined by "; "
+  mistral       [TOOL_CALLS][{"name": NAME, "arguments": ARGS}, ...]           one array of all calls
+
+tool_choice:
+
+  "none"        None: no constraint.
+  "auto"        Free text, then optionally the calls, then the end of the output. The text
+                ends where the format's trigger first appears ("<tool_call>", '{"name": ',
+                "[TOOL_CALLS]"); from there the calls are constrained as for "required".
+                llama3_json has no begin token, so its trigger is the call's own opening:
+                plain text cannot contain '{"name": ' (it would start a call). None when
+                there are no tools (nothing to call).
+  "required"    The calls and nothing else: exactly one, or one or more when
+                parallel_tool_calls.
+  {"type": "function", "function": {"name": N}}   exactly one call, of N.
+
+After the calls the grammar is complete, so the stop token (the model's EOS) ends the
+output. A tool's "strict" is not read: the arguments always follow its schema.
+
+NOTE how a block of calls is built. All three formats lay calls out as
+OPEN CALL (SEP CALL)* CLOSE with CALL = `{"name": NAME, "KEY": ARGS}`. xgrammar's
+tags_with_separator matches CALL (SEP CALL)*, and a tag around it adds OPEN and CLOSE;
+but a tag around such (unlimited) content needs a non-empty end, and llama3_json's CLOSE
+is empty. So the braces move out of the calls: each tool's tag is `NAME, "KEY": ` + ARGS,
+the block's begin is OPEN + '{"name": ', the separator '}' + SEP + '{"name": ', the end
+'}' + CLOSE (never empty). The language is the same; each tool's tag is one of the
+alternatives after '{"name": ', so the name is an enumeration of the tools' names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from streamer.errors import RequestError
+from streamer.messages import GrammarSpec
+from streamer.sampling.grammar_build import format_of
+
+FORMATS = ("hermes", "llama3_json", "mistral")
+_HEAD = '{"name": '
+_WHITESPACE = {"type": "grammar", "grammar": "root ::= [ \\t\\n\\r]*"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Markup:
+    trigger: str
+    """Where "auto" text gives way to the calls (a prefix of open + _HEAD)."""
+    open: str
+    """Before the first call's JSON object."""
+    key: str
+    """The arguments' key in a call's JSON object."""
+    sep: str
+    """Between one call's JSON object and the next."""
+    close: str
+    """After the last call's JSON object."""
+
+
+_MARKUP = {
+    "hermes": _Markup("<tool_call>", "<tool_call>\n", "arguments", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
+    "llama3_json": _Markup(_HEAD, "", "parameters", "; ", ""),
+    "mistral": _Markup("[TOOL_CALLS]", "[TOOL_CALLS][", "arguments", ", ", "]"),
+}
+
+
+def _functions(tools: Any) -> dict[str, dict | bool]:
+    """Each function tool's name and parameters schema, in the order given (None: no tools)."""
+    if tools is None:
+        return {}
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of tools")
+    out: dict[str, dict | bool] = {}
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise RequestError(f"tools[{i}]: unsupported tool type {kind!r}; only \"function\" tools are supported")
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"tools[{i}]: a function tool needs a function with a non-empty name")
+        if name in out:
+            raise RequestError(f"tools[{i}]: duplicate tool name {name!r}; tool names must be unique")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict | bool):
+            raise RequestError(f"tools[{i}] ({name}): parameters must be a JSON schema object")
+        out[name] = params
+    return out
+
+
+def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
+    """(mode, name): ("none" | "auto" | "required", None), or ("named", one of names)."""
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise RequestError(f"unknown tool_choice {tool_choice!r}; use none, auto, required "
+                               'or {"type": "function", "function": {"name": ...}}')
+        if tool_choice == "required" and not names:
+            raise RequestError('tool_choice "required" needs tools, and none were given')
+        return tool_choice, None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    if not names:
+        raise RequestError(f"tool_choice names the function {name!r}, but no tools were given")
+    if name not in names:
+        raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools "
+                           f"({', '.join(names)})")
+    return "named", name
+
+
+def _calls(m: _Markup, functions: dict[str, dict | bool], many: bool) -> dict:
+    """The tag matching a block of calls: one call, or one or more when many."""
+    tags = [{"type": "tag", "begin": f"{json.dumps(name, ensure_ascii=False)}, \"{m.key}\": ",
+             "content": {"type": "json_schema", "json_schema": params}, "end": ""}
+            for name, params in functions.items()]
+    return {"type": "tag", "begin": m.open + _HEAD,
+            "content": {"type": "tags_with_separator", "tags": tags, "separator": "}" + m.sep + _HEAD,
+                        "at_least_one": True, "stop_after_first": not many},
+            "end": "}" + m.close}
+
+
+def _spec(fmt: dict) -> GrammarSpec:
+    tag = {"type": "structural_tag", "format": fmt}
+    return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False, separators=(",", ":")))
+
+
+def tool_call_grammar(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool,
+                      fmt: str) -> GrammarSpec | None:
+    """The grammar of a reply under tool_choice, in the markup of fmt (the module docstring
+    says what each choice allows); None where nothing is constrained. The tools, fmt and
+    tool_choice are checked whatever the choice: RequestError for what is not valid."""
+    m = _MARKUP.get(fmt)
+    if m is None:
+        raise RequestError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
+    functions = _functions(tools)
+    mode, name = _choice(tool_choice, list(functions))
+    if mode == "none" or (mode == "auto" and not functions):
+        return None
+    if mode == "auto":
+        block = _calls(m, functions, parallel_tool_calls)
+        return _spec({"type": "triggered_tags", "triggers": [m.trigger], "tags": [block],
+                      "stop_after_first": True})
+    if mode == "required":
+        return _spec(_calls(m, functions, parallel_tool_calls))
+    assert name is not None
+    return _spec(_calls(m, {name: functions[name]}, many=False))
+
+
+def after_reasoning(spec: GrammarSpec, end: str = "</think>", start: str | None = "<think>") -> GrammarSpec:
+    """spec's language after a reasoning block: free text up to and including the first
+    `end`, optional whitespace, then a sentence of spec (any kind).
+
+    start given: the output may open with it (a model that writes its own "<think>") or
+    not (a chat template that already did), and the reasoning contains it nowhere else.
+    start None: the output is inside the reasoning from its first token. The reasoning
+    cannot contain `end` itself: its first `end` is where it stops. RequestError if spec's
+    value is malformed (the rest shows when the result is compiled); ValueError for an
+    empty end (a server setting, not a request's)."""
+    if not end:
+        raise ValueError("after_reasoning needs a non-empty end tag")
+    text: dict = {"type": "any_text"}
+    elements: list[dict] = []
+    if start:
+        text["excludes"] = [start]
+        elements.append({"type": "optional", "content": {"type": "const_string", "value": start}})
+    elements += [{"type": "tag", "begin": "", "content": text, "end": end}, _WHITESPACE,
+                 format_of(spec.kind, spec.value)]
+    return _spec({"type": "sequence", "elements": elements})

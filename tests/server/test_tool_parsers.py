@@ -1,0 +1,277 @@
+"""Tool-call parsing (server/tool_parsers.py): what each format's output parses into, and
+that streaming it in any splitting emits exactly that, without markup in the content."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamer.server.tool_parsers import PARSERS, ToolCall, ToolCallDelta, collect_calls, parser_for
+
+MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+GENERATED_ID = {
+    "hermes": re.compile(r"call_[0-9a-f]{24}"),
+    "llama3_json": re.compile(r"call_[0-9a-f]{24}"),
+    "mistral": re.compile(r"[A-Za-z0-9]{9}"),
+}
+NESTED = {
+    "q": 'Zürich — 東京 "quoted" {braces} [brackets] \\ back',
+    "filter": {"a": [1, {"b": None}], "c": "}", "d": "</tool_call>]"},
+}
+
+
+@dataclass
+class Case:
+    parser: str
+    name: str
+    text: str
+    content: str
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    ids: list[str] | None = None  # the model's own ids, where the format carries them
+    markup_free: bool = True  # the content contains no markup, so none may ever be emitted
+
+    def __str__(self) -> str:
+        return f"{self.parser}-{self.name}"
+
+
+def hermes(name: str, args: dict[str, Any], **dumps: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, **dumps) + "\n</tool_call>"
+
+
+def llama(name: str, args: dict[str, Any], key: str = "parameters") -> str:
+    return json.dumps({"name": name, key: args})
+
+
+PARIS = ("get_weather", {"city": "Paris"})
+TIME = ("get_time", {"tz": "UTC", "format": 24})
+
+CASES = [
+    # hermes
+    Case("hermes", "one call", hermes(*PARIS), "", [PARIS]),
+    Case("hermes", "two parallel calls", hermes(*PARIS) + "\n" + hermes(*TIME), "", [PARIS, TIME]),
+    Case("hermes", "content before", "Let me check.\n\n" + hermes(*PARIS), "Let me check.", [PARIS]),
+    Case("hermes", "content after", "Hi\n" + hermes(*PARIS) + "\nDone.", "Hi\n\nDone.", [PARIS]),
+    Case("hermes", "unicode nested", hermes("search", NESTED, ensure_ascii=False), "", [("search", NESTED)]),
+    Case("hermes", "escaped unicode", hermes("search", NESTED, ensure_ascii=True), "", [("search", NESTED)]),
+    Case("hermes", "compact", '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>', "", [("f", {"x": 1})]),
+    Case("hermes", "spacious", '<tool_call>\n  {\n "name" : "f" ,\n "arguments" : { } }\n\n</tool_call>\n', "",
+         [("f", {})]),
+    Case("hermes", "no arguments", '<tool_call>\n{"name": "f"}\n</tool_call>', "", [("f", {})]),
+    Case("hermes", "string arguments", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "",
+         [("f", {"a": 1})]),
+    Case("hermes", "no close tag", '<tool_call>\n{"name": "f", "arguments": {}}\n', "", [("f", {})]),
+    Case("hermes", "cut close tag", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_', "", [("f", {})]),
+    Case("hermes", "no call", "The weather in Paris is sunny.", "The weather in Paris is sunny."),
+    Case("hermes", "surrounding whitespace", "\n  Sunny.  \n", "Sunny."),
+    Case("hermes", "looks like markup", "a < b, <tool> and <tool_c are tags", "a < b, <tool> and <tool_c are tags"),
+    Case("hermes", "tag without json", "Write <tool_call> to call.", "Write <tool_call> to call.", markup_free=False),
+    Case("hermes", "bad json", '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>',
+         '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>', markup_free=False),
+    Case("hermes", "no name", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+         markup_free=False),
+    Case("hermes", "unclosed json", 'Hm <tool_call>\n{"name": "f", "argu', 'Hm <tool_call>\n{"name": "f", "argu',
+         markup_free=False),
+    Case("hermes", "bad then good", '<tool_call>{"x": 1}</tool_call>\n' + hermes(*PARIS),
+         '<tool_call>{"x": 1}</tool_call>', [PARIS], markup_free=False),
+    # llama3_json
+    Case("llama3_json", "one call", llama(*PARIS), "", [PARIS]),
+    Case("llama3_json", "python tag", "<|python_tag|>" + llama(*PARIS), "", [PARIS]),
+    Case("llama3_json", "arguments key", llama(*PARIS, key="arguments"), "", [PARIS]),
+    Case("llama3_json", "two parallel calls", llama(*PARIS) + "; " + llama(*TIME), "", [PARIS, TIME]),
+    Case("llama3_json", "leading whitespace", "\n\n " + llama(*PARIS) + "\n", "", [PARIS]),
+    Case("llama3_json", "unicode nested", json.dumps({"name": "s", "parameters": NESTED}, ensure_ascii=False), "",
+         [("s", NESTED)]),
+    Case("llama3_json", "no call", "The answer is 42.", "The answer is 42."),
+    Case("llama3_json", "not a call object", '{"answer": 42}', '{"answer": 42}'),
+    Case("llama3_json", "looks like the tag", "<|python is a snake|>", "<|python is a snake|>"),
+    Case("llama3_json", "incomplete json", '{"name": "f", "parameters": {"a": 1}', '{"name": "f", "parameters": {"a": 1}'),
+    Case("llama3_json", "call then text", llama(*PARIS) + "; oops", "; oops", [PARIS]),
+    Case("llama3_json", "call then bad call", llama(*PARIS) + '; {"x": 1}', '; {"x": 1}', [PARIS]),
+    # mistral
+    Case("mistral", "one call with id",
+         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]', "", [PARIS],
+         ids=["abcDEF123"]),
+    Case("mistral", "two calls without ids",
+         "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in (PARIS, TIME)]), "", [PARIS, TIME]),
+    Case("mistral", "content before", "Sure.\n[TOOL_CALLS] " + json.dumps([{"name": "f", "arguments": {}}]),
+         "Sure.", [("f", {})]),
+    Case("mistral", "id of the wrong shape", '[TOOL_CALLS][{"name": "f", "arguments": {}, "id": "x"}]', "",
+         [("f", {})]),
+    Case("mistral", "unicode nested", "[TOOL_CALLS]" + json.dumps([{"name": "s", "arguments": NESTED}]), "",
+         [("s", NESTED)]),
+    Case("mistral", "name form", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [PARIS]),
+    Case("mistral", "name form, two calls", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time'
+         '[ARGS]{"tz": "UTC", "format": 24}', "", [PARIS, TIME]),
+    Case("mistral", "name form with id", "[TOOL_CALLS]f[CALL_ID]abcDEF123[ARGS]{}", "", [("f", {})],
+         ids=["abcDEF123"]),
+    Case("mistral", "name form nested", "[TOOL_CALLS]s[ARGS]" + json.dumps(NESTED, ensure_ascii=False), "",
+         [("s", NESTED)]),
+    Case("mistral", "no call", "No tools needed.", "No tools needed."),
+    Case("mistral", "looks like markup", "[TOOL_C is not [TOOL] it", "[TOOL_C is not [TOOL] it"),
+    Case("mistral", "tag in prose", "[TOOL_CALLS] is the tag.", "[TOOL_CALLS] is the tag.", markup_free=False),
+    Case("mistral", "bad json", '[TOOL_CALLS][{"name": "f", "arguments": {"a": ]}]',
+         '[TOOL_CALLS][{"name": "f", "arguments": {"a": ]}]', markup_free=False),
+    Case("mistral", "no name", '[TOOL_CALLS][{"arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]',
+         markup_free=False),
+    Case("mistral", "unclosed", '[TOOL_CALLS]f[ARGS]{"a": 1', '[TOOL_CALLS]f[ARGS]{"a": 1', markup_free=False),
+]
+
+
+def streamed(parser: str, pieces: list[str]) -> tuple[list[str], list[ToolCallDelta]]:
+    """The content fragments and the deltas that streaming `pieces` emits."""
+    s = PARSERS[parser].stream()
+    fragments, deltas = [], []
+    for piece in pieces:
+        content, ds = s.feed(piece)
+        fragments.append(content)
+        deltas += ds
+    content, ds = s.finish()
+    return [*fragments, content], deltas + ds
+
+
+def assert_same_calls(case: Case, got: list[ToolCall], want: list[ToolCall]) -> None:
+    assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in want]
+    for g, w in zip(got, want):
+        if w.id in case.text:  # the model's own id
+            assert g.id == w.id
+        else:
+            assert GENERATED_ID[case.parser].fullmatch(g.id), g.id
+
+
+def assert_streams_like_parse(case: Case, pieces: list[str]) -> None:
+    assert "".join(pieces) == case.text
+    content, calls = PARSERS[case.parser].parse(case.text)
+    fragments, deltas = streamed(case.parser, pieces)
+    assert "".join(fragments) == content
+    assert_same_calls(case, collect_calls(deltas), calls)
+    first = {}
+    for d in deltas:  # id and name exactly once, in a call's first delta, with no arguments yet
+        if d.index not in first:
+            first[d.index] = d
+            assert d.id and d.name and d.arguments == ""
+        else:
+            assert d.id is None and d.name is None
+    assert sorted(first) == list(range(len(calls)))
+    if case.markup_free:
+        assert not any(tag in f for f in fragments for tag in MARKUP)
+
+
+def split_at(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_parse_gives_the_content_and_the_calls(case):
+    content, calls = PARSERS[case.parser].parse(case.text)
+    assert content == case.content
+    assert [(c.name, c.arguments) for c in calls] == [(n, json.dumps(a, ensure_ascii=False)) for n, a in case.calls]
+    for i, call in enumerate(calls):
+        if case.ids:
+            assert call.id == case.ids[i]
+        else:
+            assert GENERATED_ID[case.parser].fullmatch(call.id), call.id
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_streaming_character_by_character_equals_parse(case):
+    assert_streams_like_parse(case, list(case.text))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_streaming_in_two_pieces_at_every_point_equals_parse(case):
+    for cut in range(len(case.text) + 1):
+        assert_streams_like_parse(case, split_at(case.text, [cut]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_streaming_at_random_boundaries_equals_parse(case):
+    rng = random.Random(str(case))
+    for _ in range(50):
+        cuts = rng.sample(range(len(case.text) + 1), rng.randint(1, min(12, len(case.text))))
+        assert_streams_like_parse(case, split_at(case.text, cuts))
+
+
+FRAGMENTS = [*MARKUP, "<tool", "[TOOL_C", "<|python", "</tool_", '{"name": "f", ', '"arguments": {"a": "}"}}',
+             '"parameters": {}}', "{", "}", "[", "]", '"', "\\", "; ", "\n", " ", "hi", "f", ",", "[{"]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_text_streams_like_parse_in_any_splitting(parser, data):
+    """Also for arbitrary mixes of markup pieces: nothing is lost or duplicated."""
+    text = "".join(data.draw(st.lists(st.sampled_from(FRAGMENTS), max_size=20)))
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    case = Case(parser, "fuzz", text, "", markup_free=False)
+    assert_streams_like_parse(case, split_at(text, cuts))
+
+
+def test_content_streams_as_it_arrives_holding_only_a_possible_tag_and_trailing_whitespace():
+    s = PARSERS["hermes"].stream()
+    assert s.feed("Hello wor") == ("Hello wor", [])
+    assert s.feed("ld <tool") == ("ld", [])
+    assert s.feed("s> are") == (" <tools> are", [])
+    assert s.feed(" fine\n") == (" fine", [])
+    assert s.finish() == ("", [])
+
+
+@pytest.mark.parametrize(
+    "parser, head, tail",
+    [
+        ("hermes", 'Ok.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', ""),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1}}', '; {"name": "g"'),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "[TOOL_CALLS]g"),
+        ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}', "[TOOL_CALLS]g"),
+    ],
+)
+def test_a_call_goes_out_as_soon_as_its_markup_completes(parser, head, tail):
+    s = PARSERS[parser].stream()
+    _, deltas = s.feed(head)
+    assert collect_calls(deltas)[0].name == "f"
+    assert collect_calls(deltas)[0].arguments == '{"a": 1}'
+    assert s.feed(tail) == ("", [])
+
+
+def test_each_stream_numbers_its_calls_from_zero():
+    text = hermes(*PARIS) + hermes(*TIME)
+    for _ in range(2):
+        _, deltas = streamed("hermes", [text])
+        assert [d.index for d in deltas] == [0, 0, 1, 1]
+
+
+def test_the_delta_encodes_without_its_defaults():
+    import msgspec
+
+    assert msgspec.json.encode(ToolCallDelta(0, arguments='{"a"')) == b'{"index":0,"arguments":"{\\"a\\""}'
+
+
+# ---- parser_for ----------------------------------------------------------------------
+
+QWEN = "{%- if tools %}...<tools></tools>...<tool_call>\\n{\"name\": <function-name>, ...}\\n</tool_call>"
+MISTRAL = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}"
+LLAMA31 = "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}"
+LLAMA32 = '{{- \'{"name": "function name", "parameters": dictionary}\' }}{%- elif message.role == "ipython" %}'
+
+
+@pytest.mark.parametrize("template, name", [(QWEN, "hermes"), (MISTRAL, "mistral"), (LLAMA31, "llama3_json"),
+                                            (LLAMA32, "llama3_json")])
+def test_auto_picks_the_format_the_chat_template_writes(template, name):
+    assert parser_for("auto", template).name == name
+
+
+def test_a_named_parser_ignores_the_template():
+    assert parser_for("mistral", QWEN) is PARSERS["mistral"]
+
+
+@pytest.mark.parametrize("name, template", [("nope", QWEN), ("auto", None), ("auto", "{{ messages }}")])
+def test_an_unknown_name_or_an_unrecognized_template_names_the_choices(name, template):
+    with pytest.raises(ValueError, match="auto, hermes, llama3_json, mistral"):
+        parser_for(name, template)

@@ -1,0 +1,119 @@
+"""Chat prompts with tools: through the model's template where it reads tools, rewritten
+in the hermes format where it does not; nothing the client sent is dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from streamer.chat_template import check_kwargs, hermes_messages, render, renders_tools, tool_format
+from streamer.errors import RequestError
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "24 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(qwen3_model):
+    return AutoTokenizer.from_pretrained(str(qwen3_model))
+
+
+@pytest.fixture(scope="module")
+def smol_tok(default_model):
+    return AutoTokenizer.from_pretrained(str(default_model))
+
+
+def test_a_template_that_reads_tools_renders_them_itself(qwen3_tok):
+    assert renders_tools(qwen3_tok.chat_template) and tool_format(qwen3_tok) == "hermes"
+    ids = render(qwen3_tok, HISTORY, tools=TOOLS)
+    # exactly what transformers renders, arguments given as the objects templates expect
+    as_objects = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                      for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in HISTORY]
+    want = qwen3_tok.apply_chat_template(as_objects, tools=TOOLS, tokenize=True, add_generation_prompt=True)
+    assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    text = qwen3_tok.decode(ids)
+    assert '"name": "get_weather"' in text and "<tool_response>\n24 C\n</tool_response>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3_tok):
+    on = qwen3_tok.decode(render(qwen3_tok, HISTORY[:2]))
+    off = qwen3_tok.decode(render(qwen3_tok, HISTORY[:2], kwargs={"enable_thinking": False}))
+    assert off == on + "<think>\n\n</think>\n\n"
+
+
+def test_a_template_without_tools_gets_them_in_the_hermes_format(smol_tok):
+    assert not renders_tools(smol_tok.chat_template) and tool_format(smol_tok) == "hermes"
+    text = smol_tok.decode(render(smol_tok, HISTORY, tools=TOOLS))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(TOOLS[0]) in text  # every signature, whole
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>') in text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\n24 C\n</tool_response>" in text
+
+
+def test_the_hermes_rewriting_keeps_plain_messages_and_drops_reasoning():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "r"}]
+    assert hermes_messages(msgs, None) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert hermes_messages([{"role": "user", "content": "hi"}], TOOLS)[0]["role"] == "system"
+
+
+def test_reserved_template_arguments_are_refused():
+    with pytest.raises(RequestError, match="may not set add_generation_prompt, messages"):
+        check_kwargs({"messages": [], "add_generation_prompt": False, "enable_thinking": True})
+    assert check_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+
+
+def test_a_template_error_is_the_requests_error(smol_tok):
+    with pytest.raises(RequestError, match="cannot apply the chat template"):
+        render(smol_tok, [{"role": "user"}, {"role": "assistant", "content": 3}])
+
+
+def test_a_chat_template_file_replaces_the_models(default_model, tmp_path):
+    from streamer.engine.tokenizer import load_tokenizer
+    from streamer.errors import ModelLoadError
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    tok = load_tokenizer(default_model, str(f))
+    assert tok.decode(render(tok, [{"role": "user", "content": "hi"}])) == "[user] hi\n"
+    with pytest.raises(ModelLoadError, match="--chat-template .*missing.jinja: cannot read it"):
+        load_tokenizer(default_model, str(tmp_path / "missing.jinja"))
+
+
+def test_default_template_kwargs_are_checked_at_start():
+    from streamer.config import EngineConfig
+    from streamer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs may not set tokenize"):
+        EngineConfig(default_chat_template_kwargs={"tokenize": False})
+    assert EngineConfig(default_chat_template_kwargs={"enable_thinking": False}).default_chat_template_kwargs
+
+
+def test_the_tokenizer_actor_applies_the_defaults_under_the_requests_own(qwen3_tok):
+    from streamer.engine.tokenizer import Tokenizer
+    from streamer.messages import GenerateRequest
+
+    actor = Tokenizer(qwen3_tok, [151645], 4096, 151936)
+    actor.chat_template_kwargs = {"enable_thinking": False}
+    ask = [{"role": "user", "content": "hi"}]
+    off = actor.encode_prompt(GenerateRequest(request_id="a", messages=ask))
+    on = actor.encode_prompt(GenerateRequest(request_id="b", messages=ask, chat_template_kwargs={"enable_thinking": True}))
+    assert qwen3_tok.decode(off).endswith("<think>\n\n</think>\n\n") and off[:len(on)] == on and len(off) > len(on)
+    with_tools = actor.encode_prompt(GenerateRequest(request_id="c", messages=ask, tools=TOOLS))
+    assert "get_weather" in qwen3_tok.decode(with_tools)
+    with pytest.raises(RequestError, match="need messages"):
+        actor.encode_prompt(GenerateRequest(request_id="d", prompt="hi", tools=TOOLS))
