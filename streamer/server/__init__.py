@@ -7,7 +7,12 @@
   openai_output.py  engine outputs -> OpenAI's responses and SSE chunks, logprobs, echo
   native_api.py  /generate, /tokenize, /detokenize, /apply_chat_template, /version
   websocket.py   /v1/chat/ws chat sessions (the protocol is in its docstring)
-  protocol.py    request/response bodies (msgspec Structs) and their mapping to SamplingParams
+  protocol.py    request bodies (msgspec Structs) and their mapping to SamplingParams
+  responses.py   response bodies (msgspec Structs)
+  chat_output.py tools and reasoning of a chat request: parsers and grammar chosen once, per-choice output
+  tool_parsers.py, tool_stream.py  tool-call markup (hermes, llama3_json, mistral) -> calls, whole or streamed
+  tool_grammar.py  the grammar of tool_choice (xgrammar structural tags), and grammars after reasoning
+  reasoning.py   <think> text -> reasoning_content (qwen3, deepseek_r1), whole or streamed
   fields.py      each OpenAI field: implemented, accepted without effect (why), or refused
   openapi.py     the OpenAPI document at /openapi.json
   limits.py      request limits, checked before any work

@@ -39,6 +39,7 @@ from streamer.chat_template import check_kwargs
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server import protocol as p
+from streamer.server import responses as r
 from streamer.server.chat_output import ChatSetup
 from streamer.server.fields import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED, check_refused
 from streamer.server.openai_output import (
@@ -67,12 +68,12 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
-def card(st: ServerState) -> p.ModelCard:
-    return p.ModelCard(st.model_name, "model", st.started, "streamer", st.info.max_model_len)
+def card(st: ServerState) -> r.ModelCard:
+    return r.ModelCard(st.model_name, "model", st.started, "streamer", st.info.max_model_len)
 
 
 async def models(request: Request) -> Response:
-    return json_response(p.ModelList("list", [card(server(request))]))
+    return json_response(r.ModelList("list", [card(server(request))]))
 
 
 async def model(request: Request) -> Response:
@@ -296,7 +297,7 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
         return Response(status_code=499)  # the client is gone; nobody reads this
     ordered = sorted(choices.items())
     if chat is not None:
-        return json_response(p.ChatCompletionResponse(
+        return json_response(r.ChatCompletionResponse(
             rid, "chat.completion", created, st.model_name, usage=usage(choices, n),
             choices=[chat_choice(i, c, chat, fmt) for i, c in ordered]))
     out = []
@@ -304,6 +305,6 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
         prefix = echo[i] if echo is not None else ""
         lps = fmt.prompt_logprobs(c) if echo is not None else None  # (first: the offsets start with the prompt)
         lps = joined(lps, fmt.completion_logprobs(c.logprobs, c))
-        out.append(p.CompletionChoice(i, prefix + "".join(c.text), lps, c.finish_reason))
-    return json_response(p.CompletionResponse(rid, "text_completion", created, st.model_name,
+        out.append(r.CompletionChoice(i, prefix + "".join(c.text), lps, c.finish_reason))
+    return json_response(r.CompletionResponse(rid, "text_completion", created, st.model_name,
                                               usage=usage(choices, n), choices=out))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from streamer.messages import RequestOutput, SampledToken
 from streamer.server import protocol as p
+from streamer.server import responses as r
 from streamer.server.chat_output import ChatDelta, ChatOutput, ChatSetup, finish_reason
 from streamer.server.state import Merged, ServerState, failure
 from streamer.sse import DONE_EVENT, data_event
@@ -54,19 +55,19 @@ class Choice:
             self.error, self.error_code = out.error, out.error_code
 
 
-def usage(choices: dict[int, Choice], n: int) -> p.Usage:
+def usage(choices: dict[int, Choice], n: int) -> r.Usage:
     """Prompt tokens count once per prompt (choice index // n), completions for every choice."""
     firsts = [c for i, c in choices.items() if i % n == 0]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices.values())
-    return p.Usage(prompt, completion, prompt + completion,
-                   p.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+    return r.Usage(prompt, completion, prompt + completion,
+                   r.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
 
 
-def joined(a: p.CompletionLogprobs | None, b: p.CompletionLogprobs | None) -> p.CompletionLogprobs | None:
+def joined(a: r.CompletionLogprobs | None, b: r.CompletionLogprobs | None) -> r.CompletionLogprobs | None:
     if a is None or b is None:
         return a or b
-    return p.CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
+    return r.CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
                                 a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)
 
 
@@ -90,15 +91,15 @@ class Formatter:
             c.offset += len(s)
         return out
 
-    def completion_logprobs(self, lps: list[SampledToken], c: Choice) -> p.CompletionLogprobs | None:
+    def completion_logprobs(self, lps: list[SampledToken], c: Choice) -> r.CompletionLogprobs | None:
         if not lps:
             return None
         tokens = [self.token(t.token_id) for t in lps]
         tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
                 for t in lps]
-        return p.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
+        return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
 
-    def prompt_logprobs(self, c: Choice) -> p.CompletionLogprobs | None:
+    def prompt_logprobs(self, c: Choice) -> r.CompletionLogprobs | None:
         """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
         predicts it), the others with the engine's (top logprobs: with logprobs > 0)."""
         ids = c.prompt_token_ids
@@ -110,17 +111,17 @@ class Formatter:
         for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
             tops[k + 1] = {self.token(i): lp for i, lp in top}
         tokens = [self.token(t) for t in ids]
-        return p.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
+        return r.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
 
-    def chat_logprobs(self, lps: list[SampledToken]) -> p.ChoiceLogprobs | None:
+    def chat_logprobs(self, lps: list[SampledToken]) -> r.ChoiceLogprobs | None:
         if not lps:
             return None
         content = []
         for t in lps:
-            tops = [p.TopLogprob(self.token(i), lp, self.token_bytes(i)) for i, lp in t.top_logprobs or []]
-            content.append(p.TokenLogprob(self.token(t.token_id), t.logprob if t.logprob is not None else 0.0,
+            tops = [r.TopLogprob(self.token(i), lp, self.token_bytes(i)) for i, lp in t.top_logprobs or []]
+            content.append(r.TokenLogprob(self.token(t.token_id), t.logprob if t.logprob is not None else 0.0,
                                           self.token_bytes(t.token_id), tops))
-        return p.ChoiceLogprobs(content)
+        return r.ChoiceLogprobs(content)
 
 
 async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:
@@ -147,22 +148,22 @@ class CompletionChunks:
         self.echo = echo
         """With echo: each choice's prompt text, sent as its first chunk."""
 
-    def encode(self, *choices: p.CompletionChoice, use: p.Usage | None = None) -> bytes:
-        return data_event(p.CompletionResponse(*self.head, choices=list(choices), usage=use))
+    def encode(self, *choices: r.CompletionChoice, use: r.Usage | None = None) -> bytes:
+        return data_event(r.CompletionResponse(*self.head, choices=list(choices), usage=use))
 
     def opening(self, choices: dict[int, Choice]) -> list[bytes]:
         """With echo, each choice's prompt (its first output is in choices already: the
         prompt's logprobs come with it)."""
         if self.echo is None:
             return []
-        return [self.encode(p.CompletionChoice(i, self.echo[i], self.fmt.prompt_logprobs(c)))
+        return [self.encode(r.CompletionChoice(i, self.echo[i], self.fmt.prompt_logprobs(c)))
                 for i, c in sorted(choices.items())]
 
     def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
-        return self.encode(p.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
+        return self.encode(r.CompletionChoice(i, out.text, self.fmt.completion_logprobs(out.logprobs or [], c)))
 
     def finish(self, i: int, reason: str | None) -> bytes:
-        return self.encode(p.CompletionChoice(i, "", None, reason))
+        return self.encode(r.CompletionChoice(i, "", None, reason))
 
 
 class ChatChunks:
@@ -181,47 +182,47 @@ class ChatChunks:
         return self.outputs[i]
 
     @staticmethod
-    def delta(d: ChatDelta) -> p.Delta:
-        calls = [p.DeltaToolCall(k.index, p.DeltaFunction(k.name, k.arguments if k.name is None else k.arguments or ""),
+    def delta(d: ChatDelta) -> r.Delta:
+        calls = [r.DeltaToolCall(k.index, r.DeltaFunction(k.name, k.arguments if k.name is None else k.arguments or ""),
                                  k.id, "function" if k.id is not None else None) for k in d.calls]
-        return p.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
+        return r.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
-    def encode(self, *choices: p.ChatChunkChoice, use: p.Usage | None = None) -> bytes:
-        return data_event(p.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
+    def encode(self, *choices: r.ChatChunkChoice, use: r.Usage | None = None) -> bytes:
+        return data_event(r.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
 
     def opening(self, choices: dict[int, Choice]) -> list[bytes]:
-        return [self.encode(p.ChatChunkChoice(i, p.Delta(role="assistant", content=""))) for i in sorted(choices)]
+        return [self.encode(r.ChatChunkChoice(i, r.Delta(role="assistant", content=""))) for i in sorted(choices)]
 
     def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:
         lps = self.fmt.chat_logprobs(out.logprobs or [])
         if self.plain:
-            return self.encode(p.ChatChunkChoice(i, p.Delta(content=out.text), lps))
+            return self.encode(r.ChatChunkChoice(i, r.Delta(content=out.text), lps))
         d = self.output(i).feed(out.text)
         if not d and lps is None:
             return b""  # (all held back: markup not decided yet)
-        return self.encode(p.ChatChunkChoice(i, self.delta(d), lps))
+        return self.encode(r.ChatChunkChoice(i, self.delta(d), lps))
 
     def finish(self, i: int, reason: str | None) -> bytes:
         if self.plain:
-            return self.encode(p.ChatChunkChoice(i, p.Delta(), None, reason))
+            return self.encode(r.ChatChunkChoice(i, r.Delta(), None, reason))
         out = self.output(i)
         d = out.finish()
-        last = self.encode(p.ChatChunkChoice(i, p.Delta(), None, finish_reason(reason, out.called)))
-        return (self.encode(p.ChatChunkChoice(i, self.delta(d))) if d else b"") + last
+        last = self.encode(r.ChatChunkChoice(i, r.Delta(), None, finish_reason(reason, out.called)))
+        return (self.encode(r.ChatChunkChoice(i, self.delta(d))) if d else b"") + last
 
 
-def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> p.ChatChoice:
+def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> r.ChatChoice:
     """One choice of a whole chat answer: its text split into reasoning, content and calls."""
     text = "".join(c.text)
     lps = fmt.chat_logprobs(c.logprobs)
     if setup.tools is None and setup.reasoning is None:
-        return p.ChatChoice(i, p.AssistantMessage("assistant", text), lps, c.finish_reason)
+        return r.ChatChoice(i, r.AssistantMessage("assistant", text), lps, c.finish_reason)
     out = setup.output()
     parsed = out.parse(text)
     calls = [p.ToolCallItem(k.id, p.FunctionCall(k.name, k.arguments)) for k in parsed.calls]
-    msg = p.AssistantMessage("assistant", parsed.content if parsed.content or not calls else None,
+    msg = r.AssistantMessage("assistant", parsed.content if parsed.content or not calls else None,
                              calls or None, parsed.reasoning)
-    return p.ChatChoice(i, msg, lps, finish_reason(c.finish_reason, out.called))
+    return r.ChatChoice(i, msg, lps, finish_reason(c.finish_reason, out.called))
 
 
 async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,

@@ -11,15 +11,8 @@ from typing import Any
 import msgspec
 
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
-from streamer.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-)
+from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from streamer.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 
 
 def openapi_document(version: str) -> dict[str, Any]:
