@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from streamer.server.text_pieces import Stripped, partial_tag
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -59,9 +61,7 @@ class ReasoningStream:
         self.ended = False
         self._buf = ""
         self._state = "start"  # start -> reasoning -> after -> content
-        self._began = False  # some non-whitespace reasoning has gone out
-        self._held_ws = ""
-        self._reasoning: list[str] = []
+        self._reasoning = Stripped()
         self._content: list[str] = []
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -76,8 +76,8 @@ class ReasoningStream:
     def _drain(self, final: bool) -> tuple[str, str]:
         while self._step(final):
             pass
-        out = "".join(self._reasoning), "".join(self._content)
-        self._reasoning, self._content = [], []
+        out = self._reasoning.take(), "".join(self._content)
+        self._content = []
         return out
 
     def _take(self, n: int) -> str:
@@ -102,7 +102,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             i = self._buf.find(end)
             if i < 0:
-                keep = 0 if final else _partial_tag(self._buf, end)
+                keep = 0 if final else partial_tag(self._buf, end)
                 self._reason(self._take(len(self._buf) - keep))
                 return False
             self._reason(self._take(i))
@@ -119,25 +119,7 @@ class ReasoningStream:
 
     def _reason(self, text: str) -> None:
         """Reasoning text out, stripped at both ends across all the pieces."""
-        if not self._began:
-            text = text.lstrip()
-            if not text:
-                return
-            self._began = True
-        body = text.rstrip()
-        if body:
-            self._reasoning.append(self._held_ws + body)
-            self._held_ws = text[len(body) :]
-        else:
-            self._held_ws += text
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that is a proper beginning of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+        self._reasoning.add(text)
 
 
 REASONING_PARSERS: dict[str, ReasoningParser] = {

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import msgspec
 
+from streamer.server.text_pieces import Stripped, partial_tag
+
 
 class ToolCall(msgspec.Struct):
     """One complete call; arguments is a JSON object as a string."""
@@ -49,15 +51,6 @@ def collect_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
 
 
 # ---- the stream ------------------------------------------------------------------------
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that is a proper beginning of tag: what might
-    still become the tag, and so must not go out as content yet."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class JsonEnd:
@@ -110,9 +103,7 @@ class ToolStream:
         self._state = "text"
         self._scan = JsonEnd()
         self._index = 0
-        self._began = False  # some non-whitespace content has gone out
-        self._held_ws = ""
-        self._out: list[str] = []
+        self._out = Stripped()
         self._deltas: list[ToolCallDelta] = []
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
@@ -127,8 +118,8 @@ class ToolStream:
     def _drain(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         while self._step(final):
             pass
-        out, deltas = "".join(self._out), self._deltas
-        self._out, self._deltas = [], []
+        out, deltas = self._out.take(), self._deltas
+        self._deltas = []
         return out, deltas
 
     def _step(self, final: bool) -> bool:
@@ -154,17 +145,7 @@ class ToolStream:
 
     def _content(self, text: str) -> None:
         """Content out, stripped at both ends across all its pieces (the module's NOTE)."""
-        if not self._began:
-            text = text.lstrip()
-            if not text:
-                return
-            self._began = True
-        body = text.rstrip()
-        if body:
-            self._out.append(self._held_ws + body)
-            self._held_ws = text[len(body) :]
-        else:
-            self._held_ws += text
+        self._out.add(text)
 
     def _emit(self, call: ToolCall) -> None:
         self._deltas.append(ToolCallDelta(self._index, id=call.id, name=call.name))
