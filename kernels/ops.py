@@ -103,13 +103,16 @@ def paged_attention(
     block_m: int = 0,
     num_decodes: int = 0,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """max_q_len is known on the host; 1 selects the split-KV decode kernel. tiles and
     block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid.
     num_decodes: the first sequences have one query each and go through the decode kernel,
     the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
     pages once per query head, the decode kernel once per KV head). out: where to write
-    (rows of a larger tensor; by default a new tensor like q)."""
+    (rows of a larger tensor; by default a new tensor like q). window, softcap: sliding-window
+    attention and score soft-capping, as in `kernels.reference.paged_attention` (0: off)."""
     batch = seq_lens.shape[0]
     if 0 < num_decodes < batch:
         nd = num_decodes
@@ -117,20 +120,21 @@ def paged_attention(
         # each kernel writes its rows of `out` in place (copying them in cost 2 x 17 us per
         # layer of a W3 mixed step)
         paged_attention(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1], scale, 1,
-                        out=out[:nd])
+                        out=out[:nd], window=window, softcap=softcap)
         paged_attention(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale,
-                        max_q_len, out=out[nd:])
+                        max_q_len, out=out[nd:], window=window, softcap=softcap)
         return out
     if _triton(q):
         from kernels import attention
 
         if max_q_len == 1:
-            return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, out=out)
+            return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, out=out,
+                                          window=window, softcap=softcap)
         return attention.paged_extend(
             q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len,
-            block_m=block_m or None, tiles=tiles, out=out,
+            block_m=block_m or None, tiles=tiles, out=out, window=window, softcap=softcap,
         )
-    o = reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale)
+    o = reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, window, softcap)
     if out is None:
         return o
     out.copy_(o)

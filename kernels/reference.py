@@ -117,6 +117,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_q_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over K/V held in pages.
 
@@ -125,6 +127,11 @@ def paged_attention(
     cu_q_lens: [B+1] offsets of each sequence's queries in q. The i-th query of
     sequence b sits at position seq_lens[b] - q_len_b + i and sees keys at
     positions up to and including its own. Returns [T, H, D].
+
+    window > 0 (sliding-window attention, as transformers masks it): a query at position
+    i sees the keys at positions j with i - window < j <= i, the last `window` tokens.
+    softcap > 0 (Gemma 2): each score s = scale * q.k becomes softcap * tanh(s / softcap)
+    before the softmax.
     """
     out = torch.empty_like(q)
     h = q.shape[1]
@@ -142,12 +149,21 @@ def paged_attention(
             v = v.repeat_interleave(h // kvh, dim=1)
         ql = q1 - q0
         mask = None
-        if ql > 1:
-            qpos = torch.arange(length - ql, length, device=q.device)
-            mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-        )
+        if ql > 1 or window > 0:
+            qpos = torch.arange(length - ql, length, device=q.device)[:, None]
+            kpos = torch.arange(length, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window > 0:
+                mask &= kpos > qpos - window
+        qb, kb, vb = q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if softcap > 0:
+            scores = (qb.float() @ kb.float().transpose(1, 2)) * scale
+            scores = softcap * torch.tanh(scores / softcap)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            o = (torch.softmax(scores, dim=-1) @ vb.float()).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1)
     return out
 

@@ -1,0 +1,41 @@
+"""Which layers attend through a sliding window, and how wide, read from a transformers config.
+
+One answer for the model (each Attention layer's `window`) and for the scheduler (pages
+wholly outside every layer's window can be released): 0 is full attention, w > 0 the
+last w tokens (kernels.reference.paged_attention). Configs say it in two ways:
+`layer_types` (Gemma 2/3, Qwen2/3, newer Mistral: "sliding_attention" layers use
+`sliding_window`) or a bare `sliding_window` that applies to every layer (Mistral, Phi-3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamer.errors import ModelLoadError
+
+KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def layer_windows(cfg: Any) -> list[int]:
+    """Per layer: 0 (full attention) or the sliding window in tokens."""
+    n = int(cfg.num_hidden_layers)
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [window] * n
+    types = list(types)
+    if len(types) != n:
+        raise ModelLoadError(f"config: layer_types has {len(types)} entries for {n} layers")
+    unknown = sorted(set(types) - KNOWN_LAYER_TYPES)
+    if unknown:
+        raise ModelLoadError(f"config: layer_types {unknown} are not supported (only {sorted(KNOWN_LAYER_TYPES)})")
+    if "sliding_attention" in types and window <= 0:
+        raise ModelLoadError("config: layer_types has sliding_attention layers but sliding_window is not set")
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+def kv_window(cfg: Any) -> int:
+    """The window of the whole KV cache: > 0 when every layer slides (the tokens more than
+    this far behind a sequence's newest one are read by no layer), else 0."""
+    windows = layer_windows(cfg)
+    return max(windows) if windows and all(w > 0 for w in windows) else 0
