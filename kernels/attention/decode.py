@@ -429,7 +429,8 @@ def paged_decode(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
