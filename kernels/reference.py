@@ -132,26 +132,33 @@ def paged_attention(
     i sees the keys at positions j with i - window < j <= i, the last `window` tokens.
     softcap > 0 (Gemma 2): each score s = scale * q.k becomes softcap * tanh(s / softcap)
     before the softmax.
+
+    With a window, only the pages from the one holding the lowest key any of the call's
+    queries sees are read: the page-table entries before it may be stale (the scheduler
+    releases pages wholly outside the window; they may since hold anything, NaN included).
     """
     out = torch.empty_like(q)
     h = q.shape[1]
-    kvh = k_cache.shape[2]
+    page_size, kvh = k_cache.shape[1:3]
     lens = seq_lens.tolist()
     starts = cu_q_lens.tolist()
     for b, length in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         if q1 == q0:
             continue
-        k = gather_kv(k_cache, page_table[b], length).to(q.dtype)
-        v = gather_kv(v_cache, page_table[b], length).to(q.dtype)
+        ql = q1 - q0
+        # keys from k0, the first position of the page of the first query's lowest visible key
+        k0 = max(0, length - ql - window + 1) // page_size * page_size if window > 0 else 0
+        pages = page_table[b, k0 // page_size :]
+        k = gather_kv(k_cache, pages, length - k0).to(q.dtype)
+        v = gather_kv(v_cache, pages, length - k0).to(q.dtype)
         if kvh != h:
             k = k.repeat_interleave(h // kvh, dim=1)
             v = v.repeat_interleave(h // kvh, dim=1)
-        ql = q1 - q0
         mask = None
         if ql > 1 or window > 0:
             qpos = torch.arange(length - ql, length, device=q.device)[:, None]
-            kpos = torch.arange(length, device=q.device)[None, :]
+            kpos = torch.arange(k0, length, device=q.device)[None, :]
             mask = kpos <= qpos
             if window > 0:
                 mask &= kpos > qpos - window

@@ -9,7 +9,9 @@ Modules: `decode` (paged_decode, the split-KV decode kernel), `extend` (paged_ex
 extend_tiles, extend_block_m), `common` (the device helpers and host choices both share).
 
 Softmax runs online in fp32 (exp2 with the scale folded in), outputs are in
-q.dtype. On CPU tensors (TRITON_INTERPRET=1) operands are upcast to fp32
+q.dtype. `window` (sliding-window attention) and `softcap` (score soft-capping) are
+compile-time constants of both kernels, 0 for off: the default variants are the code
+without them. On CPU tensors (TRITON_INTERPRET=1) operands are upcast to fp32
 because the interpreter cannot do bf16 dots, and bf16 roundings are done by
 hand because it truncates fp32 -> bf16 casts.
 """

@@ -2,8 +2,9 @@
 
 Device side: K/V rows read from pages (`_load_kv_subtiles` by both kernels over 16-token
 sub-tiles; `_load_pages` and `_load_kv_block` per token, by the decode kernel; the extend
-kernel inlines its own per-token loads) and `_cast_in` to the compute dtype. Host side: the
-dtype of the tensor-core dots (`_paged_compute`) and the output tensor (`_output`).
+kernel inlines its own per-token loads) and `_cast_in` to the compute dtype. Scores:
+`_softcap` (Gemma 2's soft-capping in the kernels' exp2 domain). Host side: the dtype of the
+tensor-core dots (`_paged_compute`) and the output tensor (`_output`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def _cast_in(x, IN_DTYPE: tl.constexpr, COMPUTE: tl.constexpr, INTERP: tl.conste
     if x.dtype != IN_DTYPE:
         x = _round_to(x.to(tl.float32), IN_DTYPE, INTERP)
     return x.to(COMPUTE)
+
+
+@triton.jit
+def _softcap(qk, SOFTCAP: tl.constexpr):
+    """Soft-capped scores: s -> SOFTCAP * tanh(s / SOFTCAP) for scores held as qk = s * log2(e)
+    (the kernels fold log2(e) into the scale for exp2), which is the same map in that domain:
+    c * tanh(qk / c) with c = SOFTCAP * log2(e). tanh(y) = 1 - 2 / (e^(2y) + 1), with
+    e^(2y) = 2^(2 qk / SOFTCAP): exp2 runs on the GPU and in the interpreter alike, and the form
+    saturates to +-c, never NaN, at either infinity. Apply before masking (-inf would map to -c)."""
+    C: tl.constexpr = SOFTCAP * 1.4426950408889634
+    TWO_OVER: tl.constexpr = 2.0 / SOFTCAP
+    return C * (1.0 - 2.0 / (tl.exp2(qk * TWO_OVER) + 1.0))
 
 
 @triton.jit

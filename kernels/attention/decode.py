@@ -8,7 +8,8 @@ writes its normalised partial output and log-sum-exp to fp32 scratch and a secon
 kernel merges the splits. The split count is chosen on the host from shapes only (batch,
 KV heads, page_table width or the `max_seq_len` hint, SM count) - never from device
 values - so the launch is CUDA-graph safe; inside the kernel each sequence's keys are
-divided evenly between the splits. Over float8 pages a program is one warp, and key blocks
+divided evenly between the splits (with a sliding window, only the keys in the window:
+see WINDOW in `_decode_kernel`). Over float8 pages a program is one warp, and key blocks
 are read as 16-token sub-tiles of pages (`_load_kv_subtiles`; V token-major, as a float8
 `PagePool` holds it).
 """
@@ -29,6 +30,7 @@ from kernels.attention.common import (
     _load_pages,
     _output,
     _paged_compute,
+    _softcap,
 )
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
@@ -52,11 +54,15 @@ def _decode_step(
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
     MASKED: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """One online-softmax update of (m_i, l_i, acc) with a block of keys/values (t_mask:
-    the keys that exist, read only if MASKED)."""
+    the keys that exist and are in the window, read only if MASKED; every block holds at
+    least one such key, so no row's maximum stays -inf)."""
     k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP > 0:
+        qk = _softcap(qk, SOFTCAP)
     if MASKED:
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -115,6 +121,8 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     _pdl_enter(PDL)
     if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
@@ -125,9 +133,21 @@ def _decode_kernel(
         kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    # keys of this sequence are divided evenly (in BLOCK_N units) over the splits
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    if WINDOW > 0:
+        # the query (at seq_len - 1) sees keys lo .. seq_len - 1; the splits divide those, from
+        # `base`: lo itself, or for sub-tiles lo rounded down to 16 tokens (still lo's page, as
+        # PAGE_SIZE % 16 == 0; the keys before lo are masked). No page before lo's is read.
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        if SUBTILE:
+            base = lo // 16 * 16
+        else:
+            base = lo
+        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+        start = base + split * chunk
+    else:
+        # keys of this sequence are divided evenly (in BLOCK_N units) over the splits
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -159,16 +179,26 @@ def _decode_kernel(
                 k_head, v_head, pt_row, n0, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
                 PAGE_SIZE, BLOCK_N, BLOCK_D, False,
             )  # fmt: skip
-            m_i, l_i, acc = _decode_step(
-                q, k, v, offs_n, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, False
-            )
+            if WINDOW > 0:  # the first block may start before lo
+                m_i, l_i, acc = _decode_step(
+                    q, k, v, (n0 + offs_n) >= lo, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP,
+                    True, SOFTCAP,
+                )  # fmt: skip
+            else:
+                m_i, l_i, acc = _decode_step(
+                    q, k, v, offs_n, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, False, SOFTCAP
+                )
         if full_end < end:
             k, v = _load_kv_subtiles(
                 k_head, v_head, pt_row, full_end, end, stride_kp, stride_ks, stride_vp, stride_vs, stride_vd,
                 PAGE_SIZE, BLOCK_N, BLOCK_D, True,
             )  # fmt: skip
             t_mask = (full_end + offs_n) < end
-            m_i, l_i, acc = _decode_step(q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP)
+            if WINDOW > 0:
+                t_mask = t_mask & ((full_end + offs_n) >= lo)
+            m_i, l_i, acc = _decode_step(
+                q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, True, SOFTCAP
+            )
     elif PREFETCH:
         # software pipelining in registers: while a block is computed, the next block's
         # K/V loads and the page ids of the block after it are in flight
@@ -191,7 +221,7 @@ def _decode_kernel(
             page_nx = _load_pages(pt_row, toks_nx2, toks_nx2 < end, PAGE_SIZE)
             t_mask = (n0 + offs_n) < end
             m_i, l_i, acc = _decode_step(
-                q, k_cur, v_cur, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP
+                q, k_cur, v_cur, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, True, SOFTCAP
             )
             k_cur = k_nx
             v_cur = v_nx
@@ -205,7 +235,7 @@ def _decode_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
             )  # fmt: skip
             m_i, l_i, acc = _decode_step(
-                q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP
+                q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, True, SOFTCAP
             )
 
     has = l_i > 0
@@ -304,9 +334,15 @@ def paged_decode(
     maxnreg: int | None = None,
     subtile: bool | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride over D).
+
+    window > 0: the query sees only the last `window` keys, and the splits divide those
+    (no page wholly before them is read: its page-table entry may be stale). softcap > 0:
+    scores s become softcap * tanh(s / softcap). See `kernels.reference.paged_attention`.
 
     max_seq_len: optional host hint (an upper bound of seq_lens) used only to pick the
     split count; by default the page-table width times the page size. num_splits,
@@ -323,6 +359,7 @@ def paged_decode(
     _, page_size, kvh, dk = k_cache.shape
     assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
     assert k_cache.stride(-1) == 1  # V: any strides
+    assert window >= 0 and softcap >= 0
     if q.stride(-1) != 1:
         q = q.contiguous()
     if page_table.stride(-1) != 1:
@@ -339,6 +376,8 @@ def paged_decode(
             block_n = 32
     if max_seq_len is None:
         max_seq_len = page_table.shape[1] * page_size
+    if window > 0:
+        max_seq_len = min(max_seq_len, window)  # the keys a query sees: what the splits divide
     if subtile is None:
         subtile = k_cache.dtype == torch.float8_e4m3fn
     subtile = subtile and page_size % 16 == 0 and block_n % 16 == 0 and block_d == d
@@ -390,7 +429,8 @@ def paged_decode(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        INTERP=interp, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:

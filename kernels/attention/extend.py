@@ -5,7 +5,8 @@ Grid (cdiv(max_q_len, BLOCK_M), H, B), or (len(tiles), H) with a tile list (see
 captured for a padded token count serves any batch that fits. Query i of sequence b sits
 at position seq_lens[b] - q_len_b + i and sees keys up to its own position (its K/V must
 already be in the pages). Blocks of keys entirely before the query block run without
-masks; the rest apply the causal mask.
+masks; the rest apply the causal mask. With a sliding window (WINDOW) a query block starts
+at its first query's window and masks that edge too; SOFTCAP soft-caps the scores.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.common import _LOG2E, _cast_in, _load_kv_subtiles, _output, _paged_compute
+from kernels.attention.common import _LOG2E, _cast_in, _load_kv_subtiles, _output, _paged_compute, _softcap
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
@@ -56,7 +57,13 @@ def _extend_inner(
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERP: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
+    """Online-softmax updates with the keys lo .. hi - 1 (BLOCK_N at a time). With MASKED, keys
+    at or past `seq_len` (an upper bound: the caller may pass a smaller one) are not read, and
+    the causal mask and with WINDOW > 0 the window's lower edge apply; without, every row sees
+    every key."""
     for n0 in range(lo, hi, BLOCK_N):
         toks = n0 + offs_n
         if MASKED:
@@ -80,12 +87,23 @@ def _extend_inner(
             v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         k = _cast_in(k, IN_DTYPE, COMPUTE, INTERP)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk = _softcap(qk, SOFTCAP)
         if MASKED:
             visible = (toks[None, :] <= qpos[:, None]) & t_mask[None, :]
+            if WINDOW > 0:
+                visible = visible & (toks[None, :] > qpos[:, None] - WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if MASKED and WINDOW > 0:
+            # a row may see none of a block's keys while it has seen none before either
+            # (m_new = -inf): subtract 0 then, not -inf (-inf - -inf is NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _cast_in(v, IN_DTYPE, COMPUTE, INTERP)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
@@ -132,6 +150,8 @@ def _extend_kernel(
     TILED: tl.constexpr,
     SUBTILE: tl.constexpr,
     PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     _pdl_enter(PDL)
     h = tl.program_id(1)
@@ -171,20 +191,50 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # keys before the block's first query position are seen by every row: no mask
         first = prefix + mb * BLOCK_M
         full_end = (first // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _extend_inner(
-            acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, 0, full_end, seq_len, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
-            PAGE_SIZE, BLOCK_N, BLOCK_D, False, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP,
-        )  # fmt: skip
-        end = tl.minimum(first + BLOCK_M, seq_len)
-        acc, l_i, m_i = _extend_inner(
-            acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, full_end, end, seq_len, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
-            PAGE_SIZE, BLOCK_N, BLOCK_D, True, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP,
-        )  # fmt: skip
+        if WINDOW > 0:
+            # Three ranges of keys, none before the page of lo, the block's lowest visible key:
+            #   [lo, mid)        window edge: masked (and bounded by mid, not seq_len)
+            #   [mid, diag)      seen by every row: no mask; whole blocks ending at diag
+            #   [diag, end)      the causal diagonal: masked
+            # mid >= max(first + BLOCK_M - WINDOW, 0), the lowest key the block's last row sees.
+            # Sub-tiles start at multiples of 16: lo rounded down stays in lo's page.
+            lo = tl.maximum(first - WINDOW + 1, 0)
+            if SUBTILE:
+                lo = lo // 16 * 16
+            diag = tl.maximum(full_end, lo)
+            seen_by_all = tl.maximum(first + BLOCK_M - WINDOW, 0)
+            mid = diag - tl.maximum((diag - seen_by_all) // BLOCK_N, 0) * BLOCK_N
+            acc, l_i, m_i = _extend_inner(
+                acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, lo, mid, mid, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, True, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, WINDOW, SOFTCAP,
+            )  # fmt: skip
+            acc, l_i, m_i = _extend_inner(
+                acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, mid, diag, seq_len, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, False, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, WINDOW, SOFTCAP,
+            )  # fmt: skip
+            end = tl.minimum(first + BLOCK_M, seq_len)
+            acc, l_i, m_i = _extend_inner(
+                acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, diag, end, seq_len, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, True, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, WINDOW, SOFTCAP,
+            )  # fmt: skip
+        else:
+            # keys before the block's first query position are seen by every row: no mask
+            acc, l_i, m_i = _extend_inner(
+                acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, 0, full_end, seq_len, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, False, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, 0, SOFTCAP,
+            )  # fmt: skip
+            end = tl.minimum(first + BLOCK_M, seq_len)
+            acc, l_i, m_i = _extend_inner(
+                acc, l_i, m_i, q, qpos, k_ptr, v_ptr, pt_row, kvh, full_end, end, seq_len, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
+                PAGE_SIZE, BLOCK_N, BLOCK_D, True, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, 0, SOFTCAP,
+            )  # fmt: skip
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -210,9 +260,15 @@ def paged_extend(
     subtile: bool | None = None,
     compute_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over paged K/V -> [T, H, D] (written
     into `out` when given, as in `paged_decode`).
+
+    window > 0: a query at position i sees keys i - window < j <= i; a query block reads
+    keys from its first query's window on, no page wholly before that. softcap > 0: scores s
+    become softcap * tanh(s / softcap). See `kernels.reference.paged_attention`.
 
     max_q_len: host-known upper bound of the per-sequence query counts (sizes the grid).
     tiles: optional int32 list from `extend_tiles(q_lens, block_m)` (padding -1), with
@@ -226,6 +282,7 @@ def paged_extend(
     _, page_size, kvh, dk = k_cache.shape
     assert dk == d and h % kvh == 0 and v_cache.shape == k_cache.shape
     assert k_cache.stride(-1) == 1  # V: any strides
+    assert window >= 0 and softcap >= 0
     if q.stride(-1) != 1:
         q = q.contiguous()
     if page_table.stride(-1) != 1:
@@ -292,6 +349,8 @@ def paged_extend(
         PDL=pdl,
         TILED=tiles is not None,
         SUBTILE=subtile,
+        WINDOW=int(window),
+        SOFTCAP=float(softcap),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
