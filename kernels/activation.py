@@ -1,6 +1,7 @@
-"""Triton SiLU-and-multiply (SwiGLU gate): x [..., 2I] = [gate | up] -> silu(gate) * up.
+"""Triton gated activations: x [..., 2I] = [gate | up] -> act(gate) * up, with act SiLU
+(SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
 
-Like the reference (torch ops in x.dtype), silu(gate) is rounded to x.dtype
+Like the reference (torch ops in x.dtype), act(gate) is rounded to x.dtype
 before the multiply. One launch, no host synchronisation (CUDA-graph safe).
 """
 
@@ -18,7 +19,7 @@ from kernels.common import round_to as _round_to
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _gated_mul_kernel(
     x_ptr,
     out_ptr,
     stride_x,
@@ -28,6 +29,7 @@ def _silu_and_mul_kernel(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    GELU: tl.constexpr = False,
 ):
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -35,13 +37,30 @@ def _silu_and_mul_kernel(
     mask = offs < INTER
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _round_to(g / (1.0 + tl.exp(-g)), DTYPE, INTERP).to(tl.float32)
+    if GELU:
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1);
+        # |y| <= 15 keeps exp finite, and tanh(15) is 1 in float32 anyway
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+        a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    s = _round_to(a, DTYPE, INTERP).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, DTYPE, INTERP), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x: [..., 2I] holding gate then up -> silu(gate) * up, [..., I]. block: elements of a
     row per program (default: up to 1,024); block and num_warps are for tuning."""
+    return _gated(x, block, num_warps, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """x: [..., 2I] holding gate then up -> gelu(gate, approximate="tanh") * up, [..., I]."""
+    return _gated(x, block, num_warps, gelu=True)
+
+
+def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool) -> torch.Tensor:
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -54,7 +73,7 @@ def silu_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) 
         block = min(1024, triton.next_power_of_2(inter))
     if rows > 0:
         pdl = _pdl_enabled(x)
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        _gated_mul_kernel[(rows, triton.cdiv(inter, block))](
             x2,
             out,
             x2.stride(0),
@@ -64,6 +83,7 @@ def silu_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) 
             DTYPE=_TL_DTYPES[x.dtype],
             INTERP=_interpreting(),
             PDL=pdl,
+            GELU=gelu,
             num_warps=num_warps,
             launch_pdl=pdl,
         )

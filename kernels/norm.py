@@ -5,7 +5,9 @@ float32, the normalized value is rounded to x.dtype and only then multiplied by
 the weight (rounded to the promoted dtype of weight and x). Each wrapper is a
 single launch with no host synchronisation, so it can be captured in a CUDA
 graph. Under TRITON_INTERPRET (CPU tensors) roundings to bfloat16 are done by
-hand because the interpreter truncates fp32 -> bf16 casts.
+hand because the interpreter truncates fp32 -> bf16 casts. With an offset (Gemma:
+x * (1 + w)) everything stays float32 and is rounded to x.dtype once, as transformers'
+Gemma RMSNorm computes it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def _rms_norm_kernel(
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    OFFSET: tl.constexpr = 0.0,
 ):
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -53,19 +56,22 @@ def _rms_norm_kernel(
         x = xs.to(tl.float32)
     var = tl.sum(x * x, axis=0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
-    normed = _round_to(x * rstd, X_DTYPE, INTERP).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, _round_to(w * normed, OUT_DTYPE, INTERP), mask=mask)
+    if OFFSET != 0.0:
+        y = (x * rstd) * (OFFSET + w)
+    else:
+        y = w * _round_to(x * rstd, X_DTYPE, INTERP).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, _round_to(y, OUT_DTYPE, INTERP), mask=mask)
 
 
-def _launch(x, residual, weight, eps, num_warps=None):
+def _launch(x, residual, weight, eps, num_warps=None, offset=0.0):
     hidden = x.shape[-1]
     assert weight.shape[-1] == hidden
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
@@ -98,6 +104,7 @@ def _launch(x, residual, weight, eps, num_warps=None):
             OUT_DTYPE=_TL_DTYPES[out_dtype],
             INTERP=_interpreting(),
             PDL=pdl,
+            OFFSET=float(offset),
             num_warps=num_warps,
             launch_pdl=pdl,
         )
@@ -107,14 +114,21 @@ def _launch(x, residual, weight, eps, num_warps=None):
     return out, new_res.view(*x.shape[:-1], hidden)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None, offset: float = 0.0
+) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype); x [..., hidden]. num_warps: per
-    row (default hidden / 256, at most 16; tuning)."""
-    return _launch(x, None, weight, eps, num_warps)[0]
+    row (default hidden / 256, at most 16; tuning). offset: see kernels.reference.rms_norm."""
+    return _launch(x, None, weight, eps, num_warps, offset)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    num_warps: int | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) as new tensors."""
-    return _launch(x, residual, weight, eps, num_warps)
+    return _launch(x, residual, weight, eps, num_warps, offset)

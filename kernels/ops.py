@@ -14,22 +14,22 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     if _triton(x):
         from kernels import norm
 
-        return norm.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return norm.rms_norm(x, weight, eps, offset=offset)
+    return reference.rms_norm(x, weight, eps, offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton(x):
         from kernels import norm
 
-        return norm.fused_add_rms_norm(x, residual, weight, eps)
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
+        return norm.fused_add_rms_norm(x, residual, weight, eps, offset=offset)
+    return reference.fused_add_rms_norm(x, residual, weight, eps, offset)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return activation.silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        from kernels import activation
+
+        return activation.gelu_tanh_and_mul(x)
+    return reference.gelu_tanh_and_mul(x)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,25 +17,38 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """offset 0 (Llama): weight * normed rounded to x.dtype first. offset != 0 (Gemma, 1.0):
+    normed * (offset + weight) all in float32, rounded to x.dtype once, as transformers'
+    Gemma RMSNorm (the stored weight is the deviation from 1; adding 1 to a bf16 weight
+    would round it)."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (offset + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual)."""
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, offset), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] holding gate then up -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up -> gelu_tanh(gate) * up, [T, I] (GeGLU of Gemma:
+    transformers' "gelu_pytorch_tanh")."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 FP8_MAX = 448.0

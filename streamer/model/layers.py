@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -50,44 +49,25 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """offset 1.0: Gemma's x * (1 + w) (kernels.reference.rms_norm)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos | sin, computed as transformers does.
-
-    Scaled variants (llama3, linear, yarn, ...) come from transformers' own
-    ROPE_INIT_FUNCTIONS so the frequencies are identical to the reference.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    with torch.device("cpu"):  # also when the model is built on another device (or meta)
-        return _rope_cos_sin(hf_config, head_dim, max_positions, ROPE_INIT_FUNCTIONS)
-
-
-def _rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int, init_fns: Any) -> torch.Tensor:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = init_fns[rope_type](hf_config, torch.device("cpu"))
-    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :].float()
-    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+            return ops.rms_norm(x, self.weight, self.eps, self.offset)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
 
 class Attention(nn.Module):
+    """window: 0 full attention, else the last `window` tokens; softcap: 0 or Gemma 2's
+    score cap; scale: head_dim ** -0.5 unless given (Gemma: query_pre_attn_scalar ** -0.5);
+    norm_offset: of the q/k norms (Gemma 3)."""
+
     def __init__(
         self,
         layer: int,
@@ -97,16 +77,23 @@ class Attention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         qk_norm_eps: float | None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+        scale: float | None = None,
+        norm_offset: float = 0.0,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
+        self.window, self.softcap = window, softcap
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=False)
-        self.scale = 1.0 / math.sqrt(head_dim)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -122,23 +109,30 @@ class Attention(nn.Module):
         q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping)
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
-            ctx.tiles, ctx.block_m, ctx.num_decodes,
+            ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
         )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+# transformers' hidden_act / hidden_activation name -> act(gate) * up of [gate | up]
+GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.act = act
+        self.act_and_mul = GATED_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.decode_gemv and use_gemv(x, gate_up.weight):
+        # (the fused GEMV epilogue is SiLU only: GeGLU takes the gate_up GEMV, then its kernel)
+        if self.act == "silu" and gate_up.decode_gemv and use_gemv(x, gate_up.weight):
             # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
             # one round trip through memory fewer per layer)
             if gate_up.weight_scale is not None:
                 return self.down_proj(quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale))
             return self.down_proj(gemv_glu(x, gate_up.weight))
-        return self.down_proj(ops.silu_and_mul(gate_up(x)))
+        return self.down_proj(self.act_and_mul(gate_up(x)))

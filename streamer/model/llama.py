@@ -1,7 +1,9 @@
-"""The Llama decoder: Llama 2/3/3.1, Mistral-style configs and SmolLM2.
+"""The Llama decoder: Llama 2/3/3.1, SmolLM2, Mistral (a sliding window on every layer).
 
 Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same decoder with
-two switches (see qwen.py). Weights are stored fused (qkv_proj, gate_up_proj);
+two switches (see qwen.py); Gemma 2/3 (gemma.py) and Phi-3 (phi3.py) override the
+hooks (`make_layer`, `embed`, `compute_logits`, `rope_tables`). Each layer's window
+comes from windows.layer_windows. Weights are stored fused (qkv_proj, gate_up_proj);
 load_weights maps transformers' names onto the fused shards.
 """
 
@@ -14,7 +16,9 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
-from streamer.model.layers import MLP, Attention, Linear, RMSNorm, rope_cos_sin
+from streamer.model.layers import MLP, Attention, Linear, RMSNorm
+from streamer.model.rope import partial_rotary_permutation, rope_cos_sin, rope_params, rotary_dim
+from streamer.model.windows import layer_windows
 
 # transformers name fragment -> (our fused parameter, shard index)
 STACKED = {
@@ -27,7 +31,9 @@ STACKED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: int, cfg: Any, head_dim: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, layer: int, cfg: Any, head_dim: int, biases: tuple[bool, bool], qk_norm: bool, window: int, act: str
+    ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = Attention(
@@ -36,10 +42,12 @@ class DecoderLayer(nn.Module):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             head_dim,
-            qkv_bias,
+            biases[0],
             eps if qk_norm else None,
+            window=window,
+            o_bias=biases[1],
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -55,31 +63,53 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    qkv_bias = False
     qk_norm = False
+    norm_offset = 0.0
+    act_field = "hidden_act"
+    """The config field naming the MLP's activation (config_check refuses the ones
+    layers.GATED_ACTIVATIONS lacks)."""
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.windows = layer_windows(cfg)
+        self.act = getattr(cfg, self.act_field, None) or "silu"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(i, cfg, self.head_dim, qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("cos_sin", rope_cos_sin(cfg, self.head_dim, max_positions), persistent=False)
+        tables, self.layer_rope = self.rope_tables(max_positions)
+        for name, table in tables.items():  # (float32; the loader keeps every cos_sin* so)
+            self.register_buffer(name, table, persistent=False)
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): Llama and Qwen3 take both from attention_bias."""
+        bias = bool(getattr(self.config, "attention_bias", False))
+        return bias, bias
+
+    def make_layer(self, i: int) -> nn.Module:
+        return DecoderLayer(
+            i, self.config, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act
+        )
+
+    def rope_tables(self, max_positions: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """(buffer name -> rotary table, each layer's buffer name): one table for all layers."""
+        table = rope_cos_sin(self.config, self.head_dim, max_positions)
+        return {"cos_sin": table}, ["cos_sin"] * self.config.num_hidden_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed batch (context set by the runner)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin)
+        for layer, rope in zip(self.layers, self.layer_rope):
+            x, residual = layer(positions, x, residual, getattr(self, rope))
         x, _ = self.norm(x, residual)
         return x
 
@@ -125,6 +155,24 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - filled)
         if missing:
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
+        self._permute_partial_rotary()
+
+    def _permute_partial_rotary(self) -> None:
+        """With partial rotary, reorder each q/k head's rows for the whole-head kernels
+        (rope.py); v and o_proj keep theirs (q.k is unchanged by a common permutation)."""
+        rot = rotary_dim(self.config, self.head_dim, rope_params(self.config))
+        if rot >= self.head_dim:
+            return
+        perm = partial_rotary_permutation(self.head_dim, rot)
+        for layer in self.layers:
+            attn = layer.self_attn
+            w = attn.qkv_proj.weight.data
+            n_qk = attn.heads + attn.kv_heads
+            qk = w[: n_qk * self.head_dim].view(n_qk, self.head_dim, -1)
+            qk.copy_(qk[:, perm.to(w.device)].clone())
+            if attn.qkv_proj.bias is not None:
+                b = attn.qkv_proj.bias.data[: n_qk * self.head_dim].view(n_qk, self.head_dim)
+                b.copy_(b[:, perm.to(w.device)].clone())
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         if "qkv_proj" in name:
@@ -148,3 +196,11 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with `sliding_window` on every layer (windows.layer_windows; 0 when
+    the config's sliding_window is null) and no biases (config_check refuses attention_bias)."""
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        return False, False

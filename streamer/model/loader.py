@@ -9,6 +9,7 @@ ModelLoadError that names the file, and the tensor where there is one.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,13 @@ from typing import Any
 import torch
 
 from streamer.errors import ModelLoadError
-from streamer.model.layers import Linear
+from streamer.model.config_check import check_config
+from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.registry import model_class
+from streamer.model.rope import longrope_note
+
+log = logging.getLogger("streamer.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,19 +105,23 @@ def load_model(
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
+    check_config(hf_config, cls, max_positions, str(path / "config.json"))
+    note = longrope_note(hf_config, max_positions)
+    if note:
+        log.warning("%s: %s", path, note)
     files = [] if load_format == "dummy" else weight_files(path)
     with torch.device(device):
         model = cls(hf_config, max_positions)
-    cos_sin = model.cos_sin
+    tables = {n: b for n, b in model.named_buffers() if n.startswith("cos_sin")}
     model.to(torch_dtype)
-    model.cos_sin = cos_sin.to(device)  # rotary tables stay float32
+    for n, b in tables.items():
+        setattr(model, n, b.to(device))  # rotary tables stay float32
     with torch.no_grad():
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
+            norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
             for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
+                if name not in norms:  # (norms keep their neutral weight: 1, or 0 with an offset)
                     p.normal_(0.0, 0.02, generator=gen)
         else:
             model.load_weights(iter_safetensors(files))

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from streamer.errors import ModelLoadError
-from streamer.model.llama import LlamaForCausalLM
+from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -2,9 +2,15 @@
 
 One answer for the model (each Attention layer's `window`) and for the scheduler (pages
 wholly outside every layer's window can be released): 0 is full attention, w > 0 the
-last w tokens (kernels.reference.paged_attention). Configs say it in two ways:
-`layer_types` (Gemma 2/3, Qwen2/3, newer Mistral: "sliding_attention" layers use
-`sliding_window`) or a bare `sliding_window` that applies to every layer (Mistral, Phi-3).
+last w tokens (kernels.reference.paged_attention). What the config means depends on the
+architecture, as transformers' modeling code reads it:
+
+- Mistral, Phi-3: `sliding_window` (null: none) on every layer; these classes ignore
+  `layer_types` (config_check refuses one that says otherwise).
+- Gemma 2/3, Qwen2/3: `layer_types`, whose "sliding_attention" layers use
+  `sliding_window` (Qwen's config builds layer_types from use_sliding_window and
+  max_window_layers, and nulls sliding_window without use_sliding_window).
+- Llama: no window at all (config_check refuses a sliding_window).
 """
 
 from __future__ import annotations
@@ -14,6 +20,13 @@ from typing import Any
 from streamer.errors import ModelLoadError
 
 KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
+UNIFORM_WINDOW = {"MistralForCausalLM", "Phi3ForCausalLM"}
+"""Architectures whose sliding_window applies to every layer."""
+
+
+def architecture(cfg: Any) -> str | None:
+    archs = getattr(cfg, "architectures", None) or []
+    return archs[0] if archs else None
 
 
 def layer_windows(cfg: Any) -> list[int]:
@@ -21,7 +34,7 @@ def layer_windows(cfg: Any) -> list[int]:
     n = int(cfg.num_hidden_layers)
     window = int(getattr(cfg, "sliding_window", None) or 0)
     types = getattr(cfg, "layer_types", None)
-    if types is None:
+    if types is None or architecture(cfg) in UNIFORM_WINDOW:
         return [window] * n
     types = list(types)
     if len(types) != n:

@@ -1,0 +1,85 @@
+"""Refuse, at load, every config value that changes the math and that the model class
+does not implement, naming the field: a model that loads computes what transformers'
+class of the same name computes (or the load fails here, before any weight is read).
+
+Fields transformers' class ignores are refused too when a value says the author expected
+them to matter (attention_bias on Mistral, layer_types on Mistral / Phi-3, a Llama
+sliding_window): silently computing something else than the config says is the one
+outcome not allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamer.errors import ModelLoadError
+from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.model.layers import GATED_ACTIVATIONS
+from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from streamer.model.phi3 import Phi3ForCausalLM
+from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from streamer.model.rope import rope_params, rope_type, rotary_dim
+from streamer.model.windows import UNIFORM_WINDOW, architecture
+
+# rope types whose rotation is a fixed function of the position (rope.py); "dynamic" is
+# one only up to max_position_embeddings (transformers recomputes it past that)
+ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
+WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM)
+"""The classes with sliding-window layers (windows.py says which layers)."""
+
+
+def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, source: str) -> None:
+    def refuse(field: str, why: str) -> None:
+        raise ModelLoadError(f"{source}: {field} = {getattr(cfg, field, None)!r} is not supported: {why}")
+
+    name = cls.__name__
+    if getattr(cfg, "vision_config", None) is not None or getattr(cfg, "text_config", None) is not None:
+        refuse("vision_config", "multimodal configs are not supported; use a text-only config "
+                                "(for Gemma 3: model_type gemma3_text, Gemma3ForCausalLM)")
+    if getattr(cfg, "quantization_config", None):
+        refuse("quantization_config", "quantized checkpoints are not supported (quantization='fp8' "
+                                      "quantizes a float checkpoint at load)")
+    act = getattr(cfg, cls.act_field, None) or "silu"
+    if act not in GATED_ACTIVATIONS:
+        refuse(cls.act_field, f"supported activations: {', '.join(sorted(GATED_ACTIVATIONS))}")
+    if getattr(cfg, "mlp_bias", False):
+        refuse("mlp_bias", "MLP biases are not implemented")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        refuse("use_bidirectional_attention", "only causal attention is implemented")
+    if getattr(cfg, "attention_bias", False) and issubclass(cls, (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM)):
+        refuse("attention_bias", f"{name} has fixed biases (transformers' {name} ignores this field)")
+    _check_windows(cfg, cls, refuse)
+    _check_rope(cfg, cls, max_positions, refuse)
+    if issubclass(cls, Gemma3ForCausalLM) and getattr(cfg, "attn_logit_softcapping", None):
+        refuse("attn_logit_softcapping", "transformers' Gemma3 does not cap attention scores")
+
+
+def _check_windows(cfg: Any, cls: type[LlamaForCausalLM], refuse: Any) -> None:
+    window = getattr(cfg, "sliding_window", None)
+    if window and not issubclass(cls, WINDOWED):
+        refuse("sliding_window", f"{cls.__name__} has no sliding-window attention")
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and architecture(cfg) in UNIFORM_WINDOW:
+        expected = "sliding_attention" if window else "full_attention"
+        if any(t != expected for t in types):
+            refuse("layer_types", f"{cls.__name__} applies sliding_window to every layer "
+                                  "(transformers' class ignores layer_types)")
+
+
+def _check_rope(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, refuse: Any) -> None:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    params = getattr(cfg, "rope_parameters", None) or {}
+    layer_types = sorted(set(getattr(cfg, "layer_types", None) or []))
+    per_type = [t for t in layer_types if isinstance(params.get(t), dict)]
+    for layer_type in per_type or [None]:
+        p = rope_params(cfg, layer_type)
+        kind = rope_type(p)
+        if kind not in ROPE_TYPES:
+            refuse("rope_parameters", f"rope_type {kind!r} (supported: {', '.join(sorted(ROPE_TYPES))})")
+        if kind == "dynamic" and max_positions > int(cfg.max_position_embeddings):
+            refuse("rope_parameters", f"dynamic rope past max_position_embeddings ({cfg.max_position_embeddings}) "
+                                      f"rescales with the sequence length; max_model_len {max_positions} needs it")
+        rot = rotary_dim(cfg, head_dim, p)
+        if rot != head_dim and (not issubclass(cls, Phi3ForCausalLM) or rot % 2 or rot > head_dim or rot <= 0):
+            refuse("partial_rotary_factor", f"gives {rot} rotary dims of {head_dim} "
+                                            "(partial rotary is implemented for Phi3ForCausalLM, an even count)")
