@@ -33,7 +33,12 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
     """A random-weight model of a given family, saved as a plain HF folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch]
+    model_type = {
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+    }[arch]
     kw = dict(
         vocab_size=49152,
         hidden_size=64,
