@@ -46,6 +46,7 @@ from streamer.messages import (
     ToScheduler,
 )
 from streamer.model.runner import ModelRunner
+from streamer.model.windows import kv_window
 
 log = logging.getLogger("streamer.engine")
 
@@ -145,7 +146,7 @@ class AsyncEngine:
                               self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
-                                   self.diagnostics)
+                                   self.diagnostics, kv_window=kv_window(hf))
         self._attach_grammar()
         overlap = self.config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if overlap is None else overlap

@@ -37,7 +37,11 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
-    """This request's page table: one reference held on each page."""
+    """This request's page table: one reference held on each page but the released ones."""
+    released: int = 0
+    """Sliding window: pages[:released] hold keys that no query of this request will see
+    again; their references are dropped and their entries are 0 (the scratch page), so the
+    table keeps one entry per page of positions (Pages.trim)."""
     node: Node | None = None
     """Radix node locked on behalf of this request (its cached prefix)."""
     cached_tokens: int = 0

@@ -8,9 +8,12 @@ Contract with the scheduler:
   match_prefix(tokens) -> (pages, node): the longest cached run of full pages
       that prefixes `tokens`. The caller increfs the pages it keeps and must
       lock(node) while it uses them, then unlock(node).
-  insert(tokens, pages) -> (num_cached, node): adopt the full pages of a
+  insert(tokens, pages, held_from) -> (num_cached, node): adopt the full pages of a
       sequence. Pages of the prefix that was already cached are not adopted
       (the caller keeps or drops its own copies); new edges take a reference.
+      Every page on a path holds its KV: a sequence whose first held_from pages
+      were released (sliding window) adds nothing unless the cached prefix
+      covers them.
   evict(n): free up to n pages by dropping unlocked leaves, least recently
       used first. Locked nodes and their ancestors are never evicted.
   evictable: pages on unlocked nodes, kept up to date by every change, so that
@@ -129,15 +132,21 @@ class RadixCache:
         self.hit_tokens += len(pages) * self.page_size
         return pages, node
 
-    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> tuple[int, Node]:
-        """Cache the full pages of `tokens` (whose KV is in `pages`) in the salt's namespace."""
+    def insert(
+        self, tokens: list[int], pages: list[int], salt: str | None = None, held_from: int = 0
+    ) -> tuple[int, Node]:
+        """Cache the full pages of `tokens` (whose KV is in `pages`) in the salt's namespace.
+
+        pages[:held_from] no longer hold their KV (a sliding window released them): a path
+        needs every page from the root, so only a cached prefix at least that long can be
+        extended; otherwise nothing is adopted (the returned node is the match so far)."""
         full = min(len(tokens) // self.page_size, len(pages))
         tokens = tokens[: full * self.page_size]
-        if full:
+        if full and held_from == 0:
             self._space(salt, make=True)
         cached, node = self._walk(tokens, salt)
         done = len(cached)
-        if done < full:
+        if held_from <= done < full:
             new = Node(tuple(tokens[done * self.page_size :]), list(pages[done:full]), node)
             new.last_access = next(self._clock)
             node.children[self._first(new.key)] = new
@@ -146,6 +155,16 @@ class RadixCache:
             self.evictable += len(new.pages)
             node = new
         return done, node
+
+    @staticmethod
+    def path_pages(node: Node) -> int:
+        """Pages on the path from the root to node: the length of the prefix it stands for."""
+        n: Node | None = node
+        total = 0
+        while n is not None:
+            total += len(n.pages)
+            n = n.parent
+        return total
 
     def lock(self, node: Node) -> None:
         n: Node | None = node

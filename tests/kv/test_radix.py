@@ -180,3 +180,23 @@ def test_one_lru_order_across_namespaces_and_emptied_namespaces_go():
     assert "c" not in tree.spaces
     tree.check()
     assert pool.num_free == pool.capacity
+
+
+def test_a_sequence_with_released_pages_extends_only_a_prefix_that_covers_them():
+    """Sliding window: pages[:held_from] lost their KV. Every page of a path must hold its
+    KV, so such a sequence adds nothing unless the cached prefix covers the released pages."""
+    pool, tree = setup()
+    prompt = cache_sequence(pool, tree, list(range(8)))  # 2 pages cached
+    tokens = list(range(20))  # the prompt, then 3 pages of its own
+    own = pool.alloc(5)
+    done, node = tree.insert(tokens, [0, 0, 0] + own[3:], held_from=3)
+    assert done == 2 and tree.match_prefix(tokens)[0] == prompt, "a hole at page 2: nothing added"
+    assert tree.path_pages(node) == 2
+    done, node = tree.insert(tokens, [0, 0] + own[2:], held_from=2)
+    assert done == 2 and tree.match_prefix(tokens)[0] == prompt + own[2:]
+    assert tree.path_pages(node) == 5
+    done, _ = tree.insert(list(range(100, 108)), own[:2], "tenant", held_from=1)
+    assert done == 0 and not tree.spaces, "no namespace is made for a sequence it cannot hold"
+    pool.decref(own)
+    tree.check()
+    pool.check()

@@ -5,14 +5,29 @@ until it leaves; leaving, its full computed pages go to the tree, the rest to th
 list. A request can leave while a batch in flight still computes into its pages (a stop
 string, an abort, a deadline, a failed step): its pages then wait for that batch.
 
+Sliding window (`window` > 0: every layer attends to the last `window` tokens alone): a
+query at position i sees keys j > i - window, and a request's next queries start at the
+end of its last returned chunk, so the pages wholly before (that end - window + 1) are
+read by nobody again. `trim` drops the request's references on them as each batch
+returns and puts 0 (the scratch page) in their page-table entries; the kernels read no
+entry wholly before the window of a call's queries. The batch still in flight (overlap)
+starts its queries there too, so it reads none of them either.
+With prefix caching a request trims nothing until its prompt is in the tree (later
+arrivals share the prompt's pages), and the tree adopts a trimmed request's tokens only
+where its cached prefix covers the released pages (every page on a path holds its KV).
+A request that no longer holds any page of its locked prefix unlocks it: those pages
+become evictable.
+
 Invariants:
   - every page is free, held by a running request, or held by the radix tree (PagePool
     refcounts count the holders); also, until their batches are back, by a finished
-    request (`zombies`) or one of a failed step (`retrying`);
-  - a request holds a lock on the radix node of its cached prefix while it runs;
+    request (`zombies`) or one of a failed step (`retrying`); a request holds its pages
+    after `released`, and its entries before it are 0;
+  - a request holds a lock on the radix node of its cached prefix while it runs, until it
+    has released every page of that prefix;
   - prefixes are claimed and cached within the request's cache_salt only;
   - pages are released only when no batch in flight holds them (the GPU may still be
-    writing them).
+    writing them); `trim` releases only pages that no batch in flight reads or writes.
 
 Pages shares the scheduler's `running` list and `waiting` queue (the same objects) for the
 moves between them that pages force: preempt, retry, requeue.
@@ -32,13 +47,21 @@ log = logging.getLogger("streamer.scheduler")
 
 class Pages:
     def __init__(
-        self, pool: PagePool, tree: RadixCache, prefix_caching: bool, running: list[Request], waiting: deque[Request]
+        self,
+        pool: PagePool,
+        tree: RadixCache,
+        prefix_caching: bool,
+        running: list[Request],
+        waiting: deque[Request],
+        window: int = 0,
     ) -> None:
         self.pool = pool
         self.tree = tree
         self.prefix_caching = prefix_caching
         self.running = running
         self.waiting = waiting
+        self.window = window
+        """The model's KV window (model.windows.kv_window): 0 keeps every page."""
         self.zombies: dict[str, Request] = {}
         """Finished while in a batch in flight: pages are released when it returns."""
         self.retrying: dict[str, Request] = {}
@@ -51,6 +74,7 @@ class Pages:
             self.tree.lock(node)
         self.pool.incref(pages)
         req.pages, req.num_computed, req.node = list(pages), len(pages) * self.pool.page_size, node
+        req.released = 0
 
     def claim(self, req: Request, cached_pages: int) -> int | None:
         """Identity of the first page req would compute (None: no full page to compute), in
@@ -85,7 +109,7 @@ class Pages:
 
     def cache_prompt(self, req: Request) -> None:
         """Share a freshly prefilled prompt with later arrivals (lock moves to the longer path)."""
-        _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages, req.params.cache_salt)
+        _, node = self.tree.insert(req.tokens[: req.prompt_len], req.pages, req.params.cache_salt, req.released)
         req.claim = None  # its prefix is in the tree now: waiting requests can share it
         self.tree.lock(node)
         if req.node is not None:
@@ -99,11 +123,32 @@ class Pages:
             known -= 1
         computed = min(req.num_computed, known)
         if self.prefix_caching and computed:
-            self.tree.insert(req.tokens[:computed], req.pages, req.params.cache_salt)
-        self.pool.decref(req.pages)
+            self.tree.insert(req.tokens[:computed], req.pages, req.params.cache_salt, req.released)
+        self.pool.decref(req.pages[req.released :])
         if req.node is not None:
             self.tree.unlock(req.node)
-        req.pages, req.node, req.num_computed = [], None, 0
+        req.pages, req.node, req.num_computed, req.released = [], None, 0, 0
+
+    def trim(self, req: Request, next_query: int) -> None:
+        """Sliding window: release req's pages wholly before the window of next_query, the
+        lowest position that any of its queries still to run (in flight or not) will have."""
+        dead = min((next_query - self.window + 1) // self.pool.page_size, len(req.pages))
+        if dead <= req.released:
+            return
+        if self.prefix_caching and not self._prompt_cached(req):
+            return  # the prompt's pages go to the tree first
+        self.pool.decref(req.pages[req.released : dead])
+        req.pages[req.released : dead] = [0] * (dead - req.released)
+        req.released = dead
+        if req.node is not None and dead >= self.tree.path_pages(req.node):
+            self.tree.unlock(req.node)  # it holds none of those pages now: they may be evicted
+            req.node = None
+
+    @staticmethod
+    def _prompt_cached(req: Request) -> bool:
+        """Its first sampled token is back, so cache_prompt has run (a resumed request's ran
+        before its preemption, and does not run again: nothing to wait for)."""
+        return req.num_output > 0 and req.tokens[req.prompt_len] != PLACEHOLDER
 
     def leave(self, req: Request, in_flight: Counter[str]) -> None:
         """A running request ends: its pages now, or once its batches in flight are back."""
@@ -160,6 +205,11 @@ class Pages:
         for p in self.tree.held_pages():
             expect[p] += 1
         for r in [*self.running, *self.zombies.values(), *self.retrying.values()]:
-            for p in r.pages:
+            assert not any(r.pages[: r.released]), f"{r.request_id}: a released page-table entry is not 0"
+            assert all(r.pages[r.released :]), f"{r.request_id}: holds the scratch page"
+            if r.released:
+                assert self.window, "pages released without a sliding window"
+                assert r.node is None or r.released < self.tree.path_pages(r.node), "locks a prefix it released"
+            for p in r.pages[r.released :]:
                 expect[p] += 1
         assert expect == self.pool.refcount, "page refcounts do not match their holders"

@@ -49,7 +49,10 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int = 0,
         diagnostics: Diagnostics | None = None,
+        kv_window: int = 0,
     ) -> None:
+        """kv_window: the model's (model.windows.kv_window); > 0 releases the pages behind
+        every request's window as it advances (Pages.trim)."""
         self.config = config
         self.vocab_size = vocab_size
         self.pool = pool
@@ -61,7 +64,7 @@ class Scheduler:
         """Every request here, by id: waiting, running or retrying."""
         self.in_flight: Counter[str] = Counter()
         """request id -> number of batches in flight that contain it."""
-        self.pages = Pages(pool, self.tree, config.enable_prefix_caching, self.running, self.waiting)
+        self.pages = Pages(pool, self.tree, config.enable_prefix_caching, self.running, self.waiting, kv_window)
         self.deadlines = Deadlines(self.requests)
         self.counters = Counters()
         self.batches = BatchBuilder(pool, vocab_size, self.counters, self.in_flight)

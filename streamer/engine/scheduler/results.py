@@ -2,8 +2,8 @@
 
 process() writes each sampled token over its PLACEHOLDER, ends the requests it stops
 (stop token, max_tokens, the context, a grammar that is complete or refused the token),
-caches a freshly prefilled prompt, and releases the pages that were waiting for the batch
-(Pages.returned). A failed step of several requests sends each back to the queue to run
+caches a freshly prefilled prompt, releases the pages behind a sliding window (Pages.trim)
+and the pages that were waiting for the batch (Pages.returned). A failed step of several requests sends each back to the queue to run
 alone (Pages.retry_later); a request that fails alone fails.
 
 Jump-forward: after process(), the requests in `Scheduler.jumps` may have text their
@@ -97,9 +97,15 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
             if error is None:  # a token the grammar refused is not output
                 d.token_ids, d.logprobs = new, logprobs
             deltas.append(d)
+    if pages.window:
+        for seq in batch.seqs:  # (after cache_prompt: a prompt goes to the tree before it is trimmed)
+            req = requests.get(seq.request_id)
+            if req is not None and req.status == Status.RUNNING:
+                pages.trim(req, seq.start + len(seq.token_ids))
     # KV efficiency: of the slots in pages held by running requests, how many hold tokens
-    counters.kv_live += sum(r.num_computed for r in sched.running)
-    counters.kv_slots += sum(len(r.pages) for r in sched.running) * sched.pool.page_size
+    ps = sched.pool.page_size
+    counters.kv_live += sum(r.num_computed - r.released * ps for r in sched.running)
+    counters.kv_slots += sum(len(r.pages) - r.released for r in sched.running) * ps
     pages.returned(in_flight)
     sched.diagnostics.on_step(batch, out, ahead, t_begin, c_begin)
     return deltas

@@ -11,9 +11,9 @@ from streamer.kv.pages import PagePool
 from streamer.messages import SampledToken, SamplingParams, StepOutput, TokenizedRequest
 
 
-def scheduler(num_pages: int = 256, **kw) -> Scheduler:
-    pool = PagePool(1, num_pages, 16, 1, 4, torch.float32, "cpu")
-    return Scheduler(EngineConfig(num_pages=num_pages, **kw), pool, max_model_len=4096)
+def scheduler(num_pages: int = 256, page_size: int = 16, kv_window: int = 0, **kw) -> Scheduler:
+    pool = PagePool(1, num_pages, page_size, 1, 4, torch.float32, "cpu")
+    return Scheduler(EngineConfig(num_pages=num_pages, **kw), pool, max_model_len=4096, kv_window=kv_window)
 
 
 def submit(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4) -> None:
