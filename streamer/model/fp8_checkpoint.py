@@ -322,5 +322,5 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor, str]], scheme:
 def finish(model: nn.Module) -> None:
     """After loading: the block scales in the layout torch's CUDA block-wise GEMM takes."""
     for m in model.modules():
-        if isinstance(m, Linear) and m.block is not None and m.weight.is_cuda:
+        if isinstance(m, Linear) and m.block is not None and m.weight_scale is not None and m.weight.is_cuda:
             m.cublas_scale = quant.cublas_block_scale(m.weight_scale.data)

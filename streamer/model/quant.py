@@ -96,7 +96,8 @@ def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, i
 
 def dequantize_blocks(weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The fp32 weight a block-scaled float8 one stands for (exact: float8 times an fp32 scale)."""
-    return weight.float() * expand_blocks(block_scale, *weight.shape, block)
+    rows, cols = weight.shape
+    return weight.float() * expand_blocks(block_scale, rows, cols, block)
 
 
 def cublas_block_scale(block_scale: torch.Tensor) -> torch.Tensor:
