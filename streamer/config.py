@@ -108,7 +108,9 @@ class EngineConfig:
     """fp8: the decoder's linear layers hold float8 e4m3 weights (a scale per output row,
     computed at load time) and quantize their inputs per token at each call (W8A8, see
     streamer/model/quant.py): half the weight bytes and twice the tensor-core FLOPs, for a
-    small loss of precision. None: the weights stay in `dtype`."""
+    small loss of precision. None: the weights stay in `dtype`. A checkpoint that is already
+    float8 (a quantization_config in config.json) runs as stored with either value
+    (streamer/model/fp8_checkpoint.py)."""
     device: str = "auto"
     load_format: str = "auto"
     """auto: safetensors from the folder; dummy: random weights of the real shapes."""

@@ -17,9 +17,16 @@ from streamer.model.context import get_context
 class Linear(nn.Linear):
     """nn.Linear that streams its weight through the Triton GEMV for a single row (a decode
     step of batch 1) when `decode_gemv` is on (the runner sets it from EngineConfig), or,
-    once `quantize_fp8` has run, multiplies in float8 (streamer/model/quant.py)."""
+    once `quantize_fp8` has run, multiplies in float8 (streamer/model/quant.py).
+
+    A float8 checkpoint's layer (streamer/model/fp8_checkpoint.py) sets `act` (its inputs'
+    scales: "token" or "tensor") or, for block-scaled weights, `block` ([bn, bk]; then
+    `weight_scale` is the [ceil(N / bn), ceil(K / bk)] grid)."""
 
     decode_gemv = False
+    act = "token"
+    block: tuple[int, int] | None = None
+    cublas_scale: torch.Tensor | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -37,11 +44,14 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block is not None:
+            return quant.block_fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.cublas_scale)
         if self.weight_scale is not None:
+            # (one row: a per-tensor input scale is its per-token scale)
             if self.decode_gemv and use_gemv(x, self.weight):
                 y = quant.fp8_gemv(x, self.weight, self.weight_scale)
                 return y if self.bias is None else y + self.bias
-            return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act)
         if self.decode_gemv and use_gemv(x, self.weight):
             y = gemv(x, self.weight)
             return y if self.bias is None else y + self.bias
@@ -128,8 +138,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        # (the fused GEMV epilogue is SiLU only: GeGLU takes the gate_up GEMV, then its kernel)
-        if self.act == "silu" and gate_up.decode_gemv and use_gemv(x, gate_up.weight):
+        # (the fused GEMV epilogue is SiLU only: GeGLU takes the gate_up GEMV, then its kernel;
+        # block-scaled float8 layers have no GEMV path)
+        if self.act == "silu" and gate_up.decode_gemv and gate_up.block is None and use_gemv(x, gate_up.weight):
             # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
             # one round trip through memory fewer per layer)
             if gate_up.weight_scale is not None:

@@ -140,6 +140,14 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"{source}: unexpected tensor {hf_name!r} for {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                # a float8 checkpoint's weight or scale (model/fp8_checkpoint.py): its shard's rows
+                rows = (0, self.get_submodule(name.rsplit(".", 1)[0]).out_features) if shard is None \
+                    else self._shard_rows(name, shard[1])
+                loader(param, tensor, *rows, f"{source}: tensor {hf_name!r}")
+                filled.add(hf_name.removeprefix("model."))
+                continue
             if shard is None:
                 target = param.data
             else:
@@ -175,13 +183,16 @@ class LlamaForCausalLM(nn.Module):
                 b.copy_(b[:, perm.to(w.device)].clone())
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
+        return param.data.narrow(0, *self._shard_rows(name, idx))
+
+    def _shard_rows(self, name: str, idx: int) -> tuple[int, int]:
+        """(first row, rows) of shard idx in the fused layer that parameter `name` belongs to."""
         if "qkv_proj" in name:
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [param.shape[0] // 2] * 2
-        start = sum(sizes[:idx])
-        return param.data.narrow(0, start, sizes[idx])
+            sizes = [self.get_submodule(name.rsplit(".", 1)[0]).out_features // 2] * 2
+        return sum(sizes[:idx]), sizes[idx]
 
     def expected_weight_names(self) -> set[str]:
         """Names (without the 'model.' prefix) a complete transformers checkpoint provides."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from streamer.errors import ModelLoadError
+from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
@@ -98,10 +99,15 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Any]:
     """(model in eval mode on device, transformers config). quantization "fp8": the
-    decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py)."""
+    decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py).
+    A checkpoint whose config.json has a quantization_config is loaded as it is stored,
+    whatever `quantization` says (model/fp8_checkpoint.py: float8 or refused)."""
     path = Path(path)
     device = torch.device(device)
+    if quantization not in (None, "fp8"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported (fp8 or none)")
     hf_config = load_hf_config(path)
+    scheme = fp8_checkpoint.read_scheme(hf_config, str(path / "config.json"), quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
@@ -116,20 +122,30 @@ def load_model(
     model.to(torch_dtype)
     for n, b in tables.items():
         setattr(model, n, b.to(device))  # rotary tables stay float32
+    quantized = set() if scheme is None else fp8_checkpoint.prepare(model, scheme, device, str(path / "config.json"))
     with torch.no_grad():
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
             norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
             for name, p in model.named_parameters():
-                if name not in norms:  # (norms keep their neutral weight: 1, or 0 with an offset)
+                if name in norms:
+                    continue  # (norms keep their neutral weight: 1, or 0 with an offset)
+                if p.dtype == torch.float8_e4m3fn:  # a float8 checkpoint's layer: W ~ N(0, 0.02) with the scale below
+                    p.copy_(torch.randn(p.shape, generator=gen, device=device).to(p.dtype))
+                elif name.endswith("weight_scale"):
+                    p.fill_(0.02)
+                else:
                     p.normal_(0.0, 0.02, generator=gen)
         else:
-            model.load_weights(iter_safetensors(files))
-        if quantization == "fp8":
+            tensors = iter_safetensors(files)
+            model.load_weights(tensors if scheme is None else fp8_checkpoint.checkpoint_tensors(tensors, scheme, quantized))
+        if scheme is not None:
+            fp8_checkpoint.finish(model)
+        elif quantization == "fp8":
             for name, m in model.named_modules():
                 # the LM head stays in the model's dtype (as in the usual fp8 checkpoints)
                 if isinstance(m, Linear) and name != "lm_head":
                     m.quantize_fp8()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory
+        if (scheme is not None or quantization == "fp8") and device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory
     return model.eval(), hf_config

@@ -15,6 +15,15 @@ rows), and float8 tensor cores run twice the bf16 FLOPs; its weight stream at ba
 halves too. At batch 1 (one row, `decode_gemv` on) cuBLAS does not stream the float8
 weight well, so `fp8_gemv` / `fp8_gemv_glu` run the Triton GEMV of kernels/gemv.py on the
 same quantized operands, with the same formula.
+
+Pre-quantized checkpoints (streamer/model/fp8_checkpoint.py) bring their own scales. A
+per-tensor or per-channel weight scale is the per-row scale above (a row vector of one
+value, or the checkpoint's rows), and their inputs may be scaled per token (as above) or
+per tensor (`act="tensor"`: one scale for every token of the call). Block-scaled weights
+(DeepSeek-style, one scale per [bn, bk] tile of W) go through `block_fp8_linear`, with the
+inputs scaled per token and per group of bk columns (1 x bk), as those checkpoints expect:
+
+    y[m, n] = sum_j sx[m, j] * sw[n // bn, j] * sum_{k in group j} q(x)[m, k] * q(W)[n, k]
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu
-from kernels.reference import quantize_rows_fp8
+from kernels.reference import FP8_MAX, FP8_TINY, quantize_rows_fp8
 
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
@@ -34,12 +43,16 @@ def fp8_shapes_ok(weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, act: str = "token") -> torch.Tensor:
     """F.linear with a float8 weight [N, K] (per-row fp32 scales [N]) and the activations
-    quantized per token on the way in. x [..., K] -> [..., N] in x.dtype."""
+    quantized on the way in, per token (act "token") or with one scale for the whole call
+    (act "tensor"). x [..., K] -> [..., N] in x.dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    q, sx = ops.quantize_rows_fp8(x2)  # one Triton kernel on CUDA
+    if act == "tensor":
+        q, sx = quantize_tensor_fp8(x2)
+    else:
+        q, sx = ops.quantize_rows_fp8(x2)  # one Triton kernel on CUDA
     if x.is_cuda:
         # cuBLAS's row-wise scaled GEMM writes bf16
         y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
@@ -47,6 +60,78 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # the same products in fp32 (torch's CPU _scaled_mm, itself an emulation, is missing
         # from older releases and refused these arguments in torch 2.11)
         y = F.linear(q.float() * sx, weight.float() * weight_scale.view(-1, 1))
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def quantize_tensor_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] -> (float8 [M, K], fp32 scales [M, 1] all equal): one scale, max |x| / 448,
+    for every row (the per-row scale layout cuBLAS's row-wise GEMM takes)."""
+    m, k = x2.shape
+    q, s = quantize_rows_fp8(x2.reshape(1, -1))  # torch ops: one row of M * K is no kernel shape
+    return q.view(m, k), s.expand(m, 1).contiguous()
+
+
+def quantize_groups_fp8(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] -> (float8 [M, K], fp32 scales [M, ceil(K / group)]): each row's columns
+    quantized in groups of `group`, every group with its own max |x| / 448 (the last group
+    may be shorter). The same arithmetic as quantize_rows_fp8, group by group."""
+    m, k = x2.shape
+    groups = -(-k // group)
+    xf = F.pad(x2.float(), (0, groups * group - k)).view(m, groups, group)  # zeros change no max
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_TINY)
+    q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, groups * group)
+    if groups * group != k:
+        q = q[:, :k].contiguous()
+    return q, scale.view(m, groups)
+
+
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """A [ceil(rows / bn), ceil(cols / bk)] grid of scales as one value per element [rows, cols]."""
+    bn, bk = block
+    return scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+def dequantize_blocks(weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The fp32 weight a block-scaled float8 one stands for (exact: float8 times an fp32 scale)."""
+    rows, cols = weight.shape
+    return weight.float() * expand_blocks(block_scale, rows, cols, block)
+
+
+def cublas_block_scale(block_scale: torch.Tensor) -> torch.Tensor:
+    """W's [ceil(N / 128), ceil(K / 128)] scales as torch's 128x128 block-wise GEMM on sm_90
+    takes them for mat_b = W.t(): shape [round_up(ceil(K / 128), 4), ceil(N / 128)], strides
+    (1, that first size), i.e. the grid padded along K to a multiple of 4 and transposed
+    (ATen's ScaledBlas.cpp checks exactly this). Built once at load."""
+    nb, kb = block_scale.shape
+    padded = block_scale.new_zeros(nb, -(-kb // 4) * 4, dtype=torch.float32)
+    padded[:, :kb] = block_scale
+    return padded.t()
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None, cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with a block-scaled float8 weight [N, K] (fp32 scales [ceil(N / bn), ceil(K / bk)])
+    and the activations quantized per token and per group of bk columns on the way in.
+
+    On CUDA (sm_90, block 128 x 128, `cublas_scale` from cublas_block_scale) one call of torch's
+    block-wise scaled GEMM, the weight read as float8. Elsewhere the same products in fp32:
+    both operands dequantized at the call (the CPU path is the reference, not a fast path)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    q, sx = quantize_groups_fp8(x2, block[1])
+    if x.is_cuda:
+        if cublas_scale is None:
+            raise RuntimeError("block_fp8_linear on CUDA needs the weight's cublas_block_scale")
+        recipe = F.ScalingType
+        # the 1 x 128 scales of the input must be outer-dim-major: strides (1, M)
+        y = F.scaled_mm(q, weight.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,
+                        cublas_scale, recipe.BlockWise128x128, output_dtype=torch.bfloat16)
+    else:
+        xq = q.float() * sx.repeat_interleave(block[1], 1)[:, :k]
+        y = F.linear(xq, dequantize_blocks(weight, block_scale, block))
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias

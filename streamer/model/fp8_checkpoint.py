@@ -1,0 +1,326 @@
+"""Checkpoints that are already float8: config.json's `quantization_config` read at load.
+
+Two formats are understood (their meaning as transformers and compressed-tensors define it):
+
+- quant_method "fp8" (transformers' FineGrainedFP8, DeepSeek-V3 / Qwen3-FP8 style): weights
+  float8 e4m3 with `weight_scale_inv` (despite the name, the multiplier: W = q * scale), one
+  per [bn, bk] block with `weight_block_size`, or one per tensor without it; activations
+  "dynamic" (per token and per group of bk columns for blocks, per token otherwise). The
+  LM head stays unquantized, as transformers keeps it, plus `modules_to_not_convert`.
+- quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
+  config group: weights {num_bits 8, type float, strategy tensor | channel | block} with
+  `weight_scale`, input_activations {dynamic true, strategy token | tensor | group (with
+  block weights)}; `ignore` lists the layers kept in the model's dtype.
+
+The weights stay float8 in memory and run through streamer/model/quant.py: per-tensor and
+per-channel scales become the per-row scales of quantization "fp8" (a per-tensor scale
+fills its shard's rows of a fused q/k/v or gate/up layer), block scales go through
+`block_fp8_linear`. Everything else a quantization_config can say (other methods, int8,
+static input scales, weight-only float8, quantized embeddings, KV-cache scales) is refused
+by name: running such a checkpoint as if it were something else would be silently wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.errors import ModelLoadError
+from streamer.model import quant
+from streamer.model.layers import Linear
+from streamer.model.llama import STACKED, LlamaForCausalLM
+
+FP8 = torch.float8_e4m3fn
+# tensor names a float8 layer's scales may have in a checkpoint, per format
+SCALE_NAMES = {"fp8": ("weight_scale_inv", "weight_scale"), "compressed-tensors": ("weight_scale",)}
+# tensors of quantization schemes this module refuses; present anyway, they contradict the config
+FOREIGN = ("input_scale", "activation_scale", "output_scale", "weight_zero_point", "weight_global_scale",
+           "k_scale", "v_scale", "weight_packed", "weight_shape", "qweight", "qzeros", "scales", "g_idx")
+
+FINEGRAINED_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
+                      "ignored_layers", "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype"}
+CT_FIELDS = {"quant_method", "config_groups", "format", "ignore", "quantization_status", "kv_cache_scheme",
+             "sparsity_config", "transform_config", "version", "global_compression_ratio"}
+CT_GROUP_FIELDS = {"targets", "weights", "input_activations", "output_activations", "format"}
+CT_ARGS_FIELDS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+                  "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """How a checkpoint's float8 layers are stored and run."""
+
+    method: str
+    weights: str
+    """"tensor", "channel" or "block": what one weight scale covers."""
+    act: str
+    """The inputs' dynamic scales: "token", "tensor" (one per call) or "group" (1 x block[1])."""
+    block: tuple[int, int] | None
+    skip: tuple[str, ...]
+    """Layers kept in the model's dtype, as the format writes them (names, patterns)."""
+    targets: tuple[str, ...] = ("Linear",)
+
+    def quantized(self, module: str) -> bool:
+        """Whether the linear layer of this transformers name is float8 in the checkpoint."""
+        if self.method == "fp8":
+            return not any(_transformers_skips(module, p) for p in self.skip)
+        if any(_ct_matches(module, p) for p in self.skip):
+            return False
+        return any(t == "Linear" or _ct_matches(module, t) for t in self.targets)
+
+
+def _transformers_skips(name: str, pattern: str) -> bool:
+    # transformers' modules_to_not_convert: a prefix ending at a module boundary, a regex
+    # with the same boundary, or a suffix ("mlp.gate" skips "mlp.gate", not "mlp.gate_proj")
+    return bool(re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name)) or name.endswith(pattern)
+
+
+def _ct_matches(name: str, pattern: str) -> bool:
+    # compressed-tensors: "re:<regex>" matched from the start of the name, else the exact name
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def refuse(source: str, what: str) -> ModelLoadError:
+    return ModelLoadError(f"{source}: quantization_config {what}")
+
+
+def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme | None:
+    """The checkpoint's float8 scheme, None for an unquantized checkpoint. `requested` is
+    EngineConfig.quantization: "fp8" agrees with a float8 checkpoint (which then runs as
+    stored), and conflicts with any other quant_method."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _finegrained(qc, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, source)
+    if requested is not None:
+        raise refuse(source, f"quant_method {method!r} conflicts with quantization={requested!r} (a checkpoint "
+                     "quantized another way cannot be converted to float8 at load)")
+    raise refuse(source, f"quant_method {method!r} is not supported; streamer runs float8 checkpoints "
+                 "(quant_method 'fp8', or 'compressed-tensors' with float8 weights) and unquantized ones")
+
+
+def _finegrained(qc: dict, source: str) -> Fp8Scheme:
+    unknown = sorted(set(qc) - FINEGRAINED_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (quant_method 'fp8')")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise refuse(source, f"fmt {qc['fmt']!r} is not supported (float8 e4m3 only)")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise refuse(source, f"activation_scheme {qc['activation_scheme']!r} (static input scales) is not "
+                     "implemented; only 'dynamic'")
+    if qc.get("dequantize"):
+        raise refuse(source, "dequantize true is not supported (streamer runs the float8 weights as stored)")
+    if qc.get("modules_to_convert"):
+        raise refuse(source, f"modules_to_convert {qc['modules_to_convert']!r} (float8 embeddings) is not supported")
+    if qc.get("scale_fmt") not in (None, "float"):
+        raise refuse(source, f"scale_fmt {qc['scale_fmt']!r} is not supported (fp32 scales only)")
+    if qc.get("expert_dtype") not in (None, "fp8"):
+        raise refuse(source, f"expert_dtype {qc['expert_dtype']!r} is not supported")
+    skip = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()) + ("lm_head",)
+    block = qc.get("weight_block_size")
+    if block is None:
+        return Fp8Scheme("fp8", "tensor", "token", None, skip)
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise refuse(source, f"weight_block_size {block!r} is not two positive integers")
+    return Fp8Scheme("fp8", "block", "group", (block[0], block[1]), skip)
+
+
+def _compressed_tensors(qc: dict, source: str) -> Fp8Scheme:
+    unknown = sorted(set(qc) - CT_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (compressed-tensors)")
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise refuse(source, f"{field} is not supported (compressed-tensors)")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise refuse(source, f"has {len(groups)} config_groups; one float8 group is supported")
+    (name, group), = groups.items()
+    where = f"config_groups.{name}"
+    unknown = sorted(set(group) - CT_GROUP_FIELDS)
+    if unknown:
+        raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
+    fmt = group.get("format") or qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise refuse(source, f"format {fmt!r} is not supported (compressed-tensors {' or '.join(CT_FORMATS)})")
+    if group.get("output_activations"):
+        raise refuse(source, f"{where}.output_activations is not supported")
+    w = group.get("weights") or {}
+    _check_args(w, f"{where}.weights", source)
+    if w.get("dynamic"):
+        raise refuse(source, f"{where}.weights dynamic {w['dynamic']!r} is not supported")
+    strategy = w.get("strategy")
+    block: tuple[int, int] | None = None
+    if strategy == "block":
+        bs = w.get("block_structure")
+        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
+            raise refuse(source, f"{where}.weights block_structure {bs!r} is not two positive integers")
+        block = (bs[0], bs[1])
+    elif strategy not in ("tensor", "channel"):
+        raise refuse(source, f"{where}.weights strategy {strategy!r} is not supported (tensor, channel or block)")
+    a = group.get("input_activations")
+    if not a:
+        raise refuse(source, f"{where} has no input_activations: weight-only float8 is not implemented")
+    _check_args(a, f"{where}.input_activations", source)
+    if a.get("dynamic") is not True:
+        raise refuse(source, f"{where}.input_activations dynamic {a.get('dynamic')!r} (static input scales) is not "
+                     "implemented; only dynamic")
+    act = a.get("strategy")
+    if block is None and act not in ("token", "tensor"):
+        raise refuse(source, f"{where}.input_activations strategy {act!r} with {strategy} weight scales is not "
+                     "supported (token or tensor)")
+    if block is not None and not (act == "group" and a.get("group_size") == block[1]):
+        raise refuse(source, f"{where}.input_activations strategy {act!r} (group_size {a.get('group_size')!r}) with "
+                     f"block weights is not supported (group, group_size {block[1]})")
+    targets = tuple(group.get("targets") or ())
+    if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
+        raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
+    return Fp8Scheme("compressed-tensors", strategy, act, block, tuple(qc.get("ignore") or ()), targets)
+
+
+def _check_args(args: dict, where: str, source: str) -> None:
+    unknown = sorted(set(args) - CT_ARGS_FIELDS)
+    if unknown:
+        raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
+    if args.get("type") != "float" or args.get("num_bits") != 8:
+        raise refuse(source, f"{where} type {args.get('type')!r} with num_bits {args.get('num_bits')!r} is not "
+                     "supported (float8 only: type 'float', num_bits 8)")
+    if args.get("symmetric", True) is not True:
+        raise refuse(source, f"{where} symmetric false (zero points) is not supported")
+
+
+def hf_names(name: str) -> list[str]:
+    """The transformers names of our linear layer `name` (a fused one has several)."""
+    prefix = "" if name == "lm_head" else "model."
+    for fused in {g for g, _ in STACKED.values()}:
+        if name.endswith(fused):
+            base = name.removesuffix(fused)
+            return [f"{prefix}{base}{frag}" for frag, (g, _) in STACKED.items() if g == fused]
+    return [prefix + name]
+
+
+def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, source: str) -> set[str]:
+    """Give each layer the checkpoint stores as float8 an empty float8 weight and its scales
+    (each with the weight_loader load_weights calls). Returns those layers' transformers names."""
+    quantized: set[str] = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        names = hf_names(name)
+        flags = {scheme.quantized(n) for n in names}
+        if len(flags) > 1:
+            raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")
+        if not flags.pop():
+            continue
+        if name == "lm_head" and model.tie_word_embeddings:
+            raise refuse(source, "quantizes lm_head, which this model ties to its (unquantized) embeddings")
+        if not quant.fp8_shapes_ok(m.weight):
+            raise refuse(source, f"quantizes {name} of shape {tuple(m.weight.shape)}; the float8 GEMM needs both "
+                         "dimensions to be multiples of 16")
+        if scheme.block is not None and device.type == "cuda":
+            _check_cuda_blocks(scheme.block, device, source)
+        _make_fp8(m, scheme)
+        quantized.update(names)
+    return quantized
+
+
+def _check_cuda_blocks(block: tuple[int, int], device: torch.device, source: str) -> None:
+    # torch's block-wise scaled GEMM (cuBLAS's DeepSeek-style scaling) exists on sm_90 only
+    if block != (128, 128):
+        raise refuse(source, f"block size {list(block)} runs on CUDA only as [128, 128]")
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0) or not hasattr(F, "scaled_mm"):
+        raise refuse(source, f"block-scaled float8 runs on CUDA only on sm_90 (torch's block-wise scaled GEMM); "
+                     f"this GPU is sm_{cap[0]}{cap[1]}")
+
+
+def _make_fp8(m: Linear, scheme: Fp8Scheme) -> None:
+    n, k = m.weight.shape
+    dev = m.weight.device
+    weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
+    weight.weight_loader = _load_weight  # type: ignore[attr-defined]
+    m.weight = weight
+    if scheme.block is not None:
+        bn, bk = scheme.block
+        shape: tuple[int, ...] = (-(-n // bn), -(-k // bk))
+        m.block = scheme.block
+    else:
+        shape = (n,)
+        m.act = scheme.act
+    scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=dev), requires_grad=False)
+    scale.weight_loader = partial(_load_scale, scheme=scheme)  # type: ignore[attr-defined]
+    m.weight_scale = scale
+
+
+def _load_weight(param: torch.Tensor, tensor: torch.Tensor, start: int, rows: int, what: str) -> None:
+    if tensor.dtype != FP8:
+        raise ModelLoadError(f"{what} is {tensor.dtype}; the quantization_config makes this layer float8 e4m3")
+    if tuple(tensor.shape) != (rows, param.shape[1]):
+        raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {(rows, param.shape[1])}")
+    param.data.narrow(0, start, rows).copy_(tensor)
+
+
+def _load_scale(param: torch.Tensor, tensor: torch.Tensor, start: int, rows: int, what: str, *,
+                scheme: Fp8Scheme) -> None:
+    scale = tensor.float()  # checkpoints store fp32, bf16 or fp16 scales: exact in fp32
+    if scheme.block is None:
+        # a per-tensor scale fills its shard's rows; a per-channel one is [rows] or [rows, 1]
+        want = {(), (1,)} if scheme.weights == "tensor" else {(rows,), (rows, 1)}
+        if tuple(scale.shape) not in want:
+            raise ModelLoadError(f"{what} has shape {tuple(scale.shape)}; a {scheme.weights} scale of this layer is "
+                                 f"{' or '.join(str(w) for w in sorted(want))}")
+        param.data.narrow(0, start, rows).copy_(scale.reshape(-1).expand(rows))
+        return
+    bn = scheme.block[0]
+    if start % bn:
+        raise ModelLoadError(f"{what}: this shard starts at row {start} of a fused layer, inside a block of {bn} rows")
+    want_block = (-(-rows // bn), param.shape[1])
+    if tuple(scale.shape) != want_block:
+        raise ModelLoadError(f"{what} has shape {tuple(scale.shape)}, block scales of this layer are {want_block}")
+    param.data.narrow(0, start // bn, want_block[0]).copy_(scale)
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor, str]], scheme: Fp8Scheme,
+                       quantized: set[str]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """The checkpoint's tensors with each scale under our one name (`<layer>.weight_scale`),
+    refusing what contradicts the quantization_config: a scale or a float8 weight of a layer
+    it keeps unquantized, and tensors of schemes it does not use (static input scales, ...)."""
+    for name, tensor, source in weights:
+        module, _, leaf = name.rpartition(".")
+        if leaf in SCALE_NAMES[scheme.method]:
+            if module not in quantized:
+                raise ModelLoadError(f"{source}: tensor {name!r} scales a layer the quantization_config does not "
+                                     "quantize")
+            yield f"{module}.weight_scale", tensor, source
+        elif leaf in FOREIGN:
+            raise ModelLoadError(f"{source}: tensor {name!r} belongs to a quantization scheme other than the "
+                                 f"quantization_config's ({scheme.method}, {scheme.weights} weight scales, dynamic "
+                                 "input scales)")
+        elif tensor.dtype == FP8 and module not in quantized:
+            raise ModelLoadError(f"{source}: tensor {name!r} is float8 but the quantization_config keeps {module} "
+                                 "unquantized")
+        else:
+            yield name, tensor, source
+
+
+def finish(model: nn.Module) -> None:
+    """After loading: the block scales in the layout torch's CUDA block-wise GEMM takes."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.block is not None and m.weight_scale is not None and m.weight.is_cuda:
+            m.cublas_scale = quant.cublas_block_scale(m.weight_scale.data)
