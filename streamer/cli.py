@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from streamer.config import EngineConfig
 from streamer.errors import StreamerError
@@ -12,7 +13,8 @@ from streamer.errors import StreamerError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="default", help="local HF model folder, or 'default' (SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default="default", help="local HF model folder, a .gguf file (converted once into the cache), "
+                   "or 'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--quantization", default=None, choices=["fp8"],
@@ -22,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the config's shapes (benchmarks)")
-    g.add_argument("--cache-dir", default=None, help="where the default model is kept (env STREAMER_CACHE_DIR)")
+    g.add_argument("--cache-dir", default=None, help="where the default model and converted GGUF files are kept (env STREAMER_CACHE_DIR)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, help="fixed KV pool size in pages")
     g.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
@@ -96,13 +98,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from streamer.model.default_model import default_model_dir, ensure_default_model, is_ready
+    from streamer.model.default_model import default_model_dir, is_ready
+    from streamer.model.gguf import converted_folders, is_current
+    from streamer.model.source import DEFAULT, is_gguf, resolve_model
 
     if args.action == "pull":
-        print(ensure_default_model(args.cache_dir))
-    else:
-        d = default_model_dir(args.cache_dir)
-        print(f"default  {d}  {'ready' if is_ready(d) else 'not fetched (streamer models pull)'}")
+        source = args.source or DEFAULT
+        if source != DEFAULT and not is_gguf(source):
+            raise StreamerError(f"models pull: {source}: a folder is used in place; pull takes 'default' or a .gguf file")
+        # (the progress to stderr: stdout is the folder alone, for scripts)
+        print(resolve_model(source, args.cache_dir, log=lambda line: print(line, file=sys.stderr)))
+        return
+    if args.source is not None:
+        raise StreamerError(f"models list takes no model ({args.source!r})")
+    d = default_model_dir(args.cache_dir)
+    print(f"default  {d}  {'ready' if is_ready(d) else 'not fetched (streamer models pull)'}")
+    for folder, stamp in converted_folders(args.cache_dir):
+        source = Path(stamp["path"])
+        state = ("current" if is_current(folder, source) else "source changed: converted again at next use"
+                 ) if source.is_file() else "source missing"
+        print(f"gguf     {folder}  from {source}  {state}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -134,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="fetch or list models")
     m.add_argument("action", choices=["pull", "list"])
+    m.add_argument("source", nargs="?", default=None,
+                   help="pull: 'default' (the default) or a .gguf file, converted into the cache")
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
 

@@ -97,7 +97,8 @@ class DiagnosticsConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "default"
-    """A local HF folder, or "default" for SmolLM2-135M-Instruct (fetched once)."""
+    """A local HF folder, a GGUF file (converted once into cache_dir, model/gguf.py), or
+    "default" for SmolLM2-135M-Instruct (fetched once): model/source.py tells them apart."""
     dtype: str = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU."""
     kv_cache_dtype: str = "auto"

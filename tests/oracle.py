@@ -33,9 +33,13 @@ class Reference:
 
 @cache
 def _hf_model(path: str, w8a8: bool = False):
+    """transformers' model of a folder, or of a .gguf file."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # a GGUF file is read by transformers' own GGUF loader: the oracle of a converted file
+    where = dict(pretrained_model_name_or_path=str(Path(path).parent), gguf_file=Path(path).name) \
+        if path.endswith(".gguf") else dict(pretrained_model_name_or_path=path)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # our runs ignore EOS too: same length on both sides
     if w8a8:
         emulate_w8a8(model)

@@ -176,7 +176,8 @@ def with_tokenizer(model: str, tokenizer: str) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="default", help="a local HF folder, or default (SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default="default",
+                    help="a local HF folder, a .gguf file, or default (SmolLM2-135M-Instruct)")
     ap.add_argument("--batch", type=int, default=64, help="requests submitted at once (default 64)")
     ap.add_argument("--max-tokens", type=int, default=320, help="per request (default 320)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights of the config's shapes")
@@ -201,7 +202,9 @@ def main(args: argparse.Namespace) -> None:
         args.batch, args.max_tokens = 4, 24
     model = args.model
     if args.tokenizer:
-        model = with_tokenizer(model, args.tokenizer)
+        from streamer.model.source import resolve_model
+
+        model = with_tokenizer(str(resolve_model(model)), args.tokenizer)
     llm = LLM(
         model,
         load_format=args.load_format,

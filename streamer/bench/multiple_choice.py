@@ -103,7 +103,8 @@ def run_baseline(args, prefix, qs) -> dict:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-n", "--num-questions", type=int, default=200, help="questions (default 200)")
-    ap.add_argument("--model", default="default", help="a local HF folder, or default (SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default="default",
+                    help="a local HF folder, a .gguf file, or default (SmolLM2-135M-Instruct)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights (GPU machine, no checkpoint)")
     ap.add_argument("--parallel", type=int, default=64, help="programs run at once by run_batch")
     ap.add_argument("--no-commit", action="store_true",

@@ -216,9 +216,10 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
 
 def bench(args: argparse.Namespace, name: str) -> Result:
     from streamer import LLM
+    from streamer.model.source import resolve_model
 
     w0 = make_workload(name, 1000, None)
-    model_dir = Path(args.model_dir or CONFIGS / w0.model)
+    model_dir = resolve_model(args.model_dir) if args.model_dir else CONFIGS / w0.model
     cfg = json.loads((model_dir / "config.json").read_text())
     w = make_workload(name, cfg["vocab_size"], args.num_requests, seed=0)
     longest = max(len(p) + o for p, o in zip(w.prompts, w.outputs))
@@ -284,7 +285,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="W1,W2,W3", help="comma-separated: W1, W2, W3, W4")
-    p.add_argument("--model-dir", default=None, help="override the workload's config folder")
+    p.add_argument("--model-dir", default=None, help="override the workload's config folder (a folder or a .gguf file)")
     p.add_argument("--num-requests", type=int, default=None, help="override the request count (W4: groups)")
     p.add_argument("--dtype", default="auto", help="weights and activations (auto: bfloat16 on CUDA)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

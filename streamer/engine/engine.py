@@ -46,6 +46,7 @@ from streamer.messages import (
     ToScheduler,
 )
 from streamer.model.runner import ModelRunner
+from streamer.model.source import model_name, resolve_model
 from streamer.model.windows import kv_window
 
 log = logging.getLogger("streamer.engine")
@@ -103,11 +104,7 @@ atexit.register(_collector.at_exit)
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
-    if config.model == "default":
-        from streamer.model.default_model import ensure_default_model
-
-        return ensure_default_model(config.cache_dir)
-    return Path(config.model).expanduser()
+    return resolve_model(config.model, config.cache_dir)
 
 
 def eos_ids(hf_config: Any, hf_tokenizer: Any, path: Path) -> list[int]:
@@ -178,7 +175,7 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
-        return "default" if self.config.model == "default" else self.model_path.name
+        return model_name(self.config.model)
     async def start(self) -> None:
         if self._tasks:
             return

@@ -60,6 +60,7 @@ from streamer.messages import (
     Submit,
     ToEngine,
 )
+from streamer.model.source import model_name
 
 log = logging.getLogger("streamer.engine.remote")
 
@@ -69,7 +70,7 @@ STOP_TIMEOUT_S = 15.0
 
 def _model_name(config: EngineConfig) -> str:
     """As AsyncEngine names the model, before it is loaded (serve prints it at once)."""
-    return "default" if config.model == "default" else Path(config.model).expanduser().name
+    return model_name(config.model)
 
 
 class EngineProcess:

