@@ -32,6 +32,14 @@ def text_ids(default_model):
     return tok(text)["input_ids"]
 
 
+@pytest.fixture(scope="module")
+def plain_llm(default_model):
+    """An engine of the default configuration, shared by the tests that need no fresh one
+    (what they read of it is greedy outputs, which no earlier request changes)."""
+    with LLM(str(default_model)) as llm:
+        yield llm
+
+
 def distinct_prompts(ids, n, lo, hi, seed=0):
     rng = random.Random(seed)
     out = []
@@ -102,11 +110,10 @@ def test_heavy_eviction_stays_correct(default_model, text_ids):
     assert not cmp.failures, cmp.failures
 
 
-def test_preemption_when_pages_run_out_keeps_outputs_identical(default_model, text_ids):
+def test_preemption_when_pages_run_out_keeps_outputs_identical(default_model, plain_llm, text_ids):
     prompts = distinct_prompts(text_ids, 6, 80, 120, seed=4)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    with LLM(str(default_model)) as roomy:
-        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    expected = [o.token_ids for o in plain_llm.generate(prompts, params)]  # (a roomy pool)
     with LLM(str(default_model), num_pages=30) as tight:  # 6 x ~10 pages do not fit in 29
         got = [o.token_ids for o in tight.generate(prompts, params)]
         assert tight.stats().preemptions > 0
@@ -270,18 +277,18 @@ def test_kv_memory_holds_live_tokens(default_model, text_ids):
     assert eff >= 0.95
 
 
-def test_stop_string_spanning_tokens_ends_the_request_without_leaking(default_model):
-    with LLM(str(default_model)) as llm:
-        free = llm.generate(["The capital of France is a city that"], GREEDY)[0]
-        text = free.text  # " has been a beacon of innovation and creativity ..."
-        stop = "beacon of inno"
-        assert stop in text
-        out = llm.generate(["The capital of France is a city that"],
-                           SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
-        assert out.finish_reason == "stop"
-        assert out.text == text[: text.index(stop)]
-        assert out.completion_tokens < free.completion_tokens
-        settle(llm)
+def test_stop_string_spanning_tokens_ends_the_request_without_leaking(plain_llm):
+    llm = plain_llm
+    free = llm.generate(["The capital of France is a city that"], GREEDY)[0]
+    text = free.text  # " has been a beacon of innovation and creativity ..."
+    stop = "beacon of inno"
+    assert stop in text
+    out = llm.generate(["The capital of France is a city that"],
+                       SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert out.completion_tokens < free.completion_tokens
+    settle(llm)
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once(default_model, text_ids):
@@ -324,15 +331,14 @@ POISON = 7777  # a token id that makes any step holding it fail: a stand-in for 
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_a_failing_step_fails_only_the_request_that_causes_it(default_model, text_ids, overlap):
+def test_a_failing_step_fails_only_the_request_that_causes_it(default_model, plain_llm, text_ids, overlap):
     """A step that raises does not fail its neighbours: each request of the step goes back
     to the queue and runs its next step alone; the one that fails alone gets the error,
     the others finish with the outputs of a clean run. A one-off failure of a batched
     decode step (with a batch built on it already in flight when overlapping) fails nobody."""
     prompts = distinct_prompts(text_ids, 5, 30, 60, seed=7)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(str(default_model)) as clean:
-        expected = [o.token_ids for o in clean.generate(prompts, params)]
+    expected = [o.token_ids for o in plain_llm.generate(prompts, params)]  # a clean run
     assert all(POISON not in p + e for p, e in zip(prompts, expected))
     poisoned = prompts[2][:10] + [POISON] + prompts[2][10:]
     with LLM(str(default_model), overlap_schedule=overlap) as llm:

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -275,6 +276,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _opening_a_fifo(pid: int) -> bool:
+    """Whether a thread of the process waits in open() of a FIFO for its writer."""
+    try:
+        return any((task / "wchan").read_text() == "wait_for_partner" for task in Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+
+
 def test_a_server_killed_while_the_model_loads_takes_its_engine_process_along(tmp_path, tiny_models) -> None:
     """The engine process loads the model before it reads the socket. A tiny model whose
     weights file is a FIFO nobody writes keeps that load waiting forever (in native code,
@@ -300,8 +309,11 @@ def test_a_server_killed_while_the_model_loads_takes_its_engine_process_along(tm
         while not (children := _children(server.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert children, "the engine process did not start"
-        # past the imports, the child blocks opening the FIFO (its stack, not checked here)
-        time.sleep(8.0)
+        # past the imports, the child blocks opening the FIFO: seen in its wait channel where the
+        # kernel shows it, else given 8 s
+        deadline = time.monotonic() + 8.0
+        while not any(map(_opening_a_fifo, _children(server.pid))) and time.monotonic() < deadline:
+            time.sleep(0.05)
         children = _children(server.pid)
         assert children and server.poll() is None, "the load did not block"
         server.kill()

@@ -1,11 +1,13 @@
 """Fuzzing every endpoint of the server's OpenAPI document, plus malformed bodies.
 
-Three sources of bad input, about 60 s in all:
+Three sources of bad input, about 30 s in all:
 
   1. schemathesis (`st run` on GET /openapi.json): positive and negative
      cases from the schemas, coverage (boundary) cases, and other methods on
-     every path, with the check not_a_server_error. The hooks in
-     fuzz_hooks.py only keep the generation work small.
+     every path, with the check not_a_server_error: one pass of every
+     phase over every operation, SCHEMATHESIS_EXAMPLES fuzzed cases each (a
+     time budget instead repeats the fuzzing pass with fresh data until it is
+     spent). The hooks in fuzz_hooks.py only keep the generation work small.
   2. hypothesis: bodies built from the schemas' property names with values
      of any JSON type, arbitrary JSON documents, and raw bytes; plus a fixed
      list of malformed JSON (truncated, invalid UTF-8, lone surrogates, deep
@@ -40,7 +42,7 @@ from tests.reliability.fuzz_hooks import steer
 # every request crosses the socket to the engine process (the fuzz found a request msgpack could not carry)
 SERVER_ARGS = ["--engine-process"]
 
-SCHEMATHESIS_SECONDS = 40
+SCHEMATHESIS_EXAMPLES = 50
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
           "stream": True}
 
@@ -105,10 +107,10 @@ def run_schemathesis(server: ServerProcess, workdir: Path) -> str:
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.reliability.fuzz_hooks",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [str(VENV_BIN / "st"), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
-           "--max-time", str(SCHEMATHESIS_SECONDS), "--workers", "1", "--request-timeout", "60",
+           "--max-examples", str(SCHEMATHESIS_EXAMPLES), "--workers", "1", "--request-timeout", "60",
            "--seed", "0", "--suppress-health-check", "all", "--no-color"]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=SCHEMATHESIS_SECONDS + 120)
+                          timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"schemathesis found failures (exit {proc.returncode}):\n{out[-6000:]}\n" \
                                  f"server log:\n{server.log_tail()}"

@@ -30,16 +30,21 @@ def client(live) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def required(client):
+    """A required, single, greedy call: checked by one test, continued by another."""
+    return client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=80, temperature=0)
+
+
 def valid(call) -> dict:
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, SCHEMAS[call.function.name])
     return args
 
 
-def test_required_gives_a_call_that_validates(client):
-    r = client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=80, temperature=0)
-    choice = r.choices[0]
+def test_required_gives_a_call_that_validates(required):
+    choice = required.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name in SCHEMAS
@@ -76,9 +81,8 @@ def test_streamed_deltas_reassemble_to_the_same_call(client):
         [(w.function.name, json.loads(w.function.arguments)) for w in whole]
 
 
-def test_a_tool_result_round_trip(client):
-    first = client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+def test_a_tool_result_round_trip(client, required):
+    first = required
     msg = first.choices[0].message
     history = [*ASK, msg.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temperature": 18}'}]
