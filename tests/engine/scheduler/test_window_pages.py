@@ -169,9 +169,11 @@ def _tokens(batch):
 def test_an_engine_takes_the_window_from_the_model_config(tmp_path, window, cached):
     """A Mistral config's sliding_window reaches the scheduler: the output's pages are
     released as it decodes, so only the prompt's pages stay in the tree (without a window,
-    every computed page does). Page accounting only: on this branch the model attends fully."""
+    every computed page does); and the tokens, decoded over released pages, are still
+    transformers' token for token."""
     from streamer import LLM, SamplingParams
     from tests.conftest import make_tiny_model
+    from tests.oracle import Comparison, compare
 
     path = make_tiny_model(tmp_path / "m", "MistralForCausalLM", None, vocab_size=512, sliding_window=window)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
@@ -179,6 +181,9 @@ def test_an_engine_takes_the_window_from_the_model_config(tmp_path, window, cach
         assert llm.engine.scheduler.pages.window == (window or 0)
         (out,) = llm.generate([list(range(3, 23))], params)  # 20 + 60 tokens, 79 computed
         assert len(out.token_ids) == 60
+        cmp = Comparison()
+        compare(path, list(range(3, 23)), out.token_ids, cmp)
+        assert not cmp.failures, cmp.failures
         s = llm.wait_idle()
         llm.check()
         assert s.pages_used == s.pages_cached == cached
