@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
-#   bash benchmarks/gpu_run.sh <part>   (part: check | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
+#   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
@@ -52,6 +52,14 @@ bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]
 part=${1:-check}
 if [ "$part" = check ] || [ "$part" = all ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels 2>&1 | tail -6
+fi
+if [ "$part" = arch ]; then
+  # issue 27: Gemma-2-9B and Phi-3-mini shapes (dummy weights): W2 (batch 1, ms/token against the
+  # bandwidth floor) and W1 (128 requests, in/out 100-1024)
+  for m in gemma-2-9b phi-3-mini; do
+    bench --workload W2,W1 --num-requests "${ARCH_N:-128}" --max-num-seqs 128 --model-dir "benchmarks/configs/$m" \
+        --no-peer --json "$OUT/arch_$m.json"
+  done
 fi
 if [ "$part" = w1w2 ] || [ "$part" = all ]; then
   bench --workload W2 --max-num-seqs 8 --json "$OUT/w2.json"

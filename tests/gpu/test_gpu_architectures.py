@@ -1,0 +1,84 @@
+"""On the GPU (bf16, the Triton kernels with sliding windows and soft-caps, CUDA graphs):
+Mistral, Gemma 2, Gemma 3 and Phi-3 follow transformers up to the first near-tie, over
+prompts many windows long; CUDA-graph and eager runs give identical tokens; the
+block-scaled float8 linear layer (torch's block-wise GEMM) equals its fp32 reference.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from tests.gpu.test_gpu_correctness import hf_steps, prompts
+from tests.model.test_architectures import ARCHS
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+NAMES = ["mistral", "gemma2", "gemma3", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("archs-gpu")
+    return {n: make_tiny_model(root / n, ARCHS[n][0], None, initializer_range=0.05, **ARCHS[n][1]) for n in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_greedy_follows_transformers_until_a_near_tie(models, name):
+    path = models[name]
+    batch = prompts()
+    with LLM(str(path), dtype="bfloat16", num_pages=4096) as llm:
+        outs = llm.generate(batch, PARAMS) + [llm.generate([batch[-1]], PARAMS)[0]]
+    batch = batch + [batch[-1]]
+    agreed = 0
+    for p, o in zip(batch, outs):
+        ref, logps = hf_steps(path, p, PARAMS.max_tokens)
+        for i, (a, b) in enumerate(zip(o.token_ids, ref)):
+            if a != b:
+                assert abs(logps[i][a] - logps[i][b]) <= 5e-2, (name, i, a, b)
+                break
+            agreed += 1
+    assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
+    batch = prompts(8)
+
+    def run(**kw):
+        with LLM(str(models[name]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, **kw) as llm:
+            return llm.generate(batch, PARAMS) + [llm.generate([p], PARAMS)[0] for p in batch[:3]]
+
+    a, b = run(cuda_graphs=False), run(cuda_graphs=True)
+    compared = 0
+    for x, y in zip(a, b):
+        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)):
+            top = x.logprobs[i].top_logprobs
+            if abs(top[0][1] - top[1][1]) < 1e-4:
+                break
+            assert s == t, (name, x.request_id, i)
+            compared += 1
+    assert compared >= 0.5 * len(a) * PARAMS.max_tokens
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("n,k", [(128, 256), (384, 640)])
+def test_block_fp8_linear_equals_its_fp32_reference(m, n, k):
+    from streamer.model import quant
+
+    g = torch.Generator().manual_seed(m + n)
+    w = (torch.randn(n, k, generator=g) * 0.05)
+    scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 1e-3 + 1e-4
+    wq = (w / quant.expand_blocks(scale, n, k, (128, 128))).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    want = quant.block_fp8_linear(x.float(), wq, scale, (128, 128), None)
+    cs = quant.cublas_block_scale(scale.cuda())
+    got = quant.block_fp8_linear(x.cuda(), wq.cuda(), scale.cuda(), (128, 128), None, cublas_scale=cs)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
