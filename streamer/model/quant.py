@@ -126,9 +126,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.T
         if cublas_scale is None:
             raise RuntimeError("block_fp8_linear on CUDA needs the weight's cublas_block_scale")
         recipe = F.ScalingType
+        m = q.shape[0]
+        pad = -m % 4
+        if pad:
+            # cuBLAS's block-wise GEMM refuses (CUBLAS_STATUS_NOT_SUPPORTED) row counts that are
+            # not multiples of 4, and torch wants strides (1, 1) at M = 1 (measured on the H200):
+            # zero rows, dropped after the product
+            q = F.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+            sx = F.pad(sx, (0, 0, 0, pad), value=1.0)
         # the 1 x 128 scales of the input must be outer-dim-major: strides (1, M)
         y = F.scaled_mm(q, weight.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,
-                        cublas_scale, recipe.BlockWise128x128, output_dtype=torch.bfloat16)
+                        cublas_scale, recipe.BlockWise128x128, output_dtype=torch.bfloat16)[:m]
     else:
         xq = q.float() * sx.repeat_interleave(block[1], 1)[:, :k]
         y = F.linear(xq, dequantize_blocks(weight, block_scale, block))
