@@ -209,3 +209,30 @@ def masked_draw(logits: torch.Tensor, words: torch.Tensor | None, params: torch.
     last = torch.searchsorted(cdf, total, right=False)
     drawn = torch.minimum(j, last).clamp_(max=v - 1).squeeze(1)
     return torch.where(temp > 0, drawn, greedy)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """A mixture-of-experts MLP over routed tokens.
+
+    x: [T, H]; w_gate_up: [E, 2I, H] (each expert's gate rows, then its up rows);
+    w_down: [E, H, I]; topk_weights: [T, k] float32 (already normalized as the model wants);
+    topk_ids: [T, k] int. Returns [T, H] in x's dtype:
+        out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t]),  e = topk_ids[t, j]
+    Each expert's products are computed in x's dtype (as transformers' per-expert loops do),
+    the weighted sum in float32.
+    """
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = act(F.linear(x[rows], w_gate_up[e]))
+        y = F.linear(h, w_down[e])
+        out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
+    return out.to(x.dtype)
