@@ -41,6 +41,8 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "Gemma2ForCausalLM": "gemma2",
         "Gemma3ForCausalLM": "gemma3_text",
         "Phi3ForCausalLM": "phi3",
+        "MixtralForCausalLM": "mixtral",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
     }[arch]
     kw = dict(
         vocab_size=49152,

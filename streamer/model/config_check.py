@@ -16,6 +16,7 @@ from streamer.errors import ModelLoadError
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausalLM, Qwen3MoeForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from streamer.model.rope import rope_params, rope_type, rotary_dim
@@ -24,7 +25,8 @@ from streamer.model.windows import UNIFORM_WINDOW, architecture
 # rope types whose rotation is a fixed function of the position (rope.py); "dynamic" is
 # one only up to max_position_embeddings (transformers recomputes it past that)
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
-WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM)
+WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
+            MixtralForCausalLM, Qwen3MoeForCausalLM)
 """The classes with sliding-window layers (windows.py says which layers)."""
 
 
@@ -44,9 +46,12 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
         refuse("mlp_bias", "MLP biases are not implemented")
     if getattr(cfg, "use_bidirectional_attention", False):
         refuse("use_bidirectional_attention", "only causal attention is implemented")
-    if getattr(cfg, "attention_bias", False) and issubclass(cls, (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM)):
+    if getattr(cfg, "attention_bias", False) and issubclass(
+            cls, (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM)):
         refuse("attention_bias", f"{name} has fixed biases (transformers' {name} ignores this field)")
     _check_windows(cfg, cls, refuse)
+    if issubclass(cls, MoEForCausalLM):
+        _check_moe(cfg, cls, refuse)
     _check_rope(cfg, cls, max_positions, refuse)
     if issubclass(cls, Gemma3ForCausalLM) and getattr(cfg, "attn_logit_softcapping", None):
         refuse("attn_logit_softcapping", "transformers' Gemma3 does not cap attention scores")
@@ -62,6 +67,26 @@ def _check_windows(cfg: Any, cls: type[LlamaForCausalLM], refuse: Any) -> None:
         if any(t != expected for t in types):
             refuse("layer_types", f"{cls.__name__} applies sliding_window to every layer "
                                   "(transformers' class ignores layer_types)")
+
+
+def _check_moe(cfg: Any, cls: type[MoEForCausalLM], refuse: Any) -> None:
+    """(router_jitter_noise and output_router_logits act only in training: moe.py.)"""
+    experts = int(getattr(cfg, cls.experts_field, 0) or 0)
+    if experts <= 0 and not issubclass(cls, Qwen3MoeForCausalLM):
+        refuse(cls.experts_field, "a mixture of experts needs at least one expert")
+    k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    if experts > 0 and not 0 < k <= experts:
+        refuse("num_experts_per_tok", f"must be between 1 and {cls.experts_field} ({experts})")
+    act = getattr(cfg, cls.act_field, None) or "silu"
+    if act not in FUSED_ACTIVATION:
+        refuse(cls.act_field, f"the experts implement {', '.join(sorted(FUSED_ACTIVATION))}")
+    shared = [f for f in vars(cfg) if f.startswith("shared_expert") and getattr(cfg, f)]
+    if shared:
+        refuse(shared[0], f"{cls.__name__} has no shared experts")
+    if issubclass(cls, Qwen3MoeForCausalLM):
+        step = getattr(cfg, "decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            refuse("decoder_sparse_step", "must be a positive integer")
 
 
 def _check_rope(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, refuse: Any) -> None:

@@ -32,7 +32,8 @@ STACKED = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, layer: int, cfg: Any, head_dim: int, biases: tuple[bool, bool], qk_norm: bool, window: int, act: str
+        self, layer: int, cfg: Any, head_dim: int, biases: tuple[bool, bool], qk_norm: bool, window: int, act: str,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
             window=window,
             o_bias=biases[1],
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -93,8 +94,13 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, i: int) -> nn.Module:
         return DecoderLayer(
-            i, self.config, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act
+            i, self.config, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act,
+            self.make_mlp(i),
         )
+
+    def make_mlp(self, i: int) -> nn.Module | None:
+        """Layer i's MLP; None: the dense gated MLP (moe.py returns its sparse block)."""
+        return None
 
     def rope_tables(self, max_positions: int) -> tuple[dict[str, torch.Tensor], list[str]]:
         """(buffer name -> rotary table, each layer's buffer name): one table for all layers."""
@@ -132,6 +138,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            expert_names = self.load_expert(name, tensor, f"{source}: tensor {hf_name!r}")
+            if expert_names is not None:
+                filled |= expert_names
+                continue
             shard = None
             for frag, (fused, idx) in STACKED.items():
                 if f".{frag}." in name:
@@ -164,6 +174,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
         self._permute_partial_rotary()
+
+    def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
+        """Copy a mixture-of-experts tensor into its stacked parameter (moe.py) and return
+        the checkpoint names it fills; None for any other tensor."""
+        return None
 
     def _permute_partial_rotary(self) -> None:
         """With partial rotary, reorder each q/k head's rows for the whole-head kernels

@@ -21,6 +21,7 @@ from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
+from streamer.model.moe import MoEForCausalLM
 from streamer.model.registry import model_class
 from streamer.model.rope import longrope_note
 
@@ -109,6 +110,9 @@ def load_model(
     hf_config = load_hf_config(path)
     scheme = fp8_checkpoint.read_scheme(hf_config, str(path / "config.json"), quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
+    if issubclass(cls, MoEForCausalLM) and (quantization == "fp8" or scheme is not None):
+        raise ModelLoadError(f"{path}: float8 is not implemented for {cls.__name__}'s experts "
+                             "(--quantization fp8 or a float8 checkpoint); load it unquantized")
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
     check_config(hf_config, cls, max_positions, str(path / "config.json"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from streamer.errors import ModelLoadError
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from streamer.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -16,6 +17,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

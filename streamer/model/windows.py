@@ -5,7 +5,8 @@ wholly outside every layer's window can be released): 0 is full attention, w > 0
 last w tokens (kernels.reference.paged_attention). What the config means depends on the
 architecture, as transformers' modeling code reads it:
 
-- Mistral, Phi-3: `sliding_window` (null: none) on every layer; these classes ignore
+- Mistral, Phi-3, Mixtral, Qwen3-MoE: `sliding_window` (null: none; Qwen3-MoE's config
+  nulls it without use_sliding_window) on every layer; these classes ignore
   `layer_types` (config_check refuses one that says otherwise).
 - Gemma 2/3, Qwen2/3: `layer_types`, whose "sliding_attention" layers use
   `sliding_window` (Qwen's config builds layer_types from use_sliding_window and
@@ -20,7 +21,7 @@ from typing import Any
 from streamer.errors import ModelLoadError
 
 KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
-UNIFORM_WINDOW = {"MistralForCausalLM", "Phi3ForCausalLM"}
+UNIFORM_WINDOW = {"MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
 """Architectures whose sliding_window applies to every layer."""
 
 

@@ -1,0 +1,176 @@
+"""Mixtral and Qwen3-MoE: the Llama decoder whose MLP is a sparse mixture of experts.
+
+Routing is transformers' (modeling_mixtral.py, modeling_qwen3_moe.py, 5.24): router logits
+in the hidden dtype, softmax in float32, top-k, then the top-k renormalized to sum 1
+(Mixtral always, Qwen3-MoE when norm_topk_prob). Qwen3-MoE casts those weights back to
+the hidden dtype before the weighted sum; Mixtral keeps them float32. The experts run
+through kernels.ops.fused_moe over stacked weights, named as transformers 5.24 names its
+modules: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows)
+and mlp.experts.down_proj [E, H, I], with the router's mlp.gate.weight [E, H].
+
+Checkpoints: save_pretrained of 5.24 still writes one tensor per expert (Mixtral:
+block_sparse_moe.experts.N.w1 gate / w3 up / w2 down and block_sparse_moe.gate; Qwen3-MoE:
+mlp.experts.N.gate_proj / up_proj / down_proj and mlp.gate). Each is copied straight into
+its slice of the stacked parameter; the fused 3-D tensors load too. The missing-tensor
+check always names the per-expert tensors.
+
+Qwen3-MoE layers without experts (mlp_only_layers, or (i + 1) % decoder_sparse_step != 0)
+keep the dense MLP of intermediate_size. Both classes apply sliding_window to every layer
+(windows.UNIFORM_WINDOW).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from streamer.errors import ModelLoadError
+from streamer.model.llama import LlamaForCausalLM
+
+FUSED_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""Config activation -> kernels.ops.fused_moe's activation."""
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool,
+        weights_in_hidden_dtype: bool, act: str,
+    ) -> None:
+        super().__init__()
+        self.gate = Router(hidden, experts)
+        self.experts = Experts(hidden, intermediate, experts)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_hidden_dtype = weights_in_hidden_dtype
+        self.activation = FUSED_ACTIVATION[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_hidden_dtype:
+            weights = weights.to(x.dtype)
+        return ops.fused_moe(
+            x, self.experts.gate_up_proj, self.experts.down_proj, weights.float(), ids, self.activation
+        )
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """The decoder with SparseMoE layers; subclasses say how the config and checkpoint
+    name things."""
+
+    experts_field = "num_experts"
+    intermediate_field = "moe_intermediate_size"
+    legacy_block = "mlp"
+    """The per-expert checkpoint's name of the block (the fused one's is always "mlp")."""
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+    weights_in_hidden_dtype = True
+
+    def num_experts(self) -> int:
+        return int(getattr(self.config, self.experts_field))
+
+    def is_sparse(self, i: int) -> bool:
+        return True
+
+    def renormalize(self) -> bool:
+        return True
+
+    def make_mlp(self, i: int) -> nn.Module | None:
+        if not self.is_sparse(i):
+            return None
+        cfg = self.config
+        return SparseMoE(
+            cfg.hidden_size, int(getattr(cfg, self.intermediate_field)), self.num_experts(),
+            int(cfg.num_experts_per_tok), self.renormalize(), self.weights_in_hidden_dtype, self.act,
+        )
+
+    def _legacy(self, i: int, e: int, which: int) -> str:
+        return f"layers.{i}.{self.legacy_block}.experts.{e}.{self.expert_names[which]}.weight"
+
+    def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
+        m = re.fullmatch(rf"layers\.(\d+)\.(?:mlp|{self.legacy_block})\.(.+)", name)
+        if m is None or int(m[1]) >= len(self.layers) or not self.is_sparse(int(m[1])):
+            return None
+        i, rest = int(m[1]), m[2]
+        block: Any = self.layers[i].mlp
+        gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
+        experts = range(self.num_experts())
+        inter = down.shape[2]
+        if rest == "gate.weight":
+            target, names = block.gate.weight.data, {f"layers.{i}.{self.legacy_block}.gate.weight"}
+        elif rest == "experts.gate_up_proj":
+            target, names = gate_up, {self._legacy(i, e, w) for e in experts for w in (0, 1)}
+        elif rest == "experts.down_proj":
+            target, names = down, {self._legacy(i, e, 2) for e in experts}
+        else:
+            em = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", rest)
+            if em is None or em[2] not in self.expert_names or int(em[1]) >= len(experts):
+                raise ModelLoadError(f"{what}: unexpected tensor for {type(self).__name__}")
+            e, which = int(em[1]), self.expert_names.index(em[2])
+            target = down[e] if which == 2 else gate_up[e].narrow(0, which * inter, inter)
+            names = {self._legacy(i, e, which)}
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+        target.copy_(tensor)
+        return names
+
+    def expected_weight_names(self) -> set[str]:
+        names = super().expected_weight_names()
+        for i in range(len(self.layers)):
+            if self.is_sparse(i):
+                names = {n for n in names if not n.startswith(f"layers.{i}.mlp.")}
+                names.add(f"layers.{i}.{self.legacy_block}.gate.weight")
+                names |= {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
+        return names
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    """Every layer sparse, num_local_experts experts of intermediate_size, the top-k always
+    renormalized and kept float32 for the weighted sum. router_jitter_noise only acts in
+    training and output_router_logits only adds the logits to the output (transformers'
+    MixtralSparseMoeBlock / MixtralForCausalLM): neither changes inference."""
+
+    experts_field = "num_local_experts"
+    intermediate_field = "intermediate_size"
+    legacy_block = "block_sparse_moe"
+    expert_names = ("w1", "w3", "w2")
+    weights_in_hidden_dtype = False
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        return False, False
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    """Qwen3's attention (q/k norm, biases from attention_bias); layer i has experts unless
+    it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (or num_experts is 0).
+    No shared experts (config_check refuses their fields)."""
+
+    qk_norm = True
+
+    def is_sparse(self, i: int) -> bool:
+        cfg = self.config
+        only = getattr(cfg, "mlp_only_layers", None) or []
+        return i not in only and self.num_experts() > 0 and (i + 1) % int(cfg.decoder_sparse_step) == 0
+
+    def renormalize(self) -> bool:
+        return bool(self.config.norm_topk_prob)

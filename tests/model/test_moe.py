@@ -1,0 +1,167 @@
+"""Mixtral and Qwen3-MoE equal transformers (float32, CPU): greedy output token for token
+in a batch, whatever the prefill chunk or page size, and prompt logprobs within 1e-4.
+
+The tiny models: a Mixtral of 4 experts (top 2) with a 16-token window under prompts of
+up to 100; a Qwen3-MoE of 8 experts (top 2) with norm_topk_prob and a dense layer 0
+(mlp_only_layers); one without norm_topk_prob whose dense layer comes from
+decoder_sparse_step 2. Broken checkpoints and unsupported configs are refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from streamer.errors import ModelLoadError
+from streamer.model.loader import load_model
+from tests.conftest import make_tiny_model
+from tests.model.test_greedy_vs_transformers import assert_matches, prompts, run_and_compare
+from tests.oracle import _hf_model
+
+ARCHS = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True, mlp_only_layers=[0])),
+    "qwen3_moe_step": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   norm_topk_prob=False, decoder_sparse_step=2)),
+}
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, default_model) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_tiny_model(root / name, arch, default_model, **kw) for name, (arch, kw) in ARCHS.items()}
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_greedy_batch_matches_transformers(moe_models, name):
+    with LLM(str(moe_models[name])) as llm:
+        batch = prompts(llm.tokenizer, 3, 20, 90, seed=1)
+        assert_matches(run_and_compare(llm, moe_models[name], batch, GREEDY), 3)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_chunk_and_page_size_do_not_change_output(moe_models, name):
+    path = moe_models[name]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(path), max_num_batched_tokens=7, page_size=1) as llm:
+        batch = prompts(llm.tokenizer, 3, 20, 60, seed=2)
+        alone = [llm.generate([p], params)[0].token_ids for p in batch]
+        together = [o.token_ids for o in llm.generate(batch, params)]
+        assert alone == together
+        assert_matches(run_and_compare(llm, path, batch, params), 3)
+
+
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+@pytest.mark.parametrize("name,flip", [("mixtral", "sliding_window"), ("qwen3_moe", "norm_topk_prob"),
+                                       ("qwen3_moe_step", "norm_topk_prob")])
+def test_prompt_logprobs_match_transformers(moe_models, name, flip):
+    """Every position's logprob within 1e-4 of transformers'; the same weights with the
+    window or the renormalization flipped are further off (so each is tested)."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_models[name]
+    with LLM(str(path)) as llm:
+        (ids,) = prompts(llm.tokenizer, 1, 100, 100, seed=4)
+        (out,) = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1))
+    assert out.error is None, out.error
+    want = _hf_logprobs(_hf_model(str(path)), ids)
+    ours = torch.tensor(out.prompt_logprobs)
+    assert ours.shape == want.shape
+    assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
+    value = 4096 if flip == "sliding_window" else not ARCHS[name][1]["norm_topk_prob"]
+    other = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **{flip: value}).eval()
+    assert (_hf_logprobs(other, ids) - want).abs().max() > 1e-3
+
+
+def _rewrite(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name,tensor", [
+    ("mixtral", "layers.1.block_sparse_moe.experts.2.w3.weight"),
+    ("qwen3_moe", "layers.1.mlp.experts.7.down_proj.weight"),
+    ("qwen3_moe", "layers.1.mlp.gate.weight"),
+])
+def test_missing_expert_tensor_is_refused_by_name(moe_models, tmp_path, name, tensor):
+    folder = _copy(moe_models[name], tmp_path / name)
+    _rewrite(folder, lambda t: t.pop(f"model.{tensor}"))
+    with pytest.raises(ModelLoadError, match=f"missing tensor.*{tensor}"):
+        load_model(folder)
+
+
+def test_misshapen_expert_tensor_is_refused_by_name(moe_models, tmp_path):
+    folder = _copy(moe_models["mixtral"], tmp_path / "mixtral")
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    _rewrite(folder, lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    with pytest.raises(ModelLoadError, match=f"{name}.*shape"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_fused_expert_tensors_load_as_the_per_expert_ones(moe_models, tmp_path, name):
+    """transformers 5.24's own module names (mlp.experts.gate_up_proj [E, 2I, H],
+    mlp.experts.down_proj [E, H, I], mlp.gate) give the same parameters."""
+    arch, kw = ARCHS[name]
+    experts = kw.get("num_local_experts") or kw["num_experts"]
+    legacy = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(name, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    block, g, u, d = legacy
+
+    def fuse(t: dict[str, torch.Tensor]) -> None:
+        p = "model.layers.1"
+        e = [f"{p}.{block}.experts.{i}" for i in range(experts)]
+        t[f"{p}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([t.pop(f"{x}.{g}.weight"), t.pop(f"{x}.{u}.weight")]) for x in e])
+        t[f"{p}.mlp.experts.down_proj"] = torch.stack([t.pop(f"{x}.{d}.weight") for x in e])
+        t[f"{p}.mlp.gate.weight"] = t.pop(f"{p}.{block}.gate.weight")
+
+    folder = _copy(moe_models[name], tmp_path / name)
+    _rewrite(folder, fuse)
+    want = dict(load_model(moe_models[name])[0].named_parameters())
+    got = dict(load_model(folder)[0].named_parameters())
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert not torch.equal(got["layers.1.mlp.experts.down_proj"][0], got["layers.1.mlp.experts.down_proj"][1])
+
+
+@pytest.mark.parametrize("name,edit,field", [
+    ("qwen3_moe", dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
+    ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    ("mixtral", dict(attention_bias=True), "attention_bias"),
+    ("mixtral", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+])
+def test_unsupported_config_is_refused_by_field(moe_models, tmp_path, name, edit, field):
+    import json
+
+    folder = _copy(moe_models[name], tmp_path / name)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(ModelLoadError, match=field):
+        load_model(folder, load_format="dummy")
+
+
+def test_fp8_is_refused_for_experts(moe_models):
+    with pytest.raises(ModelLoadError, match="float8 is not implemented for MixtralForCausalLM"):
+        load_model(moe_models["mixtral"], quantization="fp8")
