@@ -21,6 +21,7 @@ keep the dense MLP of intermediate_size. Both classes apply sliding_window to ev
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
@@ -85,6 +86,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     """The per-expert checkpoint's name of the block (the fused one's is always "mlp")."""
     expert_names = ("gate_proj", "up_proj", "down_proj")
     weights_in_hidden_dtype = True
+
+    @property
+    def cuda_graphs_ok(self) -> bool:
+        """The torch reference of fused_moe synchronizes (torch.unique, .tolist()), which a
+        graph capture cannot; graphs need the Triton kernel (kernels/moe.py)."""
+        return importlib.util.find_spec("kernels.moe") is not None
 
     def num_experts(self) -> int:
         return int(getattr(self.config, self.experts_field))

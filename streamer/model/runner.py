@@ -82,7 +82,7 @@ class ModelRunner:
         """Mixed steps whose leading decodes hold at least this many context tokens run
         their attention split (see prepare)."""
         self.diagnostics = diagnostics if diagnostics is not None else Diagnostics.from_env()
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and getattr(self.model, "cuda_graphs_ok", True):
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:

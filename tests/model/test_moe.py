@@ -165,3 +165,15 @@ def test_unsupported_config_is_refused_by_field(moe_models, tmp_path, name, edit
 def test_fp8_is_refused_for_experts(moe_models):
     with pytest.raises(ModelLoadError, match="float8 is not implemented for MixtralForCausalLM"):
         load_model(moe_models["mixtral"], quantization="fp8")
+
+
+def test_cuda_graphs_wait_for_the_triton_kernel(moe_models, monkeypatch):
+    """The reference fused_moe synchronizes (no graph capture): graphs only with kernels/moe.py."""
+    import importlib.util
+
+    model, _ = load_model(moe_models["mixtral"], load_format="dummy")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "kernels.moe" else real(n, *a))
+    assert not model.cuda_graphs_ok
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "kernels.moe" else real(n, *a))
+    assert model.cuda_graphs_ok
