@@ -2,7 +2,8 @@
 
 Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same decoder with
 two switches (see qwen.py); Gemma 2/3 (gemma.py) and Phi-3 (phi3.py) override the
-hooks (`make_layer`, `embed`, `compute_logits`, `rope_tables`). Each layer's window
+hooks (`make_layer`, `embed`, `compute_logits`, `rope_tables`); Mixtral and Qwen3-MoE
+(moe.py) swap the MLP through `make_mlp` and `load_expert`. Each layer's window
 comes from windows.layer_windows. Weights are stored fused (qkv_proj, gate_up_proj);
 load_weights maps transformers' names onto the fused shards.
 """
