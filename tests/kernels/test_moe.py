@@ -7,7 +7,11 @@ of the blocks; small explicit tiles so the loops run several K chunks and N bloc
 Tolerances: float32 differs from the reference by summation order only. In bf16 both
 round every stage (gate/up, activation, product, down) to bf16 but sum in another
 order, so an intermediate may differ by one bf16 ulp (2^-8 relative) and that carries
-through the down projection: 2^-6 relative/absolute on outputs of order 1.
+through the down projection: 2^-6 relative/absolute on outputs of order 1. On CPU both
+multiply the same bf16 values with float32 sums, so the bf16 outputs agree bit for bit nearly
+everywhere (all of them at these seeds); requiring that (<= 2% of the elements differ)
+checks that every stage is rounded where the reference rounds it (leaving out the
+activation's rounding changes about half the elements by an ulp, within the tolerance).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from kernels import moe as M
 from kernels import reference as R
-from tests.kernels.device import DEVICE, cuda
+from tests.kernels.device import CUDA, DEVICE, cuda
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -47,6 +51,8 @@ def _check(args, activation="silu", config=None):
     assert out.dtype == ref.dtype and out.shape == ref.shape
     tol = TOL[ref.dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if not CUDA and ref.dtype == torch.bfloat16:
+        assert (out != ref).float().mean().item() <= 0.02
     return out
 
 
