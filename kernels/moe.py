@@ -68,6 +68,7 @@ def _moe_gate_up_kernel(
     sorted_ptr,
     expert_ptr,
     PAIRS,
+    PADDED,
     H,
     INTER,
     stride_x,
@@ -89,11 +90,11 @@ def _moe_gate_up_kernel(
     """inter[r, n] = act(x[p // k] . Wg_e[n]) * (x[p // k] . Wu_e[n]), p = sorted_ids[r],
     for the BLOCK_M rows r of one M-block (one expert e) and BLOCK_N columns n."""
     pid_m = tl.program_id(0)
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)  # (one per program: in bounds)
     if expert >= E:  # past the last group
         return
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)  # (in bounds by the grid)
     valid = pair < PAIRS
     tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,6 +135,7 @@ def _moe_down_kernel(
     expert_ptr,
     weight_ptr,
     PAIRS,
+    PADDED,
     H,
     INTER,
     stride_h,
@@ -156,7 +158,7 @@ def _moe_down_kernel(
     if expert >= E:
         return
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)  # (in bounds by the grid)
     valid = pair < PAIRS
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -238,7 +240,7 @@ def fused_moe(
     h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
         x, w_gate_up, h, sorted_ids, block_expert,
-        pairs, hidden, inter,
+        pairs, sorted_ids.numel(), hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
         TOPK=topk, E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -248,7 +250,7 @@ def fused_moe(
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
         h, w_down, y, sorted_ids, block_expert, weights,
-        pairs, hidden, inter,
+        pairs, sorted_ids.numel(), hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
