@@ -1,0 +1,263 @@
+"""`fused_moe`: a mixture-of-experts MLP as two grouped GEMMs (Triton), the semantics of
+kernels.reference.fused_moe.
+
+NOTE the layout. The T*k (token, slot) pairs are numbered p = t * k + j. `_align` sorts
+them by expert and pads each expert's group to a multiple of BLOCK_M with the sentinel
+p = T*k, so that every M-block of `sorted_ids` belongs to one expert (`block_expert`):
+
+    sorted_ids   | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | (tail blocks: expert E) |
+    block_expert |      0      |      2      |      2      |   E  (programs return)  |
+
+The padded length is the worst case, T*k + min(E, T*k) * (BLOCK_M - 1), so the grid
+needs no host synchronisation (no .item()): blocks past the last group carry expert E
+and return at once. GEMM 1 gathers x rows (p // k) for each M-block, multiplies them by
+the block's expert's gate and up rows (the same N columns in one program) and applies
+act(gate) * up in the epilogue -> `inter` [padded, I] in sorted order. GEMM 2 multiplies
+`inter` by the expert's w_down^T, scales by the routing weight and writes row p of a
+float32 [T*k, H] buffer ((token, slot) order), which a view + sum over the slots combines:
+a fixed summation order, for 4*T*k*H bytes (1 GiB at T 8,192, k 8, H 4,096; atomic adds
+into [T, H] would save them, at the price of a run-to-run varying sum order).
+
+Rounding follows the reference (torch ops in x.dtype): the gate and up products, the
+activation, its product with up and the down product are each rounded to x.dtype; the
+routing weight and the sum over slots are float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Tile sizes (all >= 16, powers of two): rows per M-block (the alignment of each
+    expert's group), output columns and reduction chunk per program."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for b in (self.block_m, self.block_n, self.block_k):
+            assert b >= 16 and b & (b - 1) == 0, "block sizes are powers of two >= 16"
+
+
+def default_config(pairs: int, experts: int, hidden: int, inter: int) -> MoeConfig:
+    """BLOCK_M from the mean rows per expert (decode: 16, so few padded rows), BLOCK_N 64,
+    BLOCK_K 64 (both cut down to the problem for tiny shapes)."""
+    mean = pairs / max(experts, 1)
+    block_m = 16 if mean <= 16 else 32 if mean <= 64 else 64
+    block_k = min(64, max(16, triton.next_power_of_2(min(hidden, inter))))
+    block_n = min(64, max(16, triton.next_power_of_2(min(hidden, inter))))
+    return MoeConfig(block_m=block_m, block_n=block_n, block_k=block_k)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    PAIRS,
+    PADDED,
+    H,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    up_off,
+    stride_o,
+    TOPK: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GELU: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """inter[r, n] = act(x[p // k] . Wg_e[n]) * (x[p // k] . Wu_e[n]), p = sorted_ids[r],
+    for the BLOCK_M rows r of one M-block (one expert e) and BLOCK_N columns n."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)  # (one per program: in bounds)
+    if expert >= E:  # past the last group
+        return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)  # (in bounds by the grid)
+    valid = pair < PAIRS
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + up_off  # the up rows: INTER rows below the gate rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k
+        a = tl.load(a_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(g_ptrs + k, mask=b_mask, other=0.0)
+        wu = tl.load(u_ptrs + k, mask=b_mask, other=0.0)
+        acc_g = tl.dot(a.to(COMPUTE), wg.to(COMPUTE), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), acc_u, input_precision=PRECISION)
+    g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
+    up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
+    if GELU:  # as kernels.activation: tanh(y) = 1 - 2 / (exp(2y) + 1), |y| <= 15
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+        s = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+    else:
+        s = g / (1.0 + tl.exp(-g))
+    s = _round_to(s, DTYPE, INTERP).to(tl.float32)
+    o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, _round_to(s * up, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    weight_ptr,
+    PAIRS,
+    PADDED,
+    H,
+    INTER,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n]) (the product rounded to DTYPE,
+    out float32), p = sorted_ids[r], for one M-block (expert e) and BLOCK_N columns."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if expert >= E:
+        return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)  # (in bounds by the grid)
+    valid = pair < PAIRS
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m[:, None] * stride_h + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, INTER, BLOCK_K):
+        k_mask = offs_k < INTER - k
+        a = tl.load(a_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
+    y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
+    w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
+
+
+def _align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids [padded] int32, block_expert [padded / block_m] int32): the (token, slot)
+    pairs grouped by expert, each group padded to a multiple of block_m with the sentinel
+    T*k; tail blocks past the last group carry expert E. Device ops only, no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = flat.device
+    padded_len = triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    first = counts.cumsum(0) - counts  # each expert's first position in the sorted pairs
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=dev) - first[expert_of]
+    sorted_ids = torch.full((padded_len,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, padded_len, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
+    [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
+    [T, H] in x's dtype. About a dozen small torch ops align the pairs, two Triton GEMMs, one
+    sum over the slots; no host synchronisation (CUDA-graph capturable).
+    config: tile sizes, for tuning and tests (default: `default_config`)."""
+    assert activation in ("silu", "gelu_tanh"), activation
+    t, hidden = x.shape
+    experts, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    topk = topk_ids.shape[1]
+    assert w_gate_up.shape == (experts, 2 * inter, hidden) and w_down.shape == (experts, hidden, inter)
+    assert topk_weights.shape == topk_ids.shape == (t, topk)
+    pairs = t * topk
+    if pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_config(pairs, experts, hidden, inter)
+    x = x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    sorted_ids, block_expert = _align(topk_ids, experts, cfg.block_m)
+    blocks = block_expert.numel()
+    dtype = _TL_DTYPES[x.dtype]
+    interp = _interpreting()
+    # the interpreter's bf16 tl.dot is wrong: it multiplies in float32 there (exact widening)
+    compute = tl.float32 if interp or x.dtype == torch.float32 else dtype
+    precision = "ieee" if compute == tl.float32 else "tf32"
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+    h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+        x, w_gate_up, h, sorted_ids, block_expert,
+        pairs, sorted_ids.numel(), hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
+        TOPK=topk, E=experts,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GELU=activation == "gelu_tanh", COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
+        **launch,
+    )  # fmt: skip
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+        h, w_down, y, sorted_ids, block_expert, weights,
+        pairs, sorted_ids.numel(), hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        E=experts,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
+        **launch,
+    )  # fmt: skip
+    return y.view(t, topk, hidden).sum(1).to(x.dtype)
