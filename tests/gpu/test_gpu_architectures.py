@@ -1,5 +1,5 @@
-"""On the GPU (bf16, the Triton kernels with sliding windows and soft-caps, CUDA graphs):
-Mistral, Gemma 2, Gemma 3 and Phi-3 follow transformers up to the first near-tie, over
+"""On the GPU (bf16, the Triton kernels with sliding windows and soft-caps, the fused MoE
+kernel, CUDA graphs): Mistral, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE follow transformers up to the first near-tie, over
 prompts many windows long; CUDA-graph and eager runs give identical tokens; the
 block-scaled float8 linear layer (torch's block-wise GEMM) equals its fp32 reference.
 Skipped without CUDA."""
@@ -11,7 +11,8 @@ import torch
 
 from streamer import LLM, SamplingParams
 from tests.gpu.test_gpu_correctness import hf_steps, prompts
-from tests.model.test_architectures import ARCHS
+from tests.model.test_architectures import ARCHS as DENSE
+from tests.model.test_moe import ARCHS as MOE
 
 pytestmark = [
     pytest.mark.cuda,
@@ -19,7 +20,8 @@ pytestmark = [
 ]
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-NAMES = ["mistral", "gemma2", "gemma3", "phi3"]
+ARCHS = {**DENSE, **MOE}
+NAMES = ["mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +50,13 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, name):
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen3_moe"])
 def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
     batch = prompts(8)
 
     def run(**kw):
         with LLM(str(models[name]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, **kw) as llm:
+            assert (llm.engine.runner.graphs is not None) == kw["cuda_graphs"], "decode steps replay CUDA graphs"
             return llm.generate(batch, PARAMS) + [llm.generate([p], PARAMS)[0] for p in batch[:3]]
 
     a, b = run(cuda_graphs=False), run(cuda_graphs=True)
