@@ -29,7 +29,20 @@ def models(tmp_path_factory):
     from tests.conftest import make_tiny_model
 
     root = tmp_path_factory.mktemp("archs-gpu")
-    return {n: make_tiny_model(root / n, ARCHS[n][0], None, initializer_range=0.05, **ARCHS[n][1]) for n in NAMES}
+    kw = {n: dict(ARCHS[n][1]) for n in NAMES}
+    # the prompts here reach 324 tokens: past the CPU config's original_max_position_embeddings
+    # (128) transformers re-rotates the whole cache with the long factors, which a paged cache
+    # does not (streamer/model/rope.py); below it both use the short ones
+    kw["phi3"]["original_max_position_embeddings"] = 512
+    return {n: make_tiny_model(root / n, ARCHS[n][0], None, initializer_range=0.05, **kw[n]) for n in NAMES}
+
+
+# A mixture of experts parts from transformers (or graphs from eager) further than a near-tie
+# of the last logits: an ulp of difference in the router's bf16 logits (another GEMM kernel for
+# another row count) can pick another expert where two score alike, which moves the whole
+# hidden state. For MoE models a parting must still be to a plausible token: within this much
+# logprob of the reference's (measured on the H200: 0.22 for the tiny Mixtral).
+MOE_PARTING = 0.5
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -44,7 +57,8 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, name):
         ref, logps = hf_steps(path, p, PARAMS.max_tokens)
         for i, (a, b) in enumerate(zip(o.token_ids, ref)):
             if a != b:
-                assert abs(logps[i][a] - logps[i][b]) <= 5e-2, (name, i, a, b)
+                bound = MOE_PARTING if name in MOE else 5e-2
+                assert abs(logps[i][a] - logps[i][b]) <= bound, (name, i, a, b)
                 break
             agreed += 1
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
@@ -65,6 +79,10 @@ def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
         for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)):
             top = x.logprobs[i].top_logprobs
             if abs(top[0][1] - top[1][1]) < 1e-4:
+                break
+            if s != t and name in MOE:
+                # (a router flip, see MOE_PARTING: the graph's token is eager's runner-up, close)
+                assert t == top[1][0] and top[0][1] - top[1][1] <= MOE_PARTING, (name, x.request_id, i, top)
                 break
             assert s == t, (name, x.request_id, i)
             compared += 1
