@@ -119,7 +119,9 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
 
 @pytest.mark.parametrize(
     "name,chunk,page_size",
-    [("mistral", 1, 16), ("gemma2", 7, 1), ("phi3", 7, 16), ("gemma3", 64, 1)],
+    # every architecture at page sizes 1 and 16, with two of the chunk sizes 1, 7 and 64
+    [("mistral", 1, 16), ("mistral", 7, 1), ("gemma2", 7, 1), ("gemma2", 64, 16), ("phi3", 7, 16),
+     ("phi3", 1, 1), ("gemma3", 64, 1), ("gemma3", 1, 16), ("qwen2", 7, 16), ("qwen2", 64, 1)],
 )
 def test_chunk_and_page_size_do_not_change_output(arch_models, name, chunk, page_size):
     path = arch_models[name]
