@@ -19,6 +19,18 @@ from kernels.common import round_to as _round_to
 
 
 @triton.jit
+def gate_activation(g, GELU: tl.constexpr):
+    """silu(g), or gelu(g, approximate="tanh") with GELU, in float32 (also the MoE kernel's)."""
+    if GELU:
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1);
+        # |y| <= 15 keeps exp finite, and tanh(15) is 1 in float32 anyway
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+        return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _gated_mul_kernel(
     x_ptr,
     out_ptr,
@@ -37,15 +49,7 @@ def _gated_mul_kernel(
     mask = offs < INTER
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1);
-        # |y| <= 15 keeps exp finite, and tanh(15) is 1 in float32 anyway
-        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
-        a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
-    else:
-        a = g / (1.0 + tl.exp(-g))
-    s = _round_to(a, DTYPE, INTERP).to(tl.float32)
+    s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, DTYPE, INTERP), mask=mask)
 
 

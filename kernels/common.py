@@ -23,6 +23,12 @@ engine's settings (it does not import streamer): the engine sets this from its c
 (STREAMER_PDL=0 turns it off, streamer.config.use_pdl) before it captures its graphs."""
 
 
+@functools.lru_cache(maxsize=8)
+def sm_count(device_index: int) -> int:
+    """The SM count of a CUDA device (split and grid heuristics)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def pdl_enabled(x: torch.Tensor) -> bool:
     """Launch the kernels reading `x` with programmatic dependent launch (PDL)?
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import gate_activation
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
@@ -117,13 +118,7 @@ def _moe_gate_up_kernel(
         acc_u = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), acc_u, input_precision=PRECISION)
     g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
     up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
-    if GELU:  # as kernels.activation: tanh(y) = 1 - 2 / (exp(2y) + 1), |y| <= 15
-        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
-        s = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
-    else:
-        s = g / (1.0 + tl.exp(-g))
-    s = _round_to(s, DTYPE, INTERP).to(tl.float32)
+    s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
     o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
     tl.store(o_ptrs, _round_to(s * up, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
 

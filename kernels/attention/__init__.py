@@ -5,8 +5,9 @@ Layouts (see `kernels.reference`): q [T|B, H, D]; k_cache, v_cache
 [B, max_pages] (int32/int64 page ids, entries past a sequence's length are never
 read); seq_lens [B] (context length including the new tokens); cu_q_lens [B+1].
 
-Modules: `decode` (paged_decode, the split-KV decode kernel), `extend` (paged_extend,
-extend_tiles, extend_block_m), `common` (the device helpers and host choices both share).
+Modules: `decode` (paged_decode, the split-KV decode kernel), `splits` (its split count and
+the kernel merging the splits), `extend` (paged_extend, extend_tiles, extend_block_m),
+`common` (the device helpers and host choices both share).
 
 Softmax runs online in fp32 (exp2 with the scale folded in), outputs are in
 q.dtype. `window` (sliding-window attention) and `softcap` (score soft-capping) are

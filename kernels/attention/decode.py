@@ -16,8 +16,6 @@ are read as 16-token sub-tiles of pages (`_load_kv_subtiles`; V token-major, as 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +30,7 @@ from kernels.attention.common import (
     _paged_compute,
     _softcap,
 )
+from kernels.attention.splits import _choose_splits, _decode_reduce_kernel
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
@@ -251,69 +250,9 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    num_splits,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-    INTERP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    d_mask = offs_d < HEAD_DIM
-    row = (b * H + h) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    w = tl.where(s_mask, w, 0.0)
-    o = tl.load(
-        part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    denom = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, _round_to(res, OUT_DTYPE, INTERP), mask=d_mask)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # decode kernel variant defaults (see paged_decode)
 _DECODE_PREFETCH = False
 _DECODE_HEAD_MAJOR = True  # measured faster on H200 (3.0 vs 2.5 TB/s at B=64, L=2048)
-
-
-def _choose_splits(
-    batch: int, kv_heads: int, max_seq_len: int, block_n: int, device: torch.device, per_sm: int = 4
-) -> int:
-    """Host-side heuristic from shapes only (CUDA-graph safe). per_sm: programs resident per SM."""
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = 4
-    # about one resident wave of programs, but each split keeps >= 2 key blocks
-    # (benchmarks/profile_gpu.py attn-b1, batch 1, 1024 tokens of a 2048-token graph: 16
-    # splits 6.9 us against 8.3 for 8; shorter contexts use fewer splits either way)
-    want = (per_sm * sms) // max(1, batch * kv_heads)
-    most = max(1, triton.cdiv(max_seq_len, 2 * block_n))
-    return int(max(1, min(want, most, 64)))
 
 
 def paged_decode(

@@ -3,11 +3,12 @@ the configs of `gemv` and `gemv_glu` per shape, as measured on the H200."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
+
+from kernels.common import sm_count
 
 MAX_M = 4  # rows of x per program; larger M is split over a third grid axis
 
@@ -33,15 +34,10 @@ class GemvConfig:
         return replace(self, **kw)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # H200: keeps the CPU (interpreter) choice equal to the GPU one
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemv_config(m: int, n: int, k: int, sms: int = 132, w_bytes: int = 2) -> GemvConfig:
