@@ -158,10 +158,19 @@ def fused_moe(
     activation: str = "silu",
 ) -> torch.Tensor:
     if _triton(x):
-        try:
-            from kernels import moe
-        except ImportError:  # (the Triton kernel of issue 30 is written apart; until it lands, the reference)
-            pass
-        else:
-            return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+        from kernels import moe, moe_gemv
+
+        if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
+            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
     return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(logits):
+        from kernels import moe_gemv
+
+        return moe_gemv.route_topk(logits, top_k, renormalize, round_to)
+    return reference.route_topk(logits, top_k, renormalize, round_to)

@@ -236,3 +236,19 @@ def fused_moe(
         y = F.linear(h, w_down[e])
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
     return out.to(x.dtype)
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' router over its logits [T, E] (transformers' Mixtral and
+    Qwen3-MoE): softmax in float32, the top k, renormalized to sum 1 if asked, rounded to
+    `round_to` if given (Qwen3-MoE's cast to the hidden dtype). -> (weights [T, k]
+    float32, ids [T, k] int32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_to is not None:
+        weights = weights.to(round_to)
+    return weights.float(), ids.to(torch.int32)

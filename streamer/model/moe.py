@@ -65,15 +65,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.weights_in_hidden_dtype:
-            weights = weights.to(x.dtype)
-        return ops.fused_moe(
-            x, self.experts.gate_up_proj, self.experts.down_proj, weights.float(), ids, self.activation
+        weights, ids = ops.route_topk(
+            logits, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
+        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.activation)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,79 @@
+"""One mixture-of-experts layer on the GPU, by token count: the grouped GEMM (kernels/moe.py)
+against the few-token GEMV (kernels/moe_gemv.py), and the router's top-k, each replayed from
+a CUDA graph (launch gaps as in a decode step), with the bytes each call must read.
+
+    python3 benchmarks/moe_layer.py [--hidden 2048 --inter 768 --experts 128 --top-k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels import moe, moe_gemv, reference
+
+BANDWIDTH = 4.25e12
+
+
+def graphed(fn, reps: int = 20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return g, reps
+
+
+def time_us(fn, iters: int = 20) -> float:
+    g, reps = graphed(fn)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (iters * reps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens", default="1,2,4,8,16,32")
+    a = p.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
+    w_gu = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).to(dt)
+    w_d = (torch.randn(e, h, i, device=dev) * i**-0.5).to(dt)
+    router = (torch.randn(e, h, device=dev) * h**-0.5).to(dt)
+    per_expert = 3 * h * i * 2
+    print(f"H {h} I {i} E {e} k {k}: {per_expert / 1e6:.2f} MB per expert")
+    print(f"{'T':>4} {'experts hit':>11} {'floor us':>9} {'grouped us':>10} {'gemv us':>8} {'route us':>9} {'torch route us':>14}")
+    for t in [int(x) for x in a.tokens.split(",")]:
+        x = torch.randn(t, h, device=dev).to(dt)
+        logits = torch.nn.functional.linear(x, router)
+        weights, ids = reference.route_topk(logits, k, True, dt)
+        hit = torch.unique(ids).numel()
+        floor = 1e6 * hit * per_expert / BANDWIDTH
+        grouped = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids))
+        gemv = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids))
+        route = time_us(lambda: moe_gemv.route_topk(logits, k, True, dt))
+        torch_route = time_us(lambda: reference.route_topk(logits, k, True, dt))
+        print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
+        for bn, bk in ((4, 256), (8, 256), (16, 128), (16, 256), (8, 512)):
+            us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk))
+            print(f"      gemv block_n {bn:3d} block_k {bk:4d}: {us:7.1f} us ({floor / us:5.1%} of floor)")
+
+
+if __name__ == "__main__":
+    main()

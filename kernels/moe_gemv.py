@@ -1,0 +1,247 @@
+"""The mixture-of-experts MLP for a few tokens (decode): `moe_gemv`, and the router's
+softmax-top-k in one kernel (`route_topk`). Same semantics as kernels.reference.fused_moe
+and kernels.reference.route_topk.
+
+Why apart from kernels/moe.py: at batch 1 a Qwen3-30B-A3B layer routes 8 (token, slot)
+pairs to 8 experts. The grouped GEMM there first aligns the pairs by expert (about a
+dozen small torch ops per layer) and runs M-blocks of 16 rows holding one valid row each;
+at 48 layers those launches alone cost more than streaming the active weights. Here each
+(token, slot) pair p reads its expert's rows straight from topk_ids (no alignment), as the
+dense GEMV (kernels/gemv) does:
+
+    GEMM 1: program (p, n-block):  inter[p, n] = act(x[p // k] . Wg_e[n]) * (x[p // k] . Wu_e[n])
+    GEMM 2: program (t, n-block):  out[t, n] = sum_j w[t, j] * (inter[t*k + j] . Wd_e[n]),  e = ids[t, j]
+
+GEMM 2 walks the k slots of a token itself, so the weighted sum over slots (float32) and
+the cast to x's dtype happen in its epilogue: two kernels per layer instead of ~16. Two
+tokens routed to one expert each stream its rows (the grouped GEMM shares them): that is
+why this path is for a few tokens only (`use_gemv`).
+
+Rounding as the reference: gate and up products, the activation and its product with up,
+and each slot's down product are rounded to x.dtype; the routing weight and the sum over
+slots are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation import gate_activation
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
+
+MAX_TOKENS = 8
+"""Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200, issue 30:
+at 8 tokens x 8 slots the 64 pairs mostly hit distinct experts anyway)."""
+
+BLOCK_N = 8
+BLOCK_K = 256
+
+
+def use_gemv(tokens: int) -> bool:
+    return 0 < tokens <= MAX_TOKENS
+
+
+@triton.jit
+def _tile_row(row_ptr, offs_n, offs_k, mask_k):
+    """A row of K values loaded in the [BLOCK_N, BLOCK_K] layout of the W tile (rows share
+    addresses: L1 hits), as fp32: no re-layout through shared memory per chunk."""
+    ptrs = row_ptr + offs_k[None, :] + (offs_n * 0)[:, None]
+    return tl.load(ptrs, mask=mask_k[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    H,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    up_off,
+    stride_o,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GELU: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, INTER - 1)  # tail rows re-read row INTER-1; the store masks them
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (p // TOPK) * stride_x
+    g_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k
+        xv = _tile_row(x_row + k, offs_n, offs_k, mask_k)
+        wg = tl.load(g_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+        wu = tl.load(g_ptrs + up_off + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+        acc_g += wg * xv
+        acc_u += wu * xv
+    g = _round_to(tl.sum(acc_g, axis=1), DTYPE, INTERP).to(tl.float32)
+    up = _round_to(tl.sum(acc_u, axis=1), DTYPE, INTERP).to(tl.float32)
+    s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
+    tl.store(out_ptr + p * stride_o + offs_n, _round_to(s * up, DTYPE, INTERP), mask=offs_n < INTER)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    weight_ptr,
+    out_ptr,
+    H,
+    INTER,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        h_row = h_ptr + p * stride_h
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, INTER, BLOCK_K):
+            mask_k = offs_k < INTER - k
+            hv = _tile_row(h_row + k, offs_n, offs_k, mask_k)
+            wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+            acc += wv * hv
+        d = _round_to(tl.sum(acc, axis=1), DTYPE, INTERP).to(tl.float32)
+        y += d * tl.load(weight_ptr + p)
+    tl.store(out_ptr + t * stride_o + offs_n, _round_to(y, DTYPE, INTERP), mask=offs_n < H)
+
+
+def moe_gemv(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
+    [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
+    Two kernels, no host synchronisation (CUDA-graph capturable)."""
+    assert activation in ("silu", "gelu_tanh"), activation
+    t, hidden = x.shape
+    experts, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    topk = topk_ids.shape[1]
+    assert w_gate_up.shape == (experts, 2 * inter, hidden) and w_down.shape == (experts, hidden, inter)
+    assert topk_weights.shape == topk_ids.shape == (t, topk)
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    x = x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    dtype = _TL_DTYPES[x.dtype]
+    interp = _interpreting()
+    h = torch.empty((t * topk, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(t * topk, triton.cdiv(inter, block_n))](
+        x, w_gate_up, ids, h,
+        hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k,
+        GELU=activation == "gelu_tanh", DTYPE=dtype, INTERP=interp,
+        num_warps=4, num_stages=1,
+    )  # fmt: skip
+    _down_kernel[(t, triton.cdiv(hidden, block_n))](
+        h, w_down, ids, weights, out,
+        hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=dtype, INTERP=interp,
+        num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weight_ptr,
+    ids_ptr,
+    E,
+    stride_l,
+    TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One token: softmax (fp32) over its E logits, the top k (of equal probabilities the lower
+    expert id first; torch.topk leaves their order unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    z = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    z = z - tl.max(z, axis=0)
+    num = tl.where(valid, tl.exp(z), 0.0)
+    probs = num / tl.sum(num, axis=0)
+    left = tl.where(valid, probs, -1.0)
+    total = 0.0
+    for _ in range(TOPK):
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+        total += best
+        left = tl.where(offs == idx, -2.0, left)
+    # second pass: the chosen slots in order, each weight divided by their sum
+    left = tl.where(valid, probs, -1.0)
+    for j in range(TOPK):
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+        w = best / total if RENORM else best
+        if ROUND:
+            w = _round_to(w, DTYPE, INTERP).to(tl.float32)
+        tl.store(weight_ptr + t * TOPK + j, w)
+        tl.store(ids_ptr + t * TOPK + j, idx.to(tl.int32))
+        left = tl.where(offs == idx, -2.0, left)
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.route_topk in one kernel: logits [T, E] -> (weights [T, k] float32,
+    ids [T, k] int32)."""
+    t, experts = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    logits = logits.contiguous()
+    _route_kernel[(t,)](
+        logits, weights, ids, experts, logits.stride(0),
+        TOPK=top_k, BLOCK_E=triton.next_power_of_2(experts), RENORM=renormalize,
+        ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32], INTERP=_interpreting(),
+        num_warps=1,
+    )  # fmt: skip
+    return weights, ids

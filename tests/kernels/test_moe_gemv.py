@@ -1,0 +1,101 @@
+"""kernels.moe_gemv (issue 30's decode path): moe_gemv == kernels.reference.fused_moe for a
+few tokens, and route_topk == kernels.reference.route_topk.
+
+Tolerances as tests/kernels/test_moe.py: float32 differs by summation order only; in bf16
+both round every stage to bf16, so an intermediate may differ by one ulp (2^-6 on outputs
+of order 1). On CPU (interpreter) both sum the same bf16 products in float32 in another
+order: nearly every bf16 output is bit-equal (<= 2% may differ by an ulp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import moe_gemv as G
+from kernels import reference as R
+from tests.kernels.device import CUDA, DEVICE, cuda
+from tests.kernels.test_moe import TOL, _problem
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _check(args, activation="silu", **tiles):
+    out = G.moe_gemv(*args, activation=activation, **tiles)
+    ref = R.fused_moe(*args, activation=activation)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = TOL[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if not CUDA and ref.dtype == torch.bfloat16:
+        assert (out != ref).float().mean().item() <= 0.02
+
+
+@DTYPES
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("t,e,k", [(1, 16, 8), (3, 4, 2), (8, 128, 8), (2, 4, 1)], ids=["one", "e4k2", "e128k8", "k1"])
+def test_moe_gemv_matches_reference(dtype, activation, t, e, k):
+    """H 40 and I 24 against 16-wide chunks and 8-row blocks: ragged K chunks and N blocks."""
+    args = _problem(t, 40, 24, e, k, dtype, seed=t * e + k)
+    _check(args, activation, block_n=8, block_k=16)
+
+
+@DTYPES
+def test_two_slots_on_one_expert_and_idle_experts(dtype):
+    """Tokens sharing an expert each stream its rows; experts 1 and 2 get no token."""
+    args = _problem(5, 48, 32, 4, 2, dtype, seed=3, experts_used=[0, 3])
+    _check(args, "silu", block_n=16, block_k=16)
+
+
+def test_default_tiles_and_dispatch():
+    """The default tiles (one K chunk wider than H) and kernels.ops' choice by token count."""
+    args = _problem(2, 64, 32, 8, 2, torch.float32, seed=1)
+    _check(args)
+    assert G.use_gemv(1) and G.use_gemv(G.MAX_TOKENS) and not G.use_gemv(G.MAX_TOKENS + 1) and not G.use_gemv(0)
+
+
+def test_no_tokens():
+    x, w_gu, w_d, weights, ids = _problem(1, 40, 24, 4, 2, torch.float32, seed=1)
+    assert G.moe_gemv(x[:0], w_gu, w_d, weights[:0], ids[:0]).shape == (0, 40)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("round_to", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (4, 1)])
+def test_route_topk_matches_reference(renormalize, round_to, e, k):
+    """Softmax, top-k and renormalization in one kernel; E need not be a power of two."""
+    gen = torch.Generator().manual_seed(e * k)
+    logits = (torch.randn(7, e, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    w, ids = G.route_topk(logits, k, renormalize, round_to)
+    rw, rids = R.route_topk(logits, k, renormalize, round_to)
+    assert ids.dtype == rids.dtype == torch.int32 and w.dtype == rw.dtype == torch.float32
+    tol = 1e-6 if round_to is None else 2**-8
+    _same_routing(w, ids, rw, rids, tol)
+    if renormalize and round_to is None:
+        torch.testing.assert_close(w.sum(-1), torch.ones(7, device=DEVICE), atol=1e-6, rtol=0)
+
+
+def _same_routing(w, ids, rw, rids, tol):
+    """The same experts with the same weights; the order of slots of equal probability
+    (bf16 logits tie often) may differ, which only reorders the weighted sum."""
+    order, rorder = ids.long().sort(-1).indices, rids.long().sort(-1).indices
+    assert torch.equal(ids.gather(-1, order).cpu(), rids.gather(-1, rorder).cpu())
+    torch.testing.assert_close(w.gather(-1, order), rw.gather(-1, rorder), atol=tol, rtol=tol)
+
+
+def test_route_topk_ties_take_the_lower_expert():
+    logits = torch.zeros(1, 6, device=DEVICE)
+    logits[0, 4] = logits[0, 2] = 1.0
+    w, ids = G.route_topk(logits, 3, True)
+    assert ids.tolist() == [[2, 4, 0]]
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_moe_gemv_model_sized(t):
+    """Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 experts, top-8), compiled."""
+    args = _problem(t, 2048, 768, 128, 8, torch.bfloat16, seed=t)
+    _check(args)
+    logits = torch.randn(t, 128, device=DEVICE).to(torch.bfloat16)
+    w, ids = G.route_topk(logits, 8, True, torch.bfloat16)
+    rw, rids = R.route_topk(logits, 8, True, torch.bfloat16)
+    _same_routing(w, ids, rw, rids, 2**-8)
