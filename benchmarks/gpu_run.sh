@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
-#                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power)
+#                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -60,6 +60,15 @@ if [ "$part" = arch ]; then
     bench --workload W2,W1 --num-requests "${ARCH_N:-128}" --max-num-seqs 128 --model-dir "benchmarks/configs/$m" \
         --no-peer --json "$OUT/arch_$m.json"
   done
+fi
+if [ "$part" = moe ]; then
+  # issue 30: the MoE kernels compiled, one layer by token count, W2 (batch 1) and W8 on the
+  # Qwen3-30B-A3B shape (dummy bf16 weights, ~61 GB)
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/kernels/test_moe_gemv.py 2>&1 | tail -4
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_architectures.py -k "oe or ixtral" 2>&1 | tail -4
+  python3 benchmarks/moe_layer.py
+  bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b --no-peer --json "$OUT/moe_w2.json"
+  bench --workload W8 --num-requests "${W8_N:-256}" --no-peer --json "$OUT/moe_w8.json"
 fi
 if [ "$part" = w1w2 ] || [ "$part" = all ]; then
   bench --workload W2 --max-num-seqs 8 --json "$OUT/w2.json"
