@@ -70,9 +70,9 @@ def main() -> None:
         route = time_us(lambda: moe_gemv.route_topk(logits, k, True, dt))
         torch_route = time_us(lambda: reference.route_topk(logits, k, True, dt))
         print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
-        for bn, bk in ((4, 256), (8, 256), (16, 128), (16, 256), (8, 512)):
-            us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk))
-            print(f"      gemv block_n {bn:3d} block_k {bk:4d}: {us:7.1f} us ({floor / us:5.1%} of floor)")
+        for bn, bk, un in ((4, 256, 1), (4, 256, 2), (4, 256, 4), (2, 256, 2), (4, 512, 1), (8, 256, 2)):
+            us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
+            print(f"      gemv block_n {bn:3d} block_k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
 
 
 if __name__ == "__main__":

@@ -33,12 +33,16 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
 
-MAX_TOKENS = 8
-"""Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200, issue 30:
-at 8 tokens x 8 slots the 64 pairs mostly hit distinct experts anyway)."""
+MAX_TOKENS = 16
+"""Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
+Qwen3-30B-A3B layer, benchmarks/moe_layer.py: faster up to 16 tokens, slower at 32)."""
 
-BLOCK_N = 8
+BLOCK_N = 4
 BLOCK_K = 256
+UNROLL = 2
+"""4 rows x 256 columns per chunk with 4 warps (a warp per row, 16 bytes per thread and load, as
+the dense GEMV): 4 rows beat 8 and 16 by 1.4-2x at 1-16 tokens on the H200 (more programs in
+flight); UNROLL chunks are loaded per iteration."""
 
 
 def use_gemv(tokens: int) -> bool:
@@ -69,6 +73,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
     GELU: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
@@ -82,13 +87,15 @@ def _gate_up_kernel(
     g_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        mask_k = offs_k < H - k
-        xv = _tile_row(x_row + k, offs_n, offs_k, mask_k)
-        wg = tl.load(g_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
-        wu = tl.load(g_ptrs + up_off + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
-        acc_g += wg * xv
-        acc_u += wu * xv
+    for k0 in range(0, H, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):  # UNROLL chunks' loads in flight at once
+            k = k0 + u * BLOCK_K
+            mask_k = offs_k < H - k
+            xv = _tile_row(x_row + k, offs_n, offs_k, mask_k)
+            wg = tl.load(g_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+            wu = tl.load(g_ptrs + up_off + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+            acc_g += wg * xv
+            acc_u += wu * xv
     g = _round_to(tl.sum(acc_g, axis=1), DTYPE, INTERP).to(tl.float32)
     up = _round_to(tl.sum(acc_u, axis=1), DTYPE, INTERP).to(tl.float32)
     s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
@@ -111,6 +118,7 @@ def _down_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -119,17 +127,19 @@ def _down_kernel(
     rows = tl.minimum(offs_n, H - 1)
     offs_k = tl.arange(0, BLOCK_K)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOPK):
+    for j in tl.static_range(TOPK):  # (unrolled: the slots' loads may overlap)
         p = t * TOPK + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
         w_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         h_row = h_ptr + p * stride_h
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, INTER, BLOCK_K):
-            mask_k = offs_k < INTER - k
-            hv = _tile_row(h_row + k, offs_n, offs_k, mask_k)
-            wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
-            acc += wv * hv
+        for k0 in range(0, INTER, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                k = k0 + u * BLOCK_K
+                mask_k = offs_k < INTER - k
+                hv = _tile_row(h_row + k, offs_n, offs_k, mask_k)
+                wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
+                acc += wv * hv
         d = _round_to(tl.sum(acc, axis=1), DTYPE, INTERP).to(tl.float32)
         y += d * tl.load(weight_ptr + p)
     tl.store(out_ptr + t * stride_o + offs_n, _round_to(y, DTYPE, INTERP), mask=offs_n < H)
@@ -144,6 +154,7 @@ def moe_gemv(
     activation: str = "silu",
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
+    unroll: int = UNROLL,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
@@ -170,7 +181,7 @@ def moe_gemv(
         x, w_gate_up, ids, h,
         hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
         GELU=activation == "gelu_tanh", DTYPE=dtype, INTERP=interp,
         num_warps=4, num_stages=1,
     )  # fmt: skip
@@ -178,7 +189,7 @@ def moe_gemv(
         h, w_down, ids, weights, out,
         hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=dtype, INTERP=interp,
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, DTYPE=dtype, INTERP=interp,
         num_warps=4, num_stages=1,
     )  # fmt: skip
     return out

@@ -23,7 +23,7 @@ from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import MoEForCausalLM
 from streamer.model.registry import model_class
-from streamer.model.rope import longrope_note
+from streamer.model.rope import default_dtype, longrope_note
 
 log = logging.getLogger("streamer.model")
 
@@ -120,7 +120,7 @@ def load_model(
     if note:
         log.warning("%s: %s", path, note)
     files = [] if load_format == "dummy" else weight_files(path)
-    with torch.device(device):
+    with torch.device(device), default_dtype(torch_dtype):  # (built in its dtype: no float32 copy first)
         model = cls(hf_config, max_positions)
     tables = {n: b for n, b in model.named_buffers() if n.startswith("cos_sin")}
     model.to(torch_dtype)

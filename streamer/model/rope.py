@@ -24,6 +24,8 @@ so the frequencies are identical to the reference. Three cases need more than on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,12 +47,25 @@ def rotary_dim(cfg: Any, head_dim: int, params: dict[str, Any]) -> int:
     return int(head_dim * float(factor))
 
 
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype inside the block: the loader builds a model in its own dtype
+    (a float32 build first would need twice the weights' memory), and the tables here are
+    computed in float32 whatever the default."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def rope_cos_sin(cfg: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first head_dim/2 columns, sin in the
     last (times the rope attention scaling); columns past rot_dim/2 are cos 1, sin 0."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    with torch.device("cpu"):  # also when the model is built on another device (or meta)
+    with torch.device("cpu"), default_dtype(torch.float32):  # (whatever device and dtype the model is built in)
         params = rope_params(cfg, layer_type)
         kind = rope_type(params)
         rot = rotary_dim(cfg, head_dim, params)
