@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
 from kernels.activation import gate_activation
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
@@ -70,6 +71,8 @@ def _moe_gate_up_kernel(
     out_ptr,
     sorted_ptr,
     expert_ptr,
+    sx_ptr,
+    sw_ptr,
     PAIRS,
     PADDED,
     H,
@@ -79,12 +82,14 @@ def _moe_gate_up_kernel(
     stride_wn,
     up_off,
     stride_o,
+    stride_se,
     TOPK: tl.constexpr,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GELU: tl.constexpr,
+    SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -116,6 +121,11 @@ def _moe_gate_up_kernel(
         wu = tl.load(u_ptrs + k, mask=b_mask, other=0.0)
         acc_g = tl.dot(a.to(COMPUTE), wg.to(COMPUTE), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), acc_u, input_precision=PRECISION)
+    if SCALED:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
+        sx = tl.load(sx_ptr + tok, mask=valid, other=0.0)[:, None]
+        s_ptrs = sw_ptr + expert * stride_se + offs_n
+        acc_g = acc_g * sx * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+        acc_u = acc_u * sx * tl.load(s_ptrs + INTER, mask=n_mask, other=0.0)[None, :]
     g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
     up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
     s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
@@ -131,6 +141,8 @@ def _moe_down_kernel(
     sorted_ptr,
     expert_ptr,
     weight_ptr,
+    sh_ptr,
+    sw_ptr,
     PAIRS,
     PADDED,
     H,
@@ -139,10 +151,12 @@ def _moe_down_kernel(
     stride_we,
     stride_wn,
     stride_o,
+    stride_se,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -168,6 +182,9 @@ def _moe_down_kernel(
         a = tl.load(a_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
+    if SCALED:  # float8 inter (per row r) and W (per row n)
+        sh = tl.load(sh_ptr + offs_m, mask=valid, other=0.0)[:, None]
+        acc = acc * sh * tl.load(sw_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
     y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
     w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
@@ -205,12 +222,16 @@ def fused_moe(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     config: MoeConfig | None = None,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
     [T, H] in x's dtype. About a dozen small torch ops align the pairs, two Triton GEMMs, one
     sum over the slots; no host synchronisation (CUDA-graph capturable).
-    config: tile sizes, for tuning and tests (default: `default_config`)."""
+    config: tile sizes, for tuning and tests (default: `default_config`).
+    w_gate_up_scale [E, 2I], w_down_scale [E, H]: float8 experts (the reference's formula):
+    x and the activation are quantized per row first, the GEMMs run on float8 tensor cores."""
     assert activation in ("silu", "gelu_tanh"), activation
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -222,37 +243,59 @@ def fused_moe(
     if pairs == 0:
         return torch.zeros_like(x)
     cfg = config or default_config(pairs, experts, hidden, inter)
+    out_dtype = x.dtype
+    scaled = w_gate_up_scale is not None
+    assert scaled == (w_down_scale is not None), "both scales or neither"
     x = x.contiguous()
+    sx = sw_gu = sw_d = topk_weights  # (unread placeholders unless scaled)
+    if scaled:
+        assert w_gate_up_scale is not None and w_down_scale is not None
+        x, sx = quantize_rows(x)
+        sw_gu, sw_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     sorted_ids, block_expert = _align(topk_ids, experts, cfg.block_m)
     blocks = block_expert.numel()
-    dtype = _TL_DTYPES[x.dtype]
+    dtype = _TL_DTYPES[out_dtype]
     interp = _interpreting()
     # the interpreter's bf16 tl.dot is wrong: it multiplies in float32 there (exact widening)
-    compute = tl.float32 if interp or x.dtype == torch.float32 else dtype
+    compute = tl.float32 if interp or out_dtype == torch.float32 else tl.float8e4nv if scaled else dtype
     precision = "ieee" if compute == tl.float32 else "tf32"
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
-    h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
+    # (padding rows zeroed when they are quantized: their scales are then finite, never read)
+    h = (torch.zeros if scaled else torch.empty)((sorted_ids.numel(), inter), dtype=out_dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w_gate_up, h, sorted_ids, block_expert,
+        x, w_gate_up, h, sorted_ids, block_expert, sx, sw_gu,
         pairs, sorted_ids.numel(), hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
+        2 * inter,
         TOPK=topk, E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GELU=activation == "gelu_tanh", COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
-        **launch,
+        GELU=activation == "gelu_tanh", SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
+        INTERP=interp, **launch,
     )  # fmt: skip
+    sh = weights
+    if scaled:
+        h, sh = quantize_rows(h)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, w_down, y, sorted_ids, block_expert, weights,
+        h, w_down, y, sorted_ids, block_expert, weights, sh, sw_d,
         pairs, sorted_ids.numel(), hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), hidden,
         E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
+        SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
         **launch,
     )  # fmt: skip
-    return y.view(t, topk, hidden).sum(1).to(x.dtype)
+    return y.view(t, topk, hidden).sum(1).to(out_dtype)
+
+
+def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 rows, fp32 scales [M]) of kernels.reference.quantize_rows_fp8: the Triton
+    kernel on CUDA, the reference in the interpreter."""
+    from kernels import ops  # (ops imports this module lazily)
+
+    q, s = ops.quantize_rows_fp8(a) if a.is_cuda else reference.quantize_rows_fp8(a)
+    return q, s.reshape(-1).contiguous()

@@ -32,6 +32,7 @@ from kernels.activation import gate_activation
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
+from kernels.moe import quantize_rows
 
 MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
@@ -63,6 +64,8 @@ def _gate_up_kernel(
     w_ptr,
     ids_ptr,
     out_ptr,
+    sx_ptr,
+    sw_ptr,
     H,
     INTER,
     stride_x,
@@ -70,11 +73,13 @@ def _gate_up_kernel(
     stride_wn,
     up_off,
     stride_o,
+    stride_se,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     GELU: tl.constexpr,
+    SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -96,8 +101,14 @@ def _gate_up_kernel(
             wu = tl.load(g_ptrs + up_off + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
             acc_g += wg * xv
             acc_u += wu * xv
-    g = _round_to(tl.sum(acc_g, axis=1), DTYPE, INTERP).to(tl.float32)
-    up = _round_to(tl.sum(acc_u, axis=1), DTYPE, INTERP).to(tl.float32)
+    g = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SCALED:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
+        sx = tl.load(sx_ptr + p // TOPK)
+        g = g * sx * tl.load(sw_ptr + expert * stride_se + rows)
+        up = up * sx * tl.load(sw_ptr + expert * stride_se + INTER + rows)
+    g = _round_to(g, DTYPE, INTERP).to(tl.float32)
+    up = _round_to(up, DTYPE, INTERP).to(tl.float32)
     s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
     tl.store(out_ptr + p * stride_o + offs_n, _round_to(s * up, DTYPE, INTERP), mask=offs_n < INTER)
 
@@ -109,16 +120,20 @@ def _down_kernel(
     ids_ptr,
     weight_ptr,
     out_ptr,
+    sh_ptr,
+    sw_ptr,
     H,
     INTER,
     stride_h,
     stride_we,
     stride_wn,
     stride_o,
+    stride_se,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -140,7 +155,10 @@ def _down_kernel(
                 hv = _tile_row(h_row + k, offs_n, offs_k, mask_k)
                 wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
                 acc += wv * hv
-        d = _round_to(tl.sum(acc, axis=1), DTYPE, INTERP).to(tl.float32)
+        d = tl.sum(acc, axis=1)
+        if SCALED:
+            d = d * tl.load(sh_ptr + p) * tl.load(sw_ptr + expert * stride_se + rows)
+        d = _round_to(d, DTYPE, INTERP).to(tl.float32)
         y += d * tl.load(weight_ptr + p)
     tl.store(out_ptr + t * stride_o + offs_n, _round_to(y, DTYPE, INTERP), mask=offs_n < H)
 
@@ -155,10 +173,13 @@ def moe_gemv(
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     unroll: int = UNROLL,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
-    Two kernels, no host synchronisation (CUDA-graph capturable)."""
+    Two kernels, no host synchronisation (CUDA-graph capturable). With the scales (float8
+    experts): x and the activation quantized per row first (two more kernels)."""
     assert activation in ("silu", "gelu_tanh"), activation
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -169,28 +190,39 @@ def moe_gemv(
     out = torch.empty_like(x)
     if t == 0:
         return out
+    scaled = w_gate_up_scale is not None
+    assert scaled == (w_down_scale is not None), "both scales or neither"
     x = x.contiguous()
+    sx = sw_gu = sw_d = x  # (unread placeholders unless scaled)
+    if scaled:
+        assert w_gate_up_scale is not None and w_down_scale is not None
+        x, sx = quantize_rows(x)
+        sw_gu, sw_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    dtype = _TL_DTYPES[x.dtype]
+    dtype = _TL_DTYPES[out.dtype]
     interp = _interpreting()
-    h = torch.empty((t * topk, inter), dtype=x.dtype, device=x.device)
+    h = torch.empty((t * topk, inter), dtype=out.dtype, device=x.device)
     _gate_up_kernel[(t * topk, triton.cdiv(inter, block_n))](
-        x, w_gate_up, ids, h,
+        x, w_gate_up, ids, h, sx, sw_gu,
         hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
+        2 * inter,
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
-        GELU=activation == "gelu_tanh", DTYPE=dtype, INTERP=interp,
+        GELU=activation == "gelu_tanh", SCALED=scaled, DTYPE=dtype, INTERP=interp,
         num_warps=4, num_stages=1,
     )  # fmt: skip
+    sh = h
+    if scaled:
+        h, sh = quantize_rows(h)
     _down_kernel[(t, triton.cdiv(hidden, block_n))](
-        h, w_down, ids, weights, out,
+        h, w_down, ids, weights, out, sh, sw_d,
         hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, DTYPE=dtype, INTERP=interp,
-        num_warps=4, num_stages=1,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), hidden,
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, SCALED=scaled, DTYPE=dtype,
+        INTERP=interp, num_warps=4, num_stages=1,
     )  # fmt: skip
     return out
 

@@ -156,14 +156,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    scales = {"w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale}
     if _triton(x):
         from kernels import moe, moe_gemv
 
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
-            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
-        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
-    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
+        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
+    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
 
 
 def route_topk(

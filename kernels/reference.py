@@ -218,6 +218,8 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP over routed tokens.
 
@@ -227,13 +229,27 @@ def fused_moe(
         out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t]),  e = topk_ids[t, j]
     Each expert's products are computed in x's dtype (as transformers' per-expert loops do),
     the weighted sum in float32.
+
+    Float8 experts (the scales given): float8 e4m3 weights with one fp32 scale per output
+    row ([E, 2I], [E, H]); each GEMM's input is quantized per row (x per token, the
+    activation per (token, slot): quantize_rows_fp8) and its product is
+    sa[m] * sw[n] * (q(a)[m] . q(W)[n]) in float32, rounded to x's dtype (quant.fp8_linear's formula).
     """
     act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    fp8 = w_gate_up_scale is not None
+    assert fp8 == (w_down_scale is not None), "both scales or neither"
+    if fp8:
+        qx, sx = quantize_rows_fp8(x)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = act(F.linear(x[rows], w_gate_up[e]))
-        y = F.linear(h, w_down[e])
+        if fp8:
+            assert w_gate_up_scale is not None and w_down_scale is not None
+            g = ((qx[rows].float() @ w_gate_up[e].float().t()) * sx[rows] * w_gate_up_scale[e]).to(x.dtype)
+            qh, sh = quantize_rows_fp8(act(g))
+            y = ((qh.float() @ w_down[e].float().t()) * sh * w_down_scale[e]).to(x.dtype)
+        else:
+            y = F.linear(act(F.linear(x[rows], w_gate_up[e])), w_down[e])
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
     return out.to(x.dtype)
 

@@ -8,6 +8,7 @@ token must be among the other side's top logprobs at the point they part.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -58,6 +59,29 @@ def emulate_w8a8(model: torch.nn.Module) -> None:
             q, s = quantize_rows_fp8(m.weight.data)
             m.weight.data = dequantize(q, s.view(-1), m.weight.dtype)
             m.register_forward_pre_hook(lambda mod, args: (fake_quantize_rows(args[0]),))
+        elif isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3:
+            # a mixture of experts' stacked experts (transformers 5): each expert's rows, and
+            # the inputs of both of its products, rounded the same way (the router is not)
+            for w in (m.gate_up_proj, m.down_proj):
+                e, n, k = w.shape
+                q, s = quantize_rows_fp8(w.data.reshape(e * n, k))
+                w.data = dequantize(q, s.view(-1), w.dtype).view(e, n, k)
+            m.forward = types.MethodType(_w8a8_experts_forward, m)
+
+
+def _w8a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts loop (Qwen3MoeExperts / MixtralExperts.forward, 5.24) with each
+    expert's inputs rounded through float8 row by row."""
+    from streamer.model.quant import fake_quantize_rows
+
+    out = torch.zeros_like(hidden_states)
+    for e in torch.unique(top_k_index).tolist():
+        token_idx, pos = torch.where(top_k_index == e)
+        gate, up = torch.nn.functional.linear(fake_quantize_rows(hidden_states[token_idx]), self.gate_up_proj[e]).chunk(2, -1)
+        h = fake_quantize_rows(self.act_fn(gate) * up)
+        y = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token_idx, pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.moe import MoEForCausalLM
+from streamer.model.moe import Experts, MoEForCausalLM
 from streamer.model.registry import model_class
 from streamer.model.rope import default_dtype, longrope_note
 
@@ -110,9 +110,9 @@ def load_model(
     hf_config = load_hf_config(path)
     scheme = fp8_checkpoint.read_scheme(hf_config, str(path / "config.json"), quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
-    if issubclass(cls, MoEForCausalLM) and (quantization == "fp8" or scheme is not None):
-        raise ModelLoadError(f"{path}: float8 is not implemented for {cls.__name__}'s experts "
-                             "(--quantization fp8 or a float8 checkpoint); load it unquantized")
+    if issubclass(cls, MoEForCausalLM) and scheme is not None:
+        raise ModelLoadError(f"{path}: float8 checkpoints are not implemented for {cls.__name__}'s experts; "
+                             "load the unquantized checkpoint (with --quantization fp8 for float8 experts)")
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
     check_config(hf_config, cls, max_positions, str(path / "config.json"))
@@ -149,6 +149,8 @@ def load_model(
             for name, m in model.named_modules():
                 # the LM head stays in the model's dtype (as in the usual fp8 checkpoints)
                 if isinstance(m, Linear) and name != "lm_head":
+                    m.quantize_fp8()
+                elif isinstance(m, Experts):
                     m.quantize_fp8()
         if (scheme is not None or quantization == "fp8") and device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory

@@ -7,6 +7,8 @@ the hidden dtype before the weighted sum; Mixtral keeps them float32. The expert
 through kernels.ops.fused_moe over stacked weights, named as transformers 5.24 names its
 modules: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows)
 and mlp.experts.down_proj [E, H, I], with the router's mlp.gate.weight [E, H].
+With quantization "fp8" the experts are float8 (one scale per row of each expert, the
+inputs quantized per row: kernels.reference.fused_moe); the router stays in the model's dtype.
 
 Checkpoints: save_pretrained of 5.24 still writes one tensor per expert (Mixtral:
 block_sparse_moe.experts.N.w1 gate / w3 up / w2 down and block_sparse_moe.gate; Qwen3-MoE:
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
 from streamer.model.llama import LlamaForCausalLM
 
@@ -48,6 +51,24 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        # float8 experts (quantize_fp8): one fp32 scale per output row of each expert
+        self.gate_up_proj_scale: torch.Tensor | None
+        self.down_proj_scale: torch.Tensor | None
+        self.register_buffer("gate_up_proj_scale", None, persistent=False)
+        self.register_buffer("down_proj_scale", None, persistent=False)
+
+    def quantize_fp8(self) -> None:
+        """Each expert's rows to float8 with their scales, as Linear.quantize_fp8 (quantization
+        "fp8"); one expert at a time, so the extra memory is one expert's float32 copy."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name).data
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], s = quantize_rows_fp8(w[e])
+                scale[e] = s.view(-1)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(f"{name}_scale", scale, persistent=False)
 
 
 class SparseMoE(nn.Module):
@@ -68,7 +89,9 @@ class SparseMoE(nn.Module):
         weights, ids = ops.route_topk(
             logits, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
-        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.activation)
+        ex = self.experts
+        return ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
+                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -19,7 +19,7 @@ from streamer.errors import ModelLoadError
 from streamer.model.loader import load_model
 from tests.conftest import make_tiny_model
 from tests.model.test_greedy_vs_transformers import assert_matches, prompts, run_and_compare
-from tests.oracle import _hf_model
+from tests.oracle import Comparison, _hf_model, compare
 
 ARCHS = {
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
@@ -162,9 +162,37 @@ def test_unsupported_config_is_refused_by_field(moe_models, tmp_path, name, edit
         load_model(folder, load_format="dummy")
 
 
-def test_fp8_is_refused_for_experts(moe_models):
-    with pytest.raises(ModelLoadError, match="float8 is not implemented for MixtralForCausalLM"):
-        load_model(moe_models["mixtral"], quantization="fp8")
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_fp8_experts_follow_transformers_with_the_same_roundings(moe_models, name):
+    """quantization "fp8": float8 experts (per-row scales) and linear layers, the router
+    unquantized; greedy output equals transformers computing the same roundings
+    (tests/oracle.py emulate_w8a8), batched and in short prefill chunks."""
+    path = moe_models[name]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(path), quantization="fp8", max_num_batched_tokens=32) as llm:
+        block = llm.engine.runner.model.layers[1].mlp
+        assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert block.experts.down_proj_scale.shape == block.experts.down_proj.shape[:2]
+        assert block.gate.weight.dtype == torch.float32
+        batch = prompts(llm.tokenizer, 3, 20, 70, seed=4)
+        outs = llm.generate(batch, params)
+    cmp = Comparison()
+    for p, o in zip(batch, outs):
+        assert o.error is None, o.error
+        compare(path, p, o.token_ids, cmp, w8a8=True)
+    assert not cmp.failures, "\n".join(cmp.failures)
+    assert cmp.exact >= len(batch) - 1, (cmp.exact, cmp.near_ties)
+
+
+def test_fp8_checkpoints_of_experts_are_refused(moe_models, tmp_path):
+    import json
+
+    folder = _copy(moe_models["mixtral"], tmp_path / "mixtral")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="float8 checkpoints are not implemented for MixtralForCausalLM"):
+        load_model(folder, load_format="dummy")
 
 
 def test_cuda_graphs_wait_for_the_triton_kernel(moe_models, monkeypatch):
