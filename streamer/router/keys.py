@@ -93,3 +93,19 @@ def _prompt_key(prompt: Any) -> str:
             return token_key(prompt)
         return _prompt_key(prompt[0])
     return ""
+
+
+SESSION_PREFIX = "ws-"
+"""A WebSocket turn's request id is session_request_id(session, turn): "ws-<session>-<turn>"."""
+
+
+def session_request_id(session: str, turn: int) -> str:
+    """The request id of a session's turn; DataParallelEngine reads the session back from it."""
+    return f"{SESSION_PREFIX}{session}-{turn}"
+
+
+def session_of(request_id: str) -> str | None:
+    if not request_id.startswith(SESSION_PREFIX):
+        return None
+    session, _, turn = request_id[len(SESSION_PREFIX) :].rpartition("-")
+    return session if session and turn.isdigit() else None

@@ -26,10 +26,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from streamer.config import BALANCE_MARGIN
 from streamer.router.tree import PrefixTree
 
-DEFAULT_MARGIN = 8
-"""Open requests by which the replica holding a prompt's prefix may exceed the least loaded
+DEFAULT_MARGIN = BALANCE_MARGIN
+"""(ServerConfig.balance_margin, `--balance-margin`) Open requests by which the replica holding a prompt's prefix may exceed the least loaded
 one and still get it. A cache hit saves its prefix's prefill, but a replica with 8 more
 requests in its batch decodes each of them slower: past the margin, balance wins (SGLang
 defaults to 32 for GPU servers of large batches; 8 keeps a DP=2 pair of small batches even)."""
