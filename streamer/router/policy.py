@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from streamer.config import BALANCE_MARGIN
+from streamer.errors import ConfigError
 from streamer.router.tree import PrefixTree
 
 DEFAULT_MARGIN = BALANCE_MARGIN
@@ -73,11 +74,11 @@ class RoutingPolicy:
 
     def __post_init__(self) -> None:
         if self.size < 1:
-            raise ValueError(f"a router needs at least one replica, not {self.size}")
+            raise ConfigError(f"a router needs at least one replica, not {self.size}")
         if self.margin < 0:
-            raise ValueError(f"the balance margin must be >= 0, not {self.margin}")
+            raise ConfigError(f"the balance margin (--balance-margin) must be >= 0, not {self.margin}")
         if not 0.0 <= self.min_match <= 1.0:
-            raise ValueError(f"min_match must be in [0, 1], not {self.min_match}")
+            raise ConfigError(f"min_match must be in [0, 1], not {self.min_match}")
         self.trees = [PrefixTree(self.tree_chars) for _ in range(self.size)]
         self.load = [0] * self.size
 
