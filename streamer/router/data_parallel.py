@@ -33,6 +33,7 @@ from streamer.engine.remote import EngineProcess
 from streamer.messages import EngineStats, GenerateRequest, RequestOutput
 from streamer.router.devices import replica_environments
 from streamer.router.keys import request_key, session_of
+from streamer.router.metrics import RouterCollector
 from streamer.router.policy import DEFAULT_MARGIN, NoReplica, RoutingPolicy
 from streamer.router.stats import total_stats
 
@@ -49,6 +50,8 @@ class DataParallelEngine:
         self._where: dict[str, int] = {}
         self._counter = 0
         self._launched = False
+        self._sent = [0] * size
+        """Requests routed to each replica, all time (/metrics)."""
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -128,6 +131,7 @@ class DataParallelEngine:
             yield engine_failed(rid, self.dead or self.stalled or "no replica is available")
             return
         self.policy.open(i)
+        self._sent[i] += 1
         self._where[rid] = i
         try:
             async with contextlib.aclosing(self.replicas[i].submit(request)) as outputs:
@@ -152,6 +156,11 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[EngineStats]:
         return [r.stats() for r in self.replicas]
+
+    def collector(self) -> RouterCollector:
+        """The routing metrics (the server's /metrics registers it beside the replicas' engine metrics)."""
+        return RouterCollector(self.policy, "replica", [str(i) for i in range(len(self.replicas))], self.usable,
+                               lambda: list(self._sent))
 
     def replica_status(self) -> list[dict[str, Any]]:
         """Each replica's state, for /health: ok, stalled or down, with the reason."""

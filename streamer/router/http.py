@@ -14,7 +14,7 @@ request goes to the next one; every worker down: 503. A worker that fails mid-an
 that answer (the client sees the stream end). The router checks no API key (the workers
 do: Authorization and ?api_key pass through) and keeps no state but its trees and counts.
 /health: 200 while a worker is up ("degraded" while some are down), else 503, with each
-worker's status; /metrics: the router's own (workers.PoolCollector).
+worker's status; /metrics: the router's own (router/metrics.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from streamer.config import BALANCE_MARGIN
 from streamer.router.keys import body_key
+from streamer.router.metrics import RouterCollector
 from streamer.router.policy import NoReplica, RoutingPolicy
-from streamer.router.workers import PoolCollector, WorkerPool, worker_urls
+from streamer.router.workers import WorkerPool, worker_urls
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize", "/apply_chat_template")
 ANY = ("/v1/models", "/version")
@@ -185,7 +186,9 @@ def _unavailable(status: list[dict[str, Any]]) -> JSONResponse:
 def create_router_app(urls: list[str], margin: int = BALANCE_MARGIN) -> Starlette:
     router = _Router(worker_urls(urls), margin)
     registry = CollectorRegistry()
-    registry.register(PoolCollector(router.pool))
+    workers = router.pool.workers
+    registry.register(RouterCollector(router.policy, "worker", [w.url for w in workers], router.pool.usable,
+                                      lambda: [w.requests for w in workers]))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

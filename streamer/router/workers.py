@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from streamer.errors import ConfigError
 from streamer.router.policy import RoutingPolicy
@@ -93,27 +91,3 @@ class WorkerPool:
                 entry["error"] = w.error
             out.append(entry)
         return out
-
-
-class PoolCollector(Collector):
-    """The router's /metrics: each worker's state and load, and the routing decisions."""
-
-    def __init__(self, pool: WorkerPool) -> None:
-        self.pool = pool
-
-    def collect(self) -> Iterator[Any]:
-        up = GaugeMetricFamily("streamer_router_worker_up", "1 while the worker's /health answers 200",
-                               labels=["worker"])
-        load = GaugeMetricFamily("streamer_router_open_requests", "requests and sessions open on the worker",
-                                 labels=["worker"])
-        sent = CounterMetricFamily("streamer_router_requests", "requests and sessions routed to the worker",
-                                   labels=["worker"])
-        for i, w in enumerate(self.pool.workers):
-            up.add_metric([w.url], 1.0 if w.up else 0.0)
-            load.add_metric([w.url], self.pool.policy.load[i])
-            sent.add_metric([w.url], w.requests)
-        rules = CounterMetricFamily("streamer_router_decisions", "routing decisions by the rule that made them "
-                                    "(session, prefix: a cached prefix; balance: the least loaded)", labels=["rule"])
-        for rule, n in self.pool.policy.decisions.as_dict().items():
-            rules.add_metric([rule], n)
-        yield from (up, load, sent, rules)

@@ -116,7 +116,7 @@ def test_a_worker_that_fails_to_connect_is_marked_down_and_another_answers(setup
     assert r.status_code == 200
     assert not pool.workers[1].up and "Connect" in pool.workers[1].error
     text = httpx.get(f"{setup.url}/metrics").text
-    assert f'streamer_router_worker_up{{worker="{pool.workers[1].url}"}} 0.0' in text
+    assert f'streamer_router_up{{worker="{pool.workers[1].url}"}} 0.0' in text
     assert 'streamer_router_decisions_total{rule="prefix"}' in text
     assert setup.router.policy.load == [0, 0, 0]
 

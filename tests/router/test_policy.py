@@ -98,3 +98,20 @@ def test_keys_of_engine_requests_and_http_bodies() -> None:
     assert ids != text_key("\x01\x02\x03")
     assert body_key("/v1/models", None) == ""
     assert len(text_key("x" * (2 * MAX_KEY_CHARS))) == MAX_KEY_CHARS
+
+
+def test_each_cuda_replica_sees_its_own_devices(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from streamer.router.devices import replica_environments
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert replica_environments(SimpleNamespace(device="cuda"), 2) == [  # type: ignore[arg-type]
+        {"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    # replicas that are tensor-parallel themselves take tensor_parallel_size devices each
+    tp2 = SimpleNamespace(device="cuda", tensor_parallel_size=2)
+    assert replica_environments(tp2, 2) == [  # type: ignore[arg-type]
+        {"CUDA_VISIBLE_DEVICES": "3,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = replica_environments(SimpleNamespace(device="cpu"), 2)  # type: ignore[arg-type]
+    assert cpu[0] == cpu[1] and int(cpu[0]["OMP_NUM_THREADS"]) >= 1

@@ -57,12 +57,14 @@ def prefix(tag: str, g: int) -> str:
 
 async def workload(engine: Any, tag: str) -> None:
     """4 groups x 8 requests, each group with its own shared prefix: one request of each
-    group first (they fill the caches), then the other 28 at once, the groups interleaved."""
+    group first (they fill the caches), then the other 28 at once, the groups interleaved
+    two by two (so that a router blind to prefixes, round-robin, splits every group)."""
     def req(g: int, k: int) -> GenerateRequest:
         return GenerateRequest(request_id=f"{tag}-{g}-{k}", prompt=prefix(tag, g) + f"Question {k}?", params=ONE)
 
     await asyncio.gather(*(engine.generate(req(g, 0)) for g in range(GROUPS)))
-    await asyncio.gather(*(engine.generate(req(g, k)) for k in range(1, PER_GROUP) for g in range(GROUPS)))
+    pairs = [(g, k) for j in range(1, PER_GROUP, 2) for g in range(GROUPS) for k in (j, j + 1) if k < PER_GROUP]
+    await asyncio.gather(*(engine.generate(req(g, k)) for g, k in pairs))
 
 
 def settled(read: Any, finished: int, timeout: float = 20) -> EngineStats:
@@ -170,9 +172,15 @@ def test_metrics_per_replica_and_in_total(dp: Served) -> None:
                            'streamer_cached_prompt_tokens_total{replica="1"}'}
     assert sum(values.values()) == total > 0
     assert 'streamer_requests_running{replica="1"}' in text
+    assert 'streamer_router_up{replica="0"} 1.0' in text
+    assert 'streamer_router_decisions_total{rule="prefix"}' in text
 
 
-def test_too_few_devices_and_no_engine_process_are_refused() -> None:
+def test_too_few_devices_no_engine_process_and_the_offline_llm_are_refused() -> None:
+    from streamer import LLM
+
+    with pytest.raises(ConfigError, match="streamer serve --data-parallel-size"):
+        LLM(data_parallel_size=2)
     with pytest.raises(ConfigError, match="--no-engine-process"):
         ServerConfig(data_parallel_size=2, engine_process=False)
     with pytest.raises(ConfigError, match="names one device"):
