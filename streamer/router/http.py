@@ -49,10 +49,13 @@ ANY = ("/v1/models", "/version")
 PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 DROPPED_ANSWER_HEADERS = ("connection", "transfer-encoding", "content-length", "keep-alive", "date", "server")
 CONNECT_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 8 << 20
+"""As `streamer serve`'s default: the router holds a body whole before it sends it on."""
 
 
 class _Router:
-    def __init__(self, urls: list[str], margin: int) -> None:
+    def __init__(self, urls: list[str], margin: int, max_request_bytes: int) -> None:
+        self.max_request_bytes = max_request_bytes
         self.policy = RoutingPolicy(len(urls), margin)
         self.pool = WorkerPool(urls, self.policy)
         self.client: httpx.AsyncClient | None = None
@@ -63,7 +66,11 @@ class _Router:
 
     async def forward(self, request: Request) -> Response:
         assert self.client is not None
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            return JSONResponse({"error": {"message": f"the request body is over {self.max_request_bytes:,} bytes "
+                                           "(streamer router --max-request-bytes)", "type": "invalid_request_error",
+                                           "code": "limit_exceeded"}}, 413)
         try:
             key = body_key(request.url.path, json.loads(body)) if body else ""
         except ValueError:
@@ -105,6 +112,17 @@ class _Router:
 
         # (the background task runs after the answer, and also when the client goes away)
         return StreamingResponse(relay(), status_code=answer.status_code, headers=kept, background=BackgroundTask(done))
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The body, read whole (its prompt decides the worker), or None past max_request_bytes."""
+        if int(request.headers.get("content-length") or 0) > self.max_request_bytes:
+            return None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return None
+        return bytes(body)
 
     async def session(self, ws: WebSocket) -> None:
         origin = ws.headers.get("origin")
@@ -183,8 +201,9 @@ def _unavailable(status: list[dict[str, Any]]) -> JSONResponse:
                         503, headers={"Retry-After": "5"})
 
 
-def create_router_app(urls: list[str], margin: int = BALANCE_MARGIN) -> Starlette:
-    router = _Router(worker_urls(urls), margin)
+def create_router_app(urls: list[str], margin: int = BALANCE_MARGIN, max_request_bytes: int = MAX_REQUEST_BYTES,
+                      ) -> Starlette:
+    router = _Router(worker_urls(urls), margin, max_request_bytes)
     registry = CollectorRegistry()
     workers = router.pool.workers
     registry.register(RouterCollector(router.policy, "worker", [w.url for w in workers], router.pool.usable,
@@ -222,6 +241,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-margin", type=int, default=BALANCE_MARGIN, metavar="REQUESTS",
                    help="open requests by which the worker holding a prompt's prefix may exceed the least "
                         f"loaded worker and still get it (default {BALANCE_MARGIN})")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="BYTES",
+                   help=f"bytes of an HTTP body; beyond it 413 (default {MAX_REQUEST_BYTES:,}); WebSocket "
+                        "messages are the workers' to limit")
 
 
 def run_router(args: argparse.Namespace) -> None:
@@ -230,6 +252,6 @@ def run_router(args: argparse.Namespace) -> None:
     import uvicorn  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    app = create_router_app(args.workers, args.balance_margin)
+    app = create_router_app(args.workers, args.balance_margin, args.max_request_bytes)
     print(f"streamer router: http://{args.host}:{args.port} in front of {', '.join(args.workers)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", ws_ping_interval=20)

@@ -121,6 +121,14 @@ def test_a_worker_that_fails_to_connect_is_marked_down_and_another_answers(setup
     assert setup.router.policy.load == [0, 0, 0]
 
 
+def test_a_body_over_the_limit_is_refused_by_the_router(setup: Setup) -> None:
+    sent = [len(e.sent) for e in setup.engines]
+    big = {"prompt": "x" * (9 << 20), "max_tokens": 1}
+    r = httpx.post(f"{setup.url}/v1/completions", json=big, timeout=30)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    assert [len(e.sent) for e in setup.engines] == sent
+
+
 def test_bad_worker_urls_are_refused() -> None:
     with pytest.raises(ConfigError, match="URL"):
         create_router_app(["localhost:8000"])
