@@ -20,7 +20,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from streamer.config import EngineConfig, ServerConfig
-from streamer.errors import ConfigError
+from streamer.errors import ConfigError, ModelLoadError
 from streamer.messages import ENGINE_DOWN, EngineStats, GenerateRequest, RequestOutput, SamplingParams
 from streamer.router.data_parallel import DataParallelEngine
 from streamer.server.app import create_app
@@ -195,6 +195,14 @@ def test_too_few_devices_no_engine_process_and_the_offline_llm_are_refused() -> 
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = env
+
+
+def test_a_replica_that_fails_to_start_fails_the_launch_with_its_error(tmp_path) -> None:
+    engine = DataParallelEngine(EngineConfig(model=str(tmp_path / "nowhere")), 2)
+    with pytest.raises(ModelLoadError, match="no such model folder"):
+        engine.launch()
+    for replica in engine.replicas:  # every process has exited and was reaped
+        assert replica.pid is not None and not os.path.exists(f"/proc/{replica.pid}")
 
 
 def test_a_dead_replica_fails_its_own_requests_and_health_reports_it(dp: Served) -> None:
