@@ -134,6 +134,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench_main(args)
 
 
+def cmd_router(args: argparse.Namespace) -> None:
+    from streamer.router.http import run_router
+
+    run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamer", description="An async streaming LLM inference server.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -172,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("router", help="route OpenAI requests across `streamer serve` hosts (cache-aware)")
+    from streamer.router.http import add_router_args
+
+    add_router_args(r)
+    r.set_defaults(func=cmd_router)
     return p
 
 

@@ -30,6 +30,8 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 CACHE_ISOLATIONS = ("none", "per-key")
 GENERATION_CONFIGS = ("auto", "none")
+BALANCE_MARGIN = 8
+"""ServerConfig.balance_margin's default (router/policy.py says why 8)."""
 
 
 ENV_PREFIX = "STREAMER_"
@@ -277,8 +279,20 @@ class ServerConfig:
     """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
     grammars (response_format, tools) apply from its end. None: all text is content."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+    data_parallel_size: int = 1
+    """Engine replicas, each an engine process with the same EngineConfig (and its own
+    devices), behind the cache-aware router of streamer/router/ (DataParallelEngine)."""
+    balance_margin: int = BALANCE_MARGIN
+    """With data_parallel_size > 1: open requests by which the replica that holds a prompt's
+    prefix may exceed the least loaded replica and still get it (router/policy.py)."""
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1 or self.balance_margin < 0:
+            raise ConfigError(f"data_parallel_size must be >= 1 and balance_margin >= 0, not "
+                              f"{self.data_parallel_size} and {self.balance_margin}")
+        if self.data_parallel_size > 1 and self.engine_process is False:
+            raise ConfigError("--data-parallel-size runs each replica in an engine process of its own: "
+                              "it cannot be combined with --no-engine-process")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"not {self.tool_call_parser!r}")

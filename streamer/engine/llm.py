@@ -16,6 +16,7 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine.engine import AsyncEngine
+from streamer.errors import ConfigError
 from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
 
 _open: weakref.WeakSet[LLM] = weakref.WeakSet()
@@ -41,6 +42,9 @@ class LLM:
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         # offline, every request is known up front: none arrives to join a held step
         kwargs.setdefault("hold_ahead_ms", 0.0)
+        if "data_parallel_size" in kwargs:
+            raise ConfigError("LLM runs one engine in this process: data_parallel_size is not an option of it "
+                              "(replicas behind a router: `streamer serve --data-parallel-size N`)")
         self.engine = AsyncEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-llm", daemon=True)

@@ -25,12 +25,14 @@ forked), nor tokenizes for the engine (its tokenizer serves /tokenize and logpro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import socket
+import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,9 @@ class EngineProcess:
         self._check = msgspec.msgpack.Decoder(ToEngine)
         self._stopping = False
         self._counter = 0
+        self.env: dict[str, str] = {}
+        """Environment variables the engine process starts with, over this process's (a
+        data-parallel replica's devices: router/devices.py)."""
 
     def launch(self) -> None:
         """Spawn the engine process and wait (blocking) for its Ready; raise its start error."""
@@ -113,7 +118,8 @@ class EngineProcess:
         self._process = multiprocessing.get_context("spawn").Process(
             target=engine_main, args=(theirs, self.config, os.getpid()), name="streamer-engine", daemon=True
         )
-        self._process.start()
+        with _environment(self.env):  # (a spawned child inherits os.environ as it is at start)
+            self._process.start()
         theirs.close()  # only the child holds its end now: EOF on ours means the child is gone
         self._sock, self.pid = ours, self._process.pid
         try:
@@ -284,6 +290,25 @@ class EngineProcess:
     async def generate(self, request: GenerateRequest) -> RequestOutput:
         """Run one request to the end; the result holds all its token ids and text."""
         return await collect(request.request_id, self.submit(request))
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    # (one at a time: replicas launch from threads of their own, each with its devices)
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+_ENV_LOCK = threading.Lock()
 
 
 def _start_error(f: Failed) -> Exception:

@@ -66,13 +66,17 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         """200 while the engine serves; 503 once it is dead, and while it is stalled: its
-        process silent for health.HEARTBEAT_S, or a step running for STEP_STALL_S."""
+        process silent for health.HEARTBEAT_S, or a step running for STEP_STALL_S. With
+        data-parallel replicas, each one's status too; "degraded" (200) while some are down."""
+        replicas = getattr(engine, "replica_status", None)  # data-parallel replicas, each ok or not
+        extra = {"replicas": replicas()} if replicas is not None else {}
         if engine.dead:
-            return JSONResponse({"status": "error", "error": engine.dead}, 503)
+            return JSONResponse({"status": "error", "error": engine.dead, **extra}, 503)
         stalled = engine.stalled
         if stalled:
-            return JSONResponse({"status": "stalled", "error": stalled}, 503)
-        return JSONResponse({"status": "ok", "model": state.model_name})
+            return JSONResponse({"status": "stalled", "error": stalled, **extra}, 503)
+        degraded = any(r["status"] != "ok" for r in extra.get("replicas", ()))  # (the others serve on)
+        return JSONResponse({"status": "degraded" if degraded else "ok", "model": state.model_name, **extra})
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(__version__))

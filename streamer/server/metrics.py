@@ -12,6 +12,7 @@ embedders run several apps in one process. Two kinds of metrics:
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -93,7 +94,8 @@ class LoopHistogram(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats],
+                 replica_stats: Callable[[], list[EngineStats]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("streamer_http_requests", "HTTP requests and WebSocket turns by endpoint and status",
@@ -110,7 +112,7 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.finished = Counter("streamer_requests_finished", "engine requests by finish reason",
                                 ["finish_reason"], registry=r)
-        r.register(EngineCollector(stats))
+        r.register(EngineCollector(stats) if replica_stats is None else ReplicaCollector(stats, replica_stats))
 
     def render(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -178,3 +180,24 @@ class RequestCounter:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+class ReplicaCollector(Collector):
+    """EngineCollector's metrics of data-parallel replicas (router/data_parallel.py): each
+    family holds the total, unlabeled as for one engine, and every replica's value with a
+    `replica` label (sum(x{replica!=""}) is the total)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], replica_stats: Callable[[], list[EngineStats]]) -> None:
+        self.total = EngineCollector(stats)
+        self.replica_stats = replica_stats
+
+    def collect(self) -> Iterator[Any]:
+        families = list(self.total.collect())
+        for i, rs in enumerate(self.replica_stats()):
+            for family, part in zip(families, EngineCollector(functools.partial(_same, rs)).collect()):
+                family.samples.extend(s._replace(labels={**s.labels, "replica": str(i)}) for s in part.samples)
+        yield from families
+
+
+def _same(stats: EngineStats) -> EngineStats:
+    return stats

@@ -66,6 +66,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
                    help="answer the model's <think> text as reasoning_content; grammars apply from its end "
                         "(default: none, all text is content)")
+    g.add_argument("--data-parallel-size", type=_positive(int), default=d.data_parallel_size, metavar="N",
+                   help="N engine replicas, each an engine process with its own devices (CUDA: N devices, "
+                        "or N x the tensor-parallel size), behind a router that sends each request to the "
+                        "replica whose prefix cache likely holds its prompt (default 1)")
+    g.add_argument("--balance-margin", type=int, default=d.balance_margin, metavar="REQUESTS",
+                   help="with --data-parallel-size: open requests by which the replica holding a prompt's "
+                        f"prefix may exceed the least loaded one and still get it (default {d.balance_margin})")
     add_limit_args(p, d)
 
 
@@ -172,6 +179,8 @@ def server_config(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
         tool_call_parser=getattr(args, "tool_call_parser", d.tool_call_parser),
         reasoning_parser=getattr(args, "reasoning_parser", d.reasoning_parser),
+        data_parallel_size=getattr(args, "data_parallel_size", d.data_parallel_size),
+        balance_margin=getattr(args, "balance_margin", d.balance_margin),
         **{f: getattr(args, f, getattr(d, f)) for f in LIMIT_FIELDS},
     )
 
@@ -180,7 +189,13 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     config = server_config(args, engine_config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine: Engine
-    if wants_engine_process(config):
+    if config.data_parallel_size > 1:
+        from streamer.router.data_parallel import DataParallelEngine  # noqa: PLC0415 - heavy (torch)
+
+        replicas = DataParallelEngine(engine_config, config.data_parallel_size, config.balance_margin)
+        replicas.launch()  # every replica loads its model; a failure raises here, before uvicorn starts
+        engine = replicas
+    elif wants_engine_process(config):
         from streamer.engine.remote import EngineProcess  # noqa: PLC0415 - heavy (torch)
 
         process = EngineProcess(engine_config)

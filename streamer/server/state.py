@@ -47,7 +47,10 @@ class ServerState:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = Metrics(engine.stats)
+        # (data-parallel replicas: also each replica's engine metrics, router/data_parallel.py)
+        self.metrics = Metrics(engine.stats, getattr(engine, "replica_stats", None))
+        if hasattr(engine, "collector"):  # ... and the router's
+            self.metrics.registry.register(engine.collector())
         self.inflight: set[str] = set()
         self.pending = 0
         """Engine requests submitted that have not produced their first output yet."""

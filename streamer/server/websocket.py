@@ -56,6 +56,7 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamer.messages import ENGINE_DOWN, GenerateRequest
+from streamer.router.keys import session_request_id
 from streamer.server import protocol as p
 from streamer.server.chat_output import ChatDelta, ChatSetup, finish_reason
 from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
@@ -213,7 +214,7 @@ class Session:
         # the turn's prompt is the whole conversation: its limits apply to the history with this message
         self.st.limits.messages([*self.messages, entry], "content")
         self.st.check_model(msg.model)
-        req, setup = self.turn_request(msg, entry, f"ws-{self.id}-{self.turns + 1}")
+        req, setup = self.turn_request(msg, entry, session_request_id(self.id, self.turns + 1))
         self.turns += 1
         self.turn_rid = req.request_id
         self.messages.append(entry)  # (popped if the turn fails)
