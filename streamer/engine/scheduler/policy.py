@@ -29,6 +29,7 @@ from streamer.engine.scheduler import results
 from streamer.engine.scheduler.batch import BatchBuilder
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.engine.scheduler.deadlines import Deadlines, timed_out
+from streamer.engine.scheduler.loads import Loads, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
 from streamer.kv.pages import PagePool
@@ -56,7 +57,9 @@ class Scheduler:
         self.config = config
         self.vocab_size = vocab_size
         self.pool = pool
-        self.tree = RadixCache(pool)
+        self.tree = RadixCache(pool, host_tier(config, pool))
+        self.loads = Loads(pool, self.tree)
+        """Prefixes coming back from the host tier (loads.py)."""
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -127,7 +130,8 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a request still here: the actor loop wakes up for it."""
-        return self.deadlines.next()
+        due, load = self.deadlines.next(), self.loads.wake()
+        return due if load is None else load if due is None else min(due, load)
 
     def expire(self, now: float) -> list[TokenDelta]:
         """End every request whose deadline has passed, wherever it is (queued, running,
@@ -147,6 +151,7 @@ class Scheduler:
             self.pages.leave(req, self.in_flight)
         elif req.status == Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
+            self.loads.forget(req)
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
         self.counters.finished_total += 1
@@ -160,6 +165,7 @@ class Scheduler:
         sampled tokens it will produce are placeholders here, and nothing is preempted
         (its pages may be in use); a request that cannot grow just sits this step out."""
         budget = self.config.max_num_batched_tokens
+        self.loads.poll()
         chunks: list[tuple[Request, int]] = []
         preempted = False
         suspect = next((r for r in self.running if r.suspect), None)
@@ -241,6 +247,8 @@ class Scheduler:
             pages: list[int] = []
             node = None
             if self.config.enable_prefix_caching:
+                if not self.loads.prefetch(req, req.tokens[: self.pages.cacheable(req)]):
+                    continue  # its prefix is on its way back from the host: the others go first
                 pages, node = self.tree.match_prefix(req.tokens[: self.pages.cacheable(req)], req.params.cache_salt)
                 claim = self.pages.claim(req, len(pages))
                 if claim is not None and claim in claimed:
@@ -263,6 +271,8 @@ class Scheduler:
                 req.admitted_once = True
                 req.queue_time = time.monotonic() - req.arrival
                 req.cached_tokens = computed
+                req.cached_host_tokens = min(self.loads.admitted(req), computed)
+                self.counters.cached_host_tokens_total += req.cached_host_tokens
                 self.counters.cached_tokens_total += computed
                 self.counters.prompt_tokens_total += req.prompt_len
             chunks.append((req, n))

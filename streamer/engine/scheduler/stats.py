@@ -38,6 +38,8 @@ class Counters:
     device_idle_s: float = 0.0
     isolated_failures: int = 0
     """Failed steps of several requests, each of which then ran its next step alone."""
+    cached_host_tokens_total: int = 0
+    """Of cached_tokens_total, tokens whose KV came back from the host tier."""
 
     def snapshot(
         self, steps: int, running: int, waiting: int, pool: PagePool, tree: RadixCache, clock: AheadClock, now: float
