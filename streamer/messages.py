@@ -256,6 +256,8 @@ class TokenDelta(msgspec.Struct):
     """With prompt_logprobs: RequestOutput.prompt_token_ids."""
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs: RequestOutput.prompt_top_logprobs."""
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those loaded back from the host tier (first delta)."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -293,6 +295,9 @@ class RequestOutput(msgspec.Struct):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs and SamplingParams.prompt_top_logprobs: the top (id, logprob) at
     each of their positions."""
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those whose KV came back from the host tier (--host-kv-cache-gb); the
+    rest were on the device."""
 
 
 ENGINE_DOWN = "engine_down"
@@ -357,6 +362,25 @@ class EngineStats(msgspec.Struct):
     step_age_s: float = 0.0
     """Seconds the oldest batch in flight has been with the executor (0: none in flight); a
     step that never returns (a stuck device or worker thread) shows here (engine.stalled)."""
+    host: HostStats | None = None
+    """The host tier's numbers (None: --host-kv-cache-gb is off)."""
+
+
+class HostStats(msgspec.Struct):
+    """The host KV tier (kv/host.py), in EngineStats."""
+
+    pages_total: int
+    pages_used: int
+    write_backs: int
+    """Pages written back from the device pool."""
+    load_backs: int
+    """Pages loaded back into the device pool."""
+    bytes_moved: int
+    """Bytes copied both ways."""
+    cached_tokens_total: int
+    """Prompt tokens whose KV came back from the host (of cached_tokens_total)."""
+    hit_rate: float
+    """cached_tokens_total / prompt tokens."""
 
 
 # ---- between the server process and the engine process (engine/remote.py) ----------

@@ -267,7 +267,7 @@ class RadixCache:
         """On the device, unlocked, and no child on the device: evict may take its pages."""
         return bool(n.pages) and n.lock_ref == 0 and not any(c.pages for c in n.children.values())
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, write_back: bool = True) -> int:
         """Free device pages of LRU unlocked leaves (of the device part of the tree) until
         num_pages pages are free again; returns pages freed. Without a host tier the leaves
         leave the tree; with one they go to the host (kv/host.py) and stay."""
@@ -283,7 +283,7 @@ class RadixCache:
             before = self.pool.num_free
             parent = leaf.parent
             assert parent is not None
-            if self.tier is not None and (leaf.host is not None or self._back_up(leaf)):
+            if self.tier is not None and write_back and (leaf.host is not None or self._back_up(leaf)):
                 self.pool.decref(leaf.pages)
                 self._set_pages(leaf, [])
             else:
@@ -381,11 +381,7 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop every unlocked node (used when prefix caching is turned off between runs)."""
-        tier, self.tier = self.tier, None  # (nothing is written back: it all goes)
-        try:
-            self.evict(self.pool.num_pages)
-        finally:
-            self.tier = tier
+        self.evict(self.pool.num_pages, write_back=False)
         self.evict_host(self.host_pages)
 
     def _nodes(self):

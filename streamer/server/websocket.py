@@ -296,7 +296,7 @@ class Session:
             self.calling = msgspec.structs.replace(msg, tool_choice="auto" if msg.tool_choice != "none" else "none")
             await self.send({"type": "tool_calls", "tool_calls": made})
         usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                 "cached_tokens": last.cached_tokens}
+                 "cached_tokens": last.cached_tokens, "cached_host_tokens": last.cached_host_tokens}
         done: dict[str, Any] = {"type": "done", "finish_reason": finish_reason(last.finish_reason, bool(made)),
                                 "usage": usage}
         if last.finish_reason == "timeout":

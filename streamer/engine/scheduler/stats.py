@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
-from streamer.messages import EngineStats
+from streamer.messages import EngineStats, HostStats
 
 
 @dataclass(slots=True)
@@ -70,4 +70,14 @@ class Counters:
             device_busy_s=self.device_busy_s,
             device_idle_s=self.device_idle_s,
             step_age_s=clock.step_age(now),
+            host=self._host(tree),
         )
+
+    def _host(self, tree: RadixCache) -> HostStats | None:
+        tier = tree.tier
+        if tier is None:
+            return None
+        total = tier.host.num_pages
+        return HostStats(total, total - tier.host.num_free, tier.write_backs, tier.load_backs,
+                         tier.bytes_written + tier.bytes_loaded, self.cached_host_tokens_total,
+                         self.cached_host_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0)
