@@ -24,11 +24,13 @@ CUDA streams and events (what may run when):
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 
+from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 
 STAGING_PAGES = 64
@@ -43,7 +45,9 @@ class HostPool:
         layers, _, page_bytes = pool.k_bytes.shape
         self.num_pages = num_pages
         self.page_bytes = 2 * layers * page_bytes
-        self.data = torch.empty((num_pages, 2, layers, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.data = torch.empty((num_pages, 2, layers, page_bytes), dtype=torch.uint8)
+        if pin and num_pages:
+            _pin(self.data)
         self._free: deque[int] = deque(range(num_pages))
         self._is_free = [True] * num_pages
 
@@ -71,6 +75,23 @@ class HostPool:
         assert len(set(held)) == len(held), "a host page is held twice"
         assert set(self._free) | set(held) == set(range(self.num_pages)), "a host page is lost"
         assert not set(self._free) & set(held), "a held host page is on the free list"
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock t in place (cudaHostRegister): copies from and to it are DMA, asynchronous.
+    (torch's pin_memory=True goes through its caching host allocator, which rounds a size up
+    to a power of two: a 96 GiB tier would take 128.)"""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise ConfigError(f"could not pin {t.numel() * t.element_size() >> 20} MiB of host memory for "
+                          f"host_kv_cache_gb (cudaHostRegister error {int(err)})")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+
+
+def _indices(ids: list[int], device: torch.device) -> torch.Tensor:
+    """ids on the device, without a blocking copy (a pageable one would wait for the stream)."""
+    return torch.tensor(ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -117,7 +138,7 @@ class HostTier:
         else:
             with torch.cuda.stream(self.d2h):
                 for s in range(0, len(gpu), STAGING_PAGES):
-                    g = torch.tensor(gpu[s : s + STAGING_PAGES], device=k.device)
+                    g = _indices(gpu[s : s + STAGING_PAGES], k.device)
                     staged = torch.stack((k[:, g], v[:, g]), dim=0).permute(2, 0, 1, 3).contiguous()
                     for i, p, n in _runs(host[s : s + STAGING_PAGES]):
                         data[p : p + n].copy_(staged[i : i + n], non_blocking=True)
@@ -148,7 +169,7 @@ class HostTier:
                 staged = torch.empty((len(chunk), *data.shape[1:]), dtype=torch.uint8, device=k.device)
                 for i, p, n in _runs(chunk):
                     staged[i : i + n].copy_(data[p : p + n], non_blocking=True)
-                g = torch.tensor(gpu[s : s + STAGING_PAGES], device=k.device)
+                g = _indices(gpu[s : s + STAGING_PAGES], k.device)
                 k[:, g] = staged[:, 0].transpose(0, 1)
                 v[:, g] = staged[:, 1].transpose(0, 1)
             return self.marker()
