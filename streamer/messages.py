@@ -71,6 +71,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Seconds from the engine's receipt of the request to its deadline (None: none). At the
     deadline the request ends wherever it is (tokenizing, queued, running), its pages are
     freed, and its final output has finish_reason "timeout" (with what it generated so far)."""
+    keep_prefix: str | None = None
+    """A key (a WebSocket session's id): when the request leaves, the path of its tokens stays
+    pinned in the prefix cache (on the device or the host tier, which never drops it) under
+    that key, replacing the key's previous path, until abort(key) or keep_prefix_s later
+    (engine/scheduler/keeps.py)."""
+    keep_prefix_s: float = 600.0
 
     def validate(self) -> None:
         if self.max_tokens < 1 and not self.fill_context:
@@ -101,6 +107,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
         if self.timeout is not None and not 0 < self.timeout < math.inf:  # (NaN fails too)
             raise RequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        if self.keep_prefix is not None and not 0 < len(self.keep_prefix) <= MAX_CACHE_SALT:
+            raise RequestError(f"keep_prefix must be a string of 1 to {MAX_CACHE_SALT} characters")
+        if not 0 < self.keep_prefix_s < math.inf:
+            raise RequestError(f"keep_prefix_s must be a positive number of seconds, got {self.keep_prefix_s}")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from streamer.engine.scheduler import results
 from streamer.engine.scheduler.batch import BatchBuilder
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.engine.scheduler.deadlines import Deadlines, timed_out
+from streamer.engine.scheduler.keeps import Keeps
 from streamer.engine.scheduler.loads import Loads, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
@@ -60,6 +61,8 @@ class Scheduler:
         self.tree = RadixCache(pool, host_tier(config, pool))
         self.loads = Loads(pool, self.tree)
         """Prefixes coming back from the host tier (loads.py)."""
+        self.keeps = Keeps(self.tree)
+        """Prefixes pinned for WebSocket sessions (keeps.py)."""
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -68,6 +71,7 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         """request id -> number of batches in flight that contain it."""
         self.pages = Pages(pool, self.tree, config.enable_prefix_caching, self.running, self.waiting, kv_window)
+        self.pages.keeps = self.keeps
         self.deadlines = Deadlines(self.requests)
         self.counters = Counters()
         self.batches = BatchBuilder(pool, vocab_size, self.counters, self.in_flight)
@@ -117,6 +121,8 @@ class Scheduler:
         """Abort or stop-string finish (its pages wait for any batch in flight that holds it)."""
         req = self.requests.get(request_id)
         if req is None:
+            if self.keeps.release(request_id):  # a keep_prefix key: its session has closed
+                return None
             if reason == "abort":
                 now = time.monotonic()
                 self.early_aborts = {k: t for k, t in self.early_aborts.items() if now - t < 300}
@@ -130,13 +136,14 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a request still here: the actor loop wakes up for it."""
-        due, load = self.deadlines.next(), self.loads.wake()
-        return due if load is None else load if due is None else min(due, load)
+        times = [t for t in (self.deadlines.next(), self.loads.wake(), self.keeps.next()) if t is not None]
+        return min(times, default=None)
 
     def expire(self, now: float) -> list[TokenDelta]:
         """End every request whose deadline has passed, wherever it is (queued, running,
         retrying): finish_reason "timeout"; its pages are freed (once no batch in flight
         holds them)."""
+        self.keeps.expire(now)
         out = []
         for req in self.deadlines.due(now):
             where = "running" if req.status == Status.RUNNING or req.admitted_once else "queued"

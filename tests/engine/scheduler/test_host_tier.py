@@ -170,3 +170,25 @@ def test_random_traffic_with_loads_in_flight_leaks_nothing(ops):
     assert s.tree.evictable == s.tree.cached_pages, "a lock outlived its request"
     s.tree.reset()
     assert s.pool.num_free == s.pool.capacity and s.tree.tier.host.num_free == s.tree.tier.host.num_pages
+
+
+def test_a_kept_session_history_survives_host_pressure_until_its_key_is_aborted():
+    from streamer.messages import SamplingParams, TokenizedRequest
+
+    s = tiered(12, 12)  # 11 device pages, 12 host pages
+    history = [5] * 64  # 4 pages
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, keep_prefix="ws-a")
+    assert s.add(TokenizedRequest(request_id="a1", prompt_token_ids=history, params=params, eos_token_ids=[2])) is None
+    run_to_end(s)
+    for i in range(6):  # other traffic: 6 x 4 pages through a device pool of 11 and a host of 12
+        submit(s, f"o{i}", [10 + i] * 64, max_tokens=1)
+        run_to_end(s)
+        s.check()
+    kept = sum(len(n.key) for n in s.tree.host_path(history)) + 16 * len(s.tree.match_prefix(history)[0])
+    assert kept == 64, "the session's history stayed (device or host)"
+    assert s.finish("ws-a", "abort") is None and not s.keeps.kept, "abort(key) ends the pin"
+    for i in range(6):
+        submit(s, f"p{i}", [30 + i] * 64, max_tokens=1)
+        run_to_end(s)
+    assert s.tree.host_path(history) == [] and s.tree.match_prefix(history)[0] == []
+    s.check()
