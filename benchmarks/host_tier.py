@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,7 +85,6 @@ def bandwidths(cfg: dict, args: argparse.Namespace, device: torch.device, dtype:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src, non_blocking=True)  # (warm)
     memcpy = min(time_it(device, lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
-    del dst
     host = list(range(pages))
     gpu = list(range(1, pages + 1))
     tier.load(host, gpu)
