@@ -16,7 +16,8 @@ Invariants:
     for the same copy (an event recorded after it), it never reads the pages early;
   - loads take device pages through the tree's eviction like any allocation: when the
     pool cannot hold the whole host part, the leading nodes that fit are loaded and the
-    rest of the prompt is computed.
+    rest of the prompt is computed; loads in flight hold at most half the pool (more
+    requests wait for theirs to start).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Load:
     """Locked until the event has completed."""
     tokens: int
     """Prompt tokens the request gets from the host through this load."""
+    pages: int = 0
+    """Device pages this load filled."""
 
 
 class Loads:
@@ -83,6 +86,11 @@ class Loads:
         busy = [n for n in path if n.pages]  # being loaded by another request's copy
         todo = path[len(busy) :]
         want = sum(len(n.key) for n in todo) // self.pool.page_size
+        if self.pending and sum(ld.pages for ld in self.pending.values()) + want > self.pool.capacity // 2:
+            # loads lock their pages until their requests are admitted: that many at once would
+            # leave the running requests nothing to evict (they would preempt each other)
+            self.tree.unlock(path[-1])
+            return False
         if self.pool.num_free < want:
             self.tree.evict(want - self.pool.num_free)
         take: list[Node] = []
@@ -115,7 +123,7 @@ class Loads:
             self.tree.unlock(reach[-1])
             self.host_tokens[rid] = self.host_tokens.get(rid, 0) + tokens_back
             return True
-        self.pending[rid] = Load(event, reach[-1], tokens_back)
+        self.pending[rid] = Load(event, reach[-1], tokens_back, len(gpu))
         return False
 
     def admitted(self, req: Request) -> int:
@@ -157,3 +165,19 @@ def host_tier(config: EngineConfig, pool: PagePool) -> HostTier | None:
         raise ConfigError(f"host_kv_cache_gb={config.host_kv_cache_gb:g} holds no KV page "
                           f"({tier.host.page_bytes} bytes each)")
     return tier
+
+
+def check_holds(tree: RadixCache, locks: list[Node], pins: list[Node]) -> None:
+    """Every node's lock_ref and pin count exactly the holders that walk through it: `locks`
+    (the nodes locked by requests and loads) and `pins` (kept prefixes)."""
+    want_lock: dict[int, int] = {}
+    want_pin: dict[int, int] = {}
+    for held, want in ((locks, want_lock), (pins, want_pin)):
+        for node in held:
+            n: Node | None = node
+            while n is not None:
+                want[id(n)] = want.get(id(n), 0) + 1
+                n = n.parent
+    for n in [tree.root, *tree._nodes()]:
+        assert n.lock_ref == want_lock.get(id(n), 0) + (n is tree.root), "a lock without its holder"
+        assert n.pin == want_pin.get(id(n), 0), "a pin without its holder"

@@ -30,7 +30,7 @@ from streamer.engine.scheduler.batch import BatchBuilder
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.engine.scheduler.deadlines import Deadlines, timed_out
 from streamer.engine.scheduler.keeps import Keeps
-from streamer.engine.scheduler.loads import Loads, host_tier
+from streamer.engine.scheduler.loads import Loads, check_holds, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
 from streamer.kv.pages import PagePool
@@ -320,5 +320,9 @@ class Scheduler:
         return self.clock.step_age(time.monotonic())
 
     def check(self) -> None:
-        """The page invariant (Pages.check)."""
+        """The page invariant (Pages.check); every lock and pin has its holder."""
         self.pages.check()
+        holders = [*self.running, *self.pages.zombies.values(), *self.pages.retrying.values()]
+        locks = [r.node for r in holders if r.node is not None]
+        locks += [ld.node for ld in [*self.loads.pending.values(), *self.loads.orphans]]
+        check_holds(self.tree, locks, [node for node, _ in self.keeps.kept.values()])
