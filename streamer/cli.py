@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=None, help="fixed KV pool size in pages")
     g.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     g.add_argument("--cpu-kv-bytes", type=int, default=512 << 20, help="KV pool bytes on CPU")
+    g.add_argument("--host-kv-cache-gb", type=float, default=0.0,
+                   help="GiB of host memory under the prefix cache: evicted KV pages go there, not away (0: off)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -168,6 +168,10 @@ class EngineConfig:
     """Start the grammar compilation process with the engine (`streamer serve` does: it takes
     a few seconds, which the first structured-output request would otherwise wait), not on
     the first grammar that needs it."""
+    host_kv_cache_gb: float = 0.0
+    """GiB of host memory (pinned on CUDA) under the radix cache (kv/host.py): pages evicted
+    from the device pool are written back there instead of dropped, and a prefix match that
+    reaches them loads them back before the prefill. 0: off."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -197,6 +201,10 @@ class EngineConfig:
                 check_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
             except RequestError as e:
                 raise ConfigError(str(e)) from None
+        if not 0 <= self.host_kv_cache_gb < float("inf"):
+            raise ConfigError(f"host_kv_cache_gb must be >= 0 (0: no host tier), not {self.host_kv_cache_gb}")
+        if self.host_kv_cache_gb and not self.enable_prefix_caching:
+            raise ConfigError("host_kv_cache_gb keeps the prefix cache's evicted pages: it needs prefix caching on")
         if self.grammar_compile_timeout <= 0 or self.grammar_compile_memory_mb < 1 or self.grammar_compile_workers < 1:
             raise ConfigError("grammar_compile_timeout must be > 0, grammar_compile_memory_mb and "
                               "grammar_compile_workers >= 1")

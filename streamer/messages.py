@@ -71,6 +71,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Seconds from the engine's receipt of the request to its deadline (None: none). At the
     deadline the request ends wherever it is (tokenizing, queued, running), its pages are
     freed, and its final output has finish_reason "timeout" (with what it generated so far)."""
+    keep_prefix: str | None = None
+    """A key (a WebSocket session's id): when the request leaves, the path of its tokens stays
+    pinned in the prefix cache (on the device or the host tier, which never drops it) under
+    that key, replacing the key's previous path, until abort(key) or keep_prefix_s later
+    (engine/scheduler/keeps.py)."""
+    keep_prefix_s: float = 600.0
 
     def validate(self) -> None:
         if self.max_tokens < 1 and not self.fill_context:
@@ -101,6 +107,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
         if self.timeout is not None and not 0 < self.timeout < math.inf:  # (NaN fails too)
             raise RequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        if self.keep_prefix is not None and not 0 < len(self.keep_prefix) <= MAX_CACHE_SALT:
+            raise RequestError(f"keep_prefix must be a string of 1 to {MAX_CACHE_SALT} characters")
+        if not 0 < self.keep_prefix_s < math.inf:
+            raise RequestError(f"keep_prefix_s must be a positive number of seconds, got {self.keep_prefix_s}")
 
     @property
     def greedy(self) -> bool:
@@ -256,6 +266,8 @@ class TokenDelta(msgspec.Struct):
     """With prompt_logprobs: RequestOutput.prompt_token_ids."""
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs: RequestOutput.prompt_top_logprobs."""
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those loaded back from the host tier (first delta)."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -293,6 +305,9 @@ class RequestOutput(msgspec.Struct):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs and SamplingParams.prompt_top_logprobs: the top (id, logprob) at
     each of their positions."""
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those whose KV came back from the host tier (--host-kv-cache-gb); the
+    rest were on the device."""
 
 
 ENGINE_DOWN = "engine_down"
@@ -357,6 +372,25 @@ class EngineStats(msgspec.Struct):
     step_age_s: float = 0.0
     """Seconds the oldest batch in flight has been with the executor (0: none in flight); a
     step that never returns (a stuck device or worker thread) shows here (engine.stalled)."""
+    host: HostStats | None = None
+    """The host tier's numbers (None: --host-kv-cache-gb is off)."""
+
+
+class HostStats(msgspec.Struct):
+    """The host KV tier (kv/host.py), in EngineStats."""
+
+    pages_total: int
+    pages_used: int
+    write_backs: int
+    """Pages written back from the device pool."""
+    load_backs: int
+    """Pages loaded back into the device pool."""
+    bytes_moved: int
+    """Bytes copied both ways."""
+    cached_tokens_total: int
+    """Prompt tokens whose KV came back from the host (of cached_tokens_total)."""
+    hit_rate: float
+    """cached_tokens_total / prompt tokens."""
 
 
 # ---- between the server process and the engine process (engine/remote.py) ----------

@@ -253,6 +253,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         cuda_graphs=not args.no_cuda_graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         decode_gemv=not args.no_decode_gemv,
+        host_kv_cache_gb=args.host_kv_cache_gb,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -278,7 +279,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         llm.close()
         del llm
     if name == "W4":
-        cold = LLM(str(model_dir), enable_prefix_caching=False, **common)
+        cold = LLM(str(model_dir), enable_prefix_caching=False, **{**common, "host_kv_cache_gb": 0.0})
         try:
             warm_up(cold, cfg["vocab_size"])
             dt_off, _, _ = run_engine(cold, w, "W4-cache-off")
@@ -317,6 +318,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=512,
                    help="largest decode batch replayed from a graph (capped at --max-num-seqs)")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
+    p.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="host KV tier under the prefix cache (0: off)")
     p.add_argument("--json", default=None, help="write results here")
 
 

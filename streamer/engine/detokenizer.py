@@ -96,11 +96,13 @@ class Stream:
         self.completion_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.cached_host_tokens = 0
 
     def update(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
         """(output to send, whether a stop string ended the request here)."""
         if d.prompt_tokens:
             self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
+            self.cached_host_tokens = d.cached_host_tokens
         self.completion_tokens += len(d.token_ids)
         final = d.finish_reason is not None
         piece = self.text.push(d.token_ids, final=final)
@@ -129,6 +131,7 @@ class Stream:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
+            cached_host_tokens=self.cached_host_tokens,
             logprobs=d.logprobs,
             error=d.error,
             prompt_logprobs=d.prompt_logprobs,

@@ -61,6 +61,8 @@ class Request:
     until its prompt is in the radix tree (requests needing that page wait for it)."""
     deadline: float | None = None
     """time.monotonic() at which it ends with finish_reason "timeout" (SamplingParams.timeout)."""
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those whose KV came back from the host tier (kv/host.py)."""
 
     @property
     def num_output(self) -> int:

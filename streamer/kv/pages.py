@@ -25,6 +25,7 @@ there), so it is never handed out.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -55,6 +56,13 @@ class PagePool:
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # the raw bytes of each (layer, page) of K and V, whatever the stored layout (the host
+        # tier copies pages through them, kv/host.py)
+        self.k_bytes = _page_bytes(self.k, num_layers, num_pages)
+        self.v_bytes = _page_bytes(self.v, num_layers, num_pages)
+        self.fence: Any = None
+        """A CUDA event the next step waits for before its kernels touch the pool (the host
+        tier's last write-back: a page it freed may be reused by that step). None: none."""
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never free
         self._free: deque[int] = deque(range(1, num_pages))
@@ -103,3 +111,14 @@ class PagePool:
         assert len(free) == len(self._free), "a page is in the free list twice"
         zero = {p for p, c in enumerate(self.refcount) if c == 0}
         assert free == zero, f"free list {sorted(free)[:8]} != refcount-0 pages {sorted(zero)[:8]}"
+
+
+def _page_bytes(t: torch.Tensor, num_layers: int, num_pages: int) -> torch.Tensor:
+    """[layers, pages, bytes] uint8 view of a pool tensor's storage (t may be a permuted view
+    of it: the stored tensor is contiguous, layers and pages its outer two dims)."""
+    stored = t
+    if not t.is_contiguous():
+        order = sorted(range(t.dim()), key=lambda d: -int(t.stride()[d]))
+        stored = t.permute(*order)
+    assert stored.is_contiguous() and stored.shape[:2] == (num_layers, num_pages)
+    return stored.view(torch.uint8).view(num_layers, num_pages, -1)

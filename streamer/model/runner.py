@@ -199,6 +199,8 @@ class ModelRunner:
     def _launch(self, batch: Batch) -> Launched:
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_start = None
+        if self.pool.fence is not None:  # the host tier's last write-back (it freed pages this step may reuse)
+            torch.cuda.current_stream().wait_event(self.pool.fence)
         after = self.last_done
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start

@@ -62,6 +62,23 @@ class EngineCollector(Collector):
             "streamer_device_idle_seconds": ("seconds the device waited for the host with steps in flight",
                                              s.device_idle_s),
         }
+        if s.host is not None:  # the host KV tier (--host-kv-cache-gb)
+            h = s.host
+            gauges = {"streamer_host_kv_pages_total": ("KV pages in the host tier", h.pages_total),
+                      "streamer_host_kv_pages_used": ("host KV pages holding cached prefixes", h.pages_used),
+                      "streamer_host_cache_hit_rate": ("prompt tokens loaded back from the host / prompt tokens",
+                                                       h.hit_rate)}
+            for name, (doc, value) in gauges.items():
+                yield GaugeMetricFamily(name, doc, value=value)
+            counters = {**counters,
+                        "streamer_host_kv_write_backs": ("KV pages written back from the device to the host",
+                                                         h.write_backs),
+                        "streamer_host_kv_load_backs": ("KV pages loaded back from the host to the device",
+                                                        h.load_backs),
+                        "streamer_host_kv_bytes_moved": ("bytes copied between the device and the host tier",
+                                                         h.bytes_moved),
+                        "streamer_host_cached_prompt_tokens": ("prompt tokens served from the host tier",
+                                                               h.cached_tokens_total)}
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 

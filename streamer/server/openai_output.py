@@ -31,6 +31,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_host_tokens: int = 0
     offset: int = 0
     """text_offset of the next token (completions' logprobs)."""
     prompt_token_ids: list[int] | None = None
@@ -48,6 +49,7 @@ class Choice:
         self.text.append(out.text)
         self.logprobs.extend(out.logprobs or [])
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.cached_host_tokens = out.cached_host_tokens
         self.completion_tokens = out.completion_tokens
         self.take_prompt(out)
         if out.finished:
@@ -61,7 +63,8 @@ def usage(choices: dict[int, Choice], n: int) -> r.Usage:
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices.values())
     return r.Usage(prompt, completion, prompt + completion,
-                   r.PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+                   r.PromptTokensDetails(sum(c.cached_tokens for c in firsts),
+                                         sum(c.cached_host_tokens for c in firsts)))
 
 
 def joined(a: r.CompletionLogprobs | None, b: r.CompletionLogprobs | None) -> r.CompletionLogprobs | None:

@@ -11,6 +11,8 @@ from streamer.server.protocol import ToolCallItem  # (an answer's calls have the
 
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
+    cached_host_tokens: int = 0
+    """Of cached_tokens, those loaded back from the host tier (--host-kv-cache-gb)."""
 
 
 class Usage(Struct):

@@ -25,7 +25,9 @@ Each turn's prompt is the chat template over the whole history (user, assistant 
 tool messages so far; an answer's reasoning is kept as its reasoning_content, which the
 template keeps or drops), so it starts with the previous turn's prompt and
 reply: the radix cache serves that prefix, and usage.cached_tokens grows turn
-after turn. A session whose client goes away aborts its running turn. A
+after turn. The history stays pinned in the cache while the session is open
+(SamplingParams.keep_prefix): with a host tier (--host-kv-cache-gb) a turn after a
+long idle is a host hit (usage.cached_host_tokens), not a recompute. A session whose client goes away aborts its running turn. A
 session idle (no message, no running turn) for session_idle_timeout seconds
 is closed with code 1000 and a reason. With an API key set, the key comes as
 `Authorization: Bearer KEY` or `?api_key=KEY` (browsers cannot set headers
@@ -110,6 +112,11 @@ class Session:
         """The user message whose turn called tools: its continuation's tools and sampling."""
 
     @property
+    def keep_key(self) -> str:
+        """The key the engine pins this session's history under (SamplingParams.keep_prefix)."""
+        return f"ws-{self.id}"
+
+    @property
     def busy(self) -> bool:
         return self.turn is not None and not self.turn.done()
 
@@ -147,6 +154,7 @@ class Session:
         finally:
             if self.turn is not None:
                 self.turn.cancel()  # closes its engine stream, which aborts the request
+            self.st.engine.abort(self.keep_key)  # its history need not stay in the prefix cache
 
     async def receive(self, idle: float) -> Message | None:
         """The next client message, or None once the session has been idle for `idle` seconds."""
@@ -172,6 +180,7 @@ class Session:
             elif msg.type == "reset":
                 await self.stop_turn()
                 self.messages.clear()
+                self.st.engine.abort(self.keep_key)
                 self.pending_calls, self.calling = [], None
                 await self.send({"type": "reset"})
             else:
@@ -235,7 +244,10 @@ class Session:
                                       vocab_size=self.st.info.vocab_size, fill_context=True,
                                       defaults=self.st.sampling_defaults)
         setup = chat_setup(self.st, msg, params.grammar)
-        params = self.st.apply_policy(msgspec.structs.replace(params, grammar=setup.grammar), self.ws.scope)
+        # the history stays in the prefix cache (device or host tier) while the session is open
+        params = msgspec.structs.replace(params, grammar=setup.grammar, keep_prefix=self.keep_key,
+                                         keep_prefix_s=min(self.st.config.session_idle_timeout + 60, 1e9))
+        params = self.st.apply_policy(params, self.ws.scope)
         tools = msgspec.to_builtins(msg.tools) if msg.tools else None
         return GenerateRequest(request_id=rid, messages=[*self.messages, entry], params=params, tools=tools,
                                chat_template_kwargs=msg.chat_template_kwargs), setup
@@ -297,7 +309,7 @@ class Session:
             self.calling = msgspec.structs.replace(msg, tool_choice="auto" if msg.tool_choice != "none" else "none")
             await self.send({"type": "tool_calls", "tool_calls": made})
         usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                 "cached_tokens": last.cached_tokens}
+                 "cached_tokens": last.cached_tokens, "cached_host_tokens": last.cached_host_tokens}
         done: dict[str, Any] = {"type": "done", "finish_reason": finish_reason(last.finish_reason, bool(made)),
                                 "usage": usage}
         if last.finish_reason == "timeout":

@@ -77,3 +77,25 @@ def test_the_event_loop_histogram_renders_as_prometheus_client_does():
         line for line in generate_latest(reg).decode().splitlines() if "_created" not in line
     )
     assert lines(ours) == lines(theirs)
+
+
+def test_the_host_tier_is_in_metrics_when_it_is_on():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from streamer.messages import EngineStats, HostStats
+    from streamer.server.metrics import EngineCollector
+
+    def render(host):
+        reg = CollectorRegistry()
+        reg.register(EngineCollector(lambda: EngineStats(0, 0, 10, 10, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0,
+                                                         host=host)))
+        return generate_latest(reg).decode()
+
+    assert "streamer_host_kv" not in render(None)
+    text = render(HostStats(pages_total=100, pages_used=40, write_backs=50, load_backs=30, bytes_moved=8 << 20,
+                            cached_tokens_total=480, hit_rate=0.25))
+    for line in ("streamer_host_kv_pages_total 100.0", "streamer_host_kv_pages_used 40.0",
+                 "streamer_host_kv_write_backs_total 50.0", "streamer_host_kv_load_backs_total 30.0",
+                 "streamer_host_kv_bytes_moved_total 8.388608e+06", "streamer_host_cache_hit_rate 0.25",
+                 "streamer_host_cached_prompt_tokens_total 480.0"):
+        assert line in text, line

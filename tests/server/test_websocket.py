@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from websockets.asyncio.client import connect
@@ -169,3 +170,33 @@ def test_a_tool_round_trip_in_a_session(live):
             assert msg["usage"]["cached_tokens"] >= first_prompt - 16  # (the history's KV, from the tree)
 
     asyncio.run(main())
+
+
+def test_a_session_keeps_its_history_pinned_in_the_cache_until_it_closes(live):
+    """SamplingParams.keep_prefix: each turn pins the history under the session's key (a host
+    tier then never drops it); the session's end releases it."""
+
+    def kept() -> set[str]:
+        async def read() -> set[str]:
+            return set(live.state.engine.scheduler.keeps.kept)
+
+        return asyncio.run_coroutine_threadsafe(read(), live.loop).result(10)
+
+    async def main() -> str:
+        async with connect(f"{live.ws_url}/v1/chat/ws") as ws:
+            sid = (await recv(ws))["id"]
+            await turn(ws, "Hi!", max_tokens=4, temperature=0)
+            for _ in range(100):
+                if f"ws-{sid}" in kept():
+                    break
+                await asyncio.sleep(0.02)
+            assert f"ws-{sid}" in kept()
+            return sid
+
+    sid = asyncio.run(main())
+    for _ in range(100):
+        if f"ws-{sid}" not in kept():
+            break
+        time.sleep(0.02)
+    assert f"ws-{sid}" not in kept(), "the closed session's pin is released"
+    live.wait_idle()

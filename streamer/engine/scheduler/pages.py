@@ -39,6 +39,7 @@ import logging
 from collections import Counter, deque
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
+from streamer.engine.scheduler.keeps import Keeps
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import Node, RadixCache
 
@@ -66,6 +67,8 @@ class Pages:
         """Finished while in a batch in flight: pages are released when it returns."""
         self.retrying: dict[str, Request] = {}
         """Requests of a failed step, back to the queue once no batch in flight holds them."""
+        self.keeps: Keeps | None = None
+        """Where a leaving request with keep_prefix pins its path (keeps.py)."""
 
     def adopt(self, req: Request, pages: list[int], node: Node | None) -> None:
         """req starts from its cached prefix: `pages`, the path to `node`, which stays locked
@@ -123,7 +126,9 @@ class Pages:
             known -= 1
         computed = min(req.num_computed, known)
         if self.prefix_caching and computed:
-            self.tree.insert(req.tokens[:computed], req.pages, req.params.cache_salt, req.released)
+            _, node = self.tree.insert(req.tokens[:computed], req.pages, req.params.cache_salt, req.released)
+            if self.keeps is not None:
+                self.keeps.keep(req, node)
         self.pool.decref(req.pages[req.released :])
         if req.node is not None:
             self.tree.unlock(req.node)

@@ -29,6 +29,8 @@ from streamer.engine.scheduler import results
 from streamer.engine.scheduler.batch import BatchBuilder
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.engine.scheduler.deadlines import Deadlines, timed_out
+from streamer.engine.scheduler.keeps import Keeps
+from streamer.engine.scheduler.loads import Loads, check_holds, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
 from streamer.kv.pages import PagePool
@@ -56,7 +58,11 @@ class Scheduler:
         self.config = config
         self.vocab_size = vocab_size
         self.pool = pool
-        self.tree = RadixCache(pool)
+        self.tree = RadixCache(pool, host_tier(config, pool))
+        self.loads = Loads(pool, self.tree)
+        """Prefixes coming back from the host tier (loads.py)."""
+        self.keeps = Keeps(self.tree)
+        """Prefixes pinned for WebSocket sessions (keeps.py)."""
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -65,6 +71,7 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         """request id -> number of batches in flight that contain it."""
         self.pages = Pages(pool, self.tree, config.enable_prefix_caching, self.running, self.waiting, kv_window)
+        self.pages.keeps = self.keeps
         self.deadlines = Deadlines(self.requests)
         self.counters = Counters()
         self.batches = BatchBuilder(pool, vocab_size, self.counters, self.in_flight)
@@ -114,6 +121,8 @@ class Scheduler:
         """Abort or stop-string finish (its pages wait for any batch in flight that holds it)."""
         req = self.requests.get(request_id)
         if req is None:
+            if self.keeps.release(request_id):  # a keep_prefix key: its session has closed
+                return None
             if reason == "abort":
                 now = time.monotonic()
                 self.early_aborts = {k: t for k, t in self.early_aborts.items() if now - t < 300}
@@ -127,12 +136,14 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a request still here: the actor loop wakes up for it."""
-        return self.deadlines.next()
+        times = [t for t in (self.deadlines.next(), self.loads.wake(), self.keeps.next()) if t is not None]
+        return min(times, default=None)
 
     def expire(self, now: float) -> list[TokenDelta]:
         """End every request whose deadline has passed, wherever it is (queued, running,
         retrying): finish_reason "timeout"; its pages are freed (once no batch in flight
         holds them)."""
+        self.keeps.expire(now)
         out = []
         for req in self.deadlines.due(now):
             where = "running" if req.status == Status.RUNNING or req.admitted_once else "queued"
@@ -147,6 +158,7 @@ class Scheduler:
             self.pages.leave(req, self.in_flight)
         elif req.status == Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
+            self.loads.forget(req)
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
         self.counters.finished_total += 1
@@ -160,6 +172,7 @@ class Scheduler:
         sampled tokens it will produce are placeholders here, and nothing is preempted
         (its pages may be in use); a request that cannot grow just sits this step out."""
         budget = self.config.max_num_batched_tokens
+        self.loads.poll()
         chunks: list[tuple[Request, int]] = []
         preempted = False
         suspect = next((r for r in self.running if r.suspect), None)
@@ -241,6 +254,8 @@ class Scheduler:
             pages: list[int] = []
             node = None
             if self.config.enable_prefix_caching:
+                if not self.loads.prefetch(req, req.tokens[: self.pages.cacheable(req)]):
+                    continue  # its prefix is on its way back from the host: the others go first
                 pages, node = self.tree.match_prefix(req.tokens[: self.pages.cacheable(req)], req.params.cache_salt)
                 claim = self.pages.claim(req, len(pages))
                 if claim is not None and claim in claimed:
@@ -263,6 +278,8 @@ class Scheduler:
                 req.admitted_once = True
                 req.queue_time = time.monotonic() - req.arrival
                 req.cached_tokens = computed
+                req.cached_host_tokens = min(self.loads.admitted(req), computed)
+                self.counters.cached_host_tokens_total += req.cached_host_tokens
                 self.counters.cached_tokens_total += computed
                 self.counters.prompt_tokens_total += req.prompt_len
             chunks.append((req, n))
@@ -303,5 +320,9 @@ class Scheduler:
         return self.clock.step_age(time.monotonic())
 
     def check(self) -> None:
-        """The page invariant (Pages.check)."""
+        """The page invariant (Pages.check); every lock and pin has its holder."""
         self.pages.check()
+        holders = [*self.running, *self.pages.zombies.values(), *self.pages.retrying.values()]
+        locks = [r.node for r in holders if r.node is not None]
+        locks += [ld.node for ld in [*self.loads.pending.values(), *self.loads.orphans]]
+        check_holds(self.tree, locks, [node for node, _ in self.keeps.kept.values()])

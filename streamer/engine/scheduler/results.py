@@ -192,6 +192,7 @@ def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
         req.sent_prompt_info = True
         d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
         d.queue_time = req.queue_time
+        d.cached_host_tokens = req.cached_host_tokens
         if req.params.prompt_logprobs_from is not None:
             d.prompt_logprobs = req.prompt_logprobs
             d.prompt_token_ids = req.tokens[: req.prompt_len]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
-from streamer.messages import EngineStats
+from streamer.messages import EngineStats, HostStats
 
 
 @dataclass(slots=True)
@@ -38,6 +38,8 @@ class Counters:
     device_idle_s: float = 0.0
     isolated_failures: int = 0
     """Failed steps of several requests, each of which then ran its next step alone."""
+    cached_host_tokens_total: int = 0
+    """Of cached_tokens_total, tokens whose KV came back from the host tier."""
 
     def snapshot(
         self, steps: int, running: int, waiting: int, pool: PagePool, tree: RadixCache, clock: AheadClock, now: float
@@ -68,4 +70,14 @@ class Counters:
             device_busy_s=self.device_busy_s,
             device_idle_s=self.device_idle_s,
             step_age_s=clock.step_age(now),
+            host=self._host(tree),
         )
+
+    def _host(self, tree: RadixCache) -> HostStats | None:
+        tier = tree.tier
+        if tier is None:
+            return None
+        total = tier.host.num_pages
+        return HostStats(total, total - tier.host.num_free, tier.write_backs, tier.load_backs,
+                         tier.bytes_written + tier.bytes_loaded, self.cached_host_tokens_total,
+                         self.cached_host_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0)

@@ -1,0 +1,187 @@
+"""HostTier: KV pages in host memory under the radix tree (--host-kv-cache-gb).
+
+The host pool holds pages in the device pool's page format, as raw bytes: a page is
+[2 (K, V), layers, bytes of one layer's page], the bytes each (layer, page) of the device
+pool's stored K or V tensor keeps (pages.py: the outer two dims of every layout), so a
+float8 page stays float8 and a page round-trips bit for bit. On CUDA the host pool is
+pinned (copies are DMA, asynchronous); on CPU it is a second CPU pool, so the tiering runs
+in CI exactly as on the GPU, with synchronous copies.
+
+Which node's pages live where is the tree's business (radix.py); this module moves bytes
+and counts them. Host pages have their own free list; their LRU order is the tree's.
+
+CUDA streams and events (what may run when):
+  - write-backs (device -> host) run on `d2h`, loads (host -> device) on `h2d`, so both
+    copy engines work and neither copy blocks the model's stream;
+  - a device page written back is freed at once: the model's next step waits for the last
+    write-back (`pool.fence`, waited for by the runner before each step), and so does every
+    later load (h2d waits for it), so nothing overwrites a page before its copy has read it;
+    a host page written back may be loaded back (or overwritten by another write-back, on
+    the same stream) only after that write-back, for the same reason;
+  - a load's device pages are not read before its event has completed (the scheduler
+    admits the waiting request only then); its host pages stay held (the node is locked).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from streamer.errors import ConfigError
+from streamer.kv.pages import PagePool
+
+STAGING_PAGES = 64
+"""Device pages staged per copy on CUDA (the gather/scatter between the pool's strided
+pages and a contiguous buffer the DMA moves at full speed)."""
+
+
+class HostPool:
+    """num_pages host pages of `pool`'s format, a free list, nothing else."""
+
+    def __init__(self, pool: PagePool, num_pages: int, pin: bool) -> None:
+        layers, _, page_bytes = pool.k_bytes.shape
+        self.num_pages = num_pages
+        self.page_bytes = 2 * layers * page_bytes
+        self.data = torch.empty((num_pages, 2, layers, page_bytes), dtype=torch.uint8)
+        if pin and num_pages:
+            _pin(self.data)
+        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert not self._is_free[p], f"host page {p} freed twice"
+            self._is_free[p] = True
+            self._free.append(p)
+
+    def check(self, held: list[int]) -> None:
+        """Every host page is free or held (by exactly one node), never both."""
+        assert len(set(self._free)) == len(self._free), "a host page is in the free list twice"
+        assert len(set(held)) == len(held), "a host page is held twice"
+        assert set(self._free) | set(held) == set(range(self.num_pages)), "a host page is lost"
+        assert not set(self._free) & set(held), "a held host page is on the free list"
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock t in place (cudaHostRegister): copies from and to it are DMA, asynchronous.
+    (torch's pin_memory=True goes through its caching host allocator, which rounds a size up
+    to a power of two: a 96 GiB tier would take 128.)"""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise ConfigError(f"could not pin {t.numel() * t.element_size() >> 20} MiB of host memory for "
+                          f"host_kv_cache_gb (cudaHostRegister error {int(err)})")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+
+
+def _indices(ids: list[int], device: torch.device) -> torch.Tensor:
+    """ids on the device, without a blocking copy (a pageable one would wait for the stream)."""
+    return torch.tensor(ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """(index into pages, first page, count) of each run of consecutive page ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if out and out[-1][1] + out[-1][2] == p:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, p, 1))
+    return out
+
+
+class HostTier:
+    """The host pool, the copies to and from it, and their totals."""
+
+    def __init__(self, pool: PagePool, num_bytes: int) -> None:
+        self.pool = pool
+        self.cuda = pool.k.device.type == "cuda"
+        per_page = 2 * pool.k_bytes.shape[0] * pool.k_bytes.shape[2]
+        self.host = HostPool(pool, max(num_bytes // per_page, 0), pin=self.cuda)
+        self.d2h: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
+        self.h2d: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
+        self.last_write: Any = None
+        """The event after the newest write-back (CUDA), also pool.fence."""
+        self.write_backs = 0
+        """Pages written back (device -> host)."""
+        self.load_backs = 0
+        """Pages loaded back (host -> device)."""
+        self.bytes_written = 0
+        self.bytes_loaded = 0
+        self.hit_tokens = 0
+        """Prompt tokens whose KV came back from the host (over admitted requests)."""
+
+    def write(self, gpu: list[int], host: list[int]) -> None:
+        """Copy device pages `gpu` into host pages `host` (asynchronous on CUDA)."""
+        assert len(gpu) == len(host)
+        k, v, data = self.pool.k_bytes, self.pool.v_bytes, self.host.data
+        if not self.cuda:
+            g = torch.tensor(gpu)
+            h = torch.tensor(host)
+            data[h, 0] = k[:, g].transpose(0, 1)
+            data[h, 1] = v[:, g].transpose(0, 1)
+        else:
+            with torch.cuda.stream(self.d2h):
+                for s in range(0, len(gpu), STAGING_PAGES):
+                    g = _indices(gpu[s : s + STAGING_PAGES], k.device)
+                    staged = torch.stack((k[:, g], v[:, g]), dim=0).permute(2, 0, 1, 3).contiguous()
+                    for i, p, n in _runs(host[s : s + STAGING_PAGES]):
+                        data[p : p + n].copy_(staged[i : i + n], non_blocking=True)
+                self.last_write = torch.cuda.Event()
+                self.last_write.record(self.d2h)
+            self.pool.fence = self.last_write
+        self.write_backs += len(gpu)
+        self.bytes_written += len(gpu) * self.host.page_bytes
+
+    def load(self, host: list[int], gpu: list[int]) -> Any:
+        """Copy host pages `host` into device pages `gpu`. Returns the event to wait for on
+        CUDA (None: done, on CPU)."""
+        assert len(gpu) == len(host)
+        k, v, data = self.pool.k_bytes, self.pool.v_bytes, self.host.data
+        self.load_backs += len(gpu)
+        self.bytes_loaded += len(gpu) * self.host.page_bytes
+        if not self.cuda:
+            g = torch.tensor(gpu)
+            h = torch.tensor(host)
+            k[:, g] = data[h, 0].transpose(0, 1)
+            v[:, g] = data[h, 1].transpose(0, 1)
+            return None
+        with torch.cuda.stream(self.h2d):
+            if self.last_write is not None:
+                self.h2d.wait_event(self.last_write)
+            for s in range(0, len(gpu), STAGING_PAGES):
+                chunk = host[s : s + STAGING_PAGES]
+                staged = torch.empty((len(chunk), *data.shape[1:]), dtype=torch.uint8, device=k.device)
+                for i, p, n in _runs(chunk):
+                    staged[i : i + n].copy_(data[p : p + n], non_blocking=True)
+                g = _indices(gpu[s : s + STAGING_PAGES], k.device)
+                k[:, g] = staged[:, 0].transpose(0, 1)
+                v[:, g] = staged[:, 1].transpose(0, 1)
+            return self.marker()
+
+    def marker(self) -> Any:
+        """An event after every load issued so far (None on CPU: all done)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.h2d)
+        return ev
+
+    @staticmethod
+    def done(event: Any) -> bool:
+        return event is None or bool(event.query())
