@@ -235,6 +235,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         cuda_graphs=not args.no_cuda_graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         decode_gemv=not args.no_decode_gemv,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -300,6 +301,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=512,
                    help="largest decode batch replayed from a graph (capped at --max-num-seqs)")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded over")
     p.add_argument("--json", default=None, help="write results here")
 
 
