@@ -22,6 +22,8 @@ graph issues its captured collectives without passing here).
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -103,13 +105,21 @@ _current: TPGroup | None = None
 
 
 def current() -> TPGroup | None:
-    """This process's tensor-parallel group, or None (one rank: nothing is sharded)."""
+    """The group of the model being built in this process, or None (one rank: nothing is
+    sharded). Read while a runner is built (layers, loader, pool): modules keep what they
+    read, so an engine of one rank built beside a tensor-parallel one stays whole."""
     return _current
 
 
-def set_current(group: TPGroup | None) -> None:
+@contextlib.contextmanager
+def building(group: TPGroup) -> Iterator[None]:
+    """The models and pools built inside are group's shards."""
     global _current
     _current = group
+    try:
+        yield
+    finally:
+        _current = None
 
 
 def init(rank: int, size: int, local_rank: int, device: torch.device, store: dist.Store) -> TPGroup:
@@ -126,11 +136,9 @@ def init(rank: int, size: int, local_rank: int, device: torch.device, store: dis
         # CUDA graph's capture
         dist.all_reduce(torch.zeros(1, device=device))
         torch.cuda.synchronize(device)
-    set_current(group)
     return group
 
 
 def leave() -> None:
-    set_current(None)
     if dist.is_initialized():
         dist.destroy_process_group()

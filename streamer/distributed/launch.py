@@ -104,7 +104,21 @@ class Workers:
                 break
         return out
 
+    def exited(self, wait_s: float = 0.0) -> str:
+        """The local ranks that have exited (waiting up to wait_s for one to show: a failed
+        collective can come a moment before its peer's exit is seen), as text."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+            if gone or time.monotonic() >= deadline:
+                return ", ".join(f"tensor-parallel rank {r} exited with code {c}" for r, c in sorted(gone.items()))
+            time.sleep(0.02)
+
     def why(self, what: str) -> str:
+        if not self.closing and "exited" not in what:
+            gone = self.exited(wait_s=1.0)
+            if gone:
+                what = f"{gone} ({what})"
         errors = self.errors()
         if not errors:
             return what
@@ -157,7 +171,7 @@ def start_ranks(config: EngineConfig, model_path: Path, diagnostics: Any) -> Any
     """Rank 0's runner (runner.TPRunner), the group joined and every local rank started."""
     import weakref
 
-    from streamer.distributed.group import init, leave
+    from streamer.distributed.group import building, init, leave
     from streamer.distributed.runner import TPRunner
     from streamer.model.loader import load_hf_config
 
@@ -171,7 +185,8 @@ def start_ranks(config: EngineConfig, model_path: Path, diagnostics: Any) -> Any
         workers.spawn(config, model_path, range(1, per_node), addr, store.port)
         workers.await_joined(range(1, size))
         group = init(0, size, 0, rank_device(config, 0), store)
-        runner = TPRunner(config, str(model_path), diagnostics, group, workers)
+        with building(group):
+            runner = TPRunner(config, str(model_path), diagnostics, group, workers)
     except BaseException as e:
         errors = workers.errors()
         workers.terminate()

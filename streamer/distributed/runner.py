@@ -68,8 +68,7 @@ class TPRunner(ModelRunner):
             self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens))
             return super()._launch(batch)
         except Exception as e:
-            self.fail(self.workers.why(f"step {batch.step} failed on rank 0: {e}"))
-            raise
+            raise RuntimeError(self._broken(batch, e)) from e
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
                 plan: Any = None) -> Launched:
@@ -78,9 +77,14 @@ class TPRunner(ModelRunner):
             if self.last_tokens.numel():  # (the same count on every rank: all skip it, or none)
                 self.group.broadcast(self.last_tokens.to(torch.long).contiguous())
         except Exception as e:
-            self.fail(self.workers.why(f"step {batch.step} failed on rank 0: {e}"))
-            raise
+            raise RuntimeError(self._broken(batch, e)) from e
         return out
+
+    def _broken(self, batch: Batch, e: Exception) -> str:
+        """A step failed on rank 0: the group is out of step; why (naming a rank that died)."""
+        why = self.workers.why(f"step {batch.step} failed on rank 0: {e}")
+        self.fail(why)
+        return self.failed or why
 
     def close(self) -> None:
         """Stop the other ranks (in order where they are alive) and leave the group."""

@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
         config.device = str(device)
         store.set(f"joined/{rank}", "1")
         group = tp.init(rank, config.tensor_parallel_size, local_rank, device, store)
-        runner = ModelRunner(config, args["model_path"])
+        with tp.building(group):
+            runner = ModelRunner(config, args["model_path"])
         channel = StepChannel(group)
         started = True
         follow_steps(runner, channel)
