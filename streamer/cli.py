@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="grammar compilations at once, each in a process of its own (default 2)")
     g.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template that replaces the model's (tools, reasoning and chat prompts)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (one GPU each; gloo processes on CPU)")
     g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
                    help='variables of every chat prompt\'s template, e.g. \'{"enable_thinking": false}\'; '
                         "a request's chat_template_kwargs win over them")
@@ -126,6 +128,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from streamer.server.serve import serve
 
     config = engine_config(args)
+    if config.node_rank > 0:  # a tensor-parallel engine's other node: its ranks alone, no server
+        from streamer.distributed.launch import run_node
+
+        run_node(config)
+        return
     config.grammar_prestart = True  # a server's first structured request should not wait for it
     serve(args, config)
 
@@ -164,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server")
     add_engine_args(s)
+    s.add_argument("--nnodes", type=int, default=1,
+                   help="hosts a tensor-parallel engine spans (each runs serve with the same flags; "
+                        "MASTER_ADDR/MASTER_PORT: node 0)")
+    s.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes (0 serves)")
     try:
         from streamer.server.serve import add_server_args
 

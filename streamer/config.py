@@ -9,6 +9,8 @@ the typed accessors below (env_str, env_flag, env_ints):
   STREAMER_PROFILE_OUT     ...their kernel tables go to this file (kernel_profile.jsonl)
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
+  MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
+                           (torch.distributed's standard names, unprefixed)
 
 (TRITON_INTERPRET is Triton's own switch, not ours: kernels/common.py reads it.)
 """
@@ -70,6 +72,12 @@ def use_pdl() -> bool:
     where the GPU has it (sm_90+). The model runner hands it to kernels.common.PDL (kernels/
     does not import streamer); 0 turns it off, to measure what it gains."""
     return env_flag("PDL", True)
+
+
+def rendezvous_env() -> tuple[str | None, int | None]:
+    """(MASTER_ADDR, MASTER_PORT): where the ranks of a multi-node engine meet."""
+    port = os.environ.get("MASTER_PORT", "").strip()
+    return os.environ.get("MASTER_ADDR", "").strip() or None, int(port) if port else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +180,13 @@ class EngineConfig:
     """GiB of host memory (pinned on CUDA) under the radix cache (kv/host.py): pages evicted
     from the device pool are written back there instead of dropped, and a prefix match that
     reaches them loads them back before the prefill. 0: off."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is sharded over (streamer/distributed/): the engine starts the other
+    ranks' processes; on CUDA one GPU each, from `device` on."""
+    nnodes: int = 1
+    """Hosts the tensor_parallel_size ranks span (MASTER_ADDR/MASTER_PORT: node 0)."""
+    node_rank: int = 0
+    """This host's index among nnodes; 0 runs the engine, the others only their ranks."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -208,6 +223,12 @@ class EngineConfig:
         if self.grammar_compile_timeout <= 0 or self.grammar_compile_memory_mb < 1 or self.grammar_compile_workers < 1:
             raise ConfigError("grammar_compile_timeout must be > 0, grammar_compile_memory_mb and "
                               "grammar_compile_workers >= 1")
+
+        if self.tensor_parallel_size < 1 or self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("tensor_parallel_size and nnodes must be >= 1, and 0 <= node_rank < nnodes")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                              f"nnodes={self.nnodes} (each node runs as many ranks)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -442,3 +442,25 @@ class Failed(msgspec.Struct, tag=True):
 
 ToEngine = Submit | Abort | Stop
 FromEngine = Ready | Outputs | Stats | Failed
+
+
+# ---- tensor parallelism: rank 0 -> the other ranks (streamer/distributed/step.py) ----------
+
+
+class RankStep(msgspec.Struct, tag=True):
+    """One step, once for all its requests: the batch (its sampling fields emptied: rank 0
+    samples alone) and the runner's split threshold (the warm-up changes it)."""
+
+    batch: Batch
+    split_decode_tokens: int
+
+
+class RankPing(msgspec.Struct, tag=True):
+    """Keep-alive while the engine is idle (the ranks wait on a collective with a timeout)."""
+
+
+class RankStop(msgspec.Struct, tag=True):
+    """The engine stops: the rank leaves the group and exits."""
+
+
+ToRank = RankStep | RankPing | RankStop

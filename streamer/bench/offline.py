@@ -254,6 +254,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         decode_gemv=not args.no_decode_gemv,
         host_kv_cache_gb=args.host_kv_cache_gb,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -319,6 +320,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch replayed from a graph (capped at --max-num-seqs)")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
     p.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="host KV tier under the prefix cache (0: off)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded over")
     p.add_argument("--json", default=None, help="write results here")
 
 

@@ -128,7 +128,12 @@ class AsyncEngine:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_path = resolve_model_path(self.config)
         self.diagnostics = Diagnostics.from_env()
-        self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
+        if self.config.tensor_parallel_size > 1:  # rank 0 of a group (streamer/distributed/)
+            from streamer.distributed.launch import start_ranks
+
+            self.runner = start_ranks(self.config, self.model_path, self.diagnostics)
+        else:
+            self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
         self._collector_started = False
         """start() told _collector (stop() undoes it)."""
         self.hf_tokenizer = load_tokenizer(self.model_path, self.config.chat_template)
@@ -193,6 +198,10 @@ class AsyncEngine:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if self.config.grammar_prestart and self.tokenizer.grammars is not None:
             self.tokenizer.grammars.start()
+        watch = getattr(self.runner, "watch", None)  # (tensor parallelism: a rank that dies)
+        if watch is not None:
+            loop = asyncio.get_running_loop()
+            watch(lambda why: loop.call_soon_threadsafe(self._down, why))
         for name, coro in actors.items():
             task = asyncio.create_task(coro, name=f"streamer-{name}")
             task.add_done_callback(self._actor_done)
@@ -250,8 +259,13 @@ class AsyncEngine:
     def _actor_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
             return
-        self.dead = f"{task.get_name()} crashed: {task.exception()!r}"
-        log.error("engine actor %s", self.dead, exc_info=task.exception())
+        log.error("engine actor %s crashed", task.get_name(), exc_info=task.exception())
+        self._down(f"{task.get_name()} crashed: {task.exception()!r}")
+
+    def _down(self, why: str) -> None:
+        if self.dead:
+            return
+        self.dead = why
         for rid, queue in self._open.items():  # (the pipeline is broken: nothing else will end them)
             queue.put_nowait(engine_failed(rid, self.dead))
 
@@ -274,6 +288,9 @@ class AsyncEngine:
         if self._collector_started:
             self._collector_started = False
             _collector.engine_stopped()
+        close = getattr(self.runner, "close", None)  # (tensor parallelism: the other ranks exit)
+        if close is not None:
+            close()
 
     def new_request_id(self) -> str:
         self._counter += 1

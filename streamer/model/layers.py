@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
+from streamer.distributed.group import current as tensor_parallel
 from streamer.model import quant
 from streamer.model.context import get_context
 
@@ -95,6 +96,9 @@ class Attention(nn.Module):
         o_bias: bool = False,
     ) -> None:
         super().__init__()
+        self.tp = tensor_parallel()
+        if self.tp is not None:  # this rank's heads (distributed/layers.py)
+            heads, kv_heads, _, _ = self.tp.heads(heads, kv_heads)
         self.layer = layer
         self.window, self.softcap = window, softcap
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -121,7 +125,8 @@ class Attention(nn.Module):
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
         )
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 # transformers' hidden_act / hidden_activation name -> act(gate) * up of [gate | up]
@@ -131,6 +136,9 @@ GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tan
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        self.tp = tensor_parallel()
+        if self.tp is not None:
+            intermediate = self.tp.split(intermediate)[1]
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = act
@@ -144,6 +152,10 @@ class MLP(nn.Module):
             # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
             # one round trip through memory fewer per layer)
             if gate_up.weight_scale is not None:
-                return self.down_proj(quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale))
-            return self.down_proj(gemv_glu(x, gate_up.weight))
-        return self.down_proj(self.act_and_mul(gate_up(x)))
+                h = quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale)
+            else:
+                h = gemv_glu(x, gate_up.weight)
+        else:
+            h = self.act_and_mul(gate_up(x))
+        out = self.down_proj(h)
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from streamer.distributed.group import current as tensor_parallel
+from streamer.distributed.layers import ParallelLMHead, VocabParallelEmbedding, checkpoint_slice
 from streamer.errors import ModelLoadError
 from streamer.model.layers import MLP, Attention, Linear, RMSNorm
 from streamer.model.rope import partial_rotary_permutation, rope_cos_sin, rope_params, rotary_dim
@@ -77,11 +79,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.windows = layer_windows(cfg)
         self.act = getattr(cfg, self.act_field, None) or "silu"
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tensor_parallel()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.tp is None \
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.tp is None \
+            else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         tables, self.layer_rope = self.rope_tables(max_positions)
@@ -139,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if self.tp is not None:  # this rank's slice alone is read (distributed/layers.py)
+                tensor = checkpoint_slice(self.tp, self, name, tensor)
             expert_names = self.load_expert(name, tensor, f"{source}: tensor {hf_name!r}")
             if expert_names is not None:
                 filled |= expert_names

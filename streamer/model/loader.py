@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from streamer.distributed.group import current as tensor_parallel
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
@@ -72,7 +73,8 @@ def weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str]]:
+def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any, str]]:
+    """lazy: safetensors' slices instead of tensors (a tensor-parallel rank reads its part)."""
     from safetensors import safe_open
 
     for f in files:
@@ -83,7 +85,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str
         with handle:
             for name in handle.keys():
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_slice(name) if lazy else handle.get_tensor(name)
                 except Exception as e:  # noqa: BLE001
                     raise ModelLoadError(f"{f}: tensor {name!r} cannot be read ({e})") from None
                 yield name, tensor, f.name
@@ -141,7 +143,7 @@ def load_model(
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
         else:
-            tensors = iter_safetensors(files)
+            tensors = iter_safetensors(files, lazy=tensor_parallel() is not None)
             model.load_weights(tensors if scheme is None else fp8_checkpoint.checkpoint_tensors(tensors, scheme, quantized))
         if scheme is not None:
             fp8_checkpoint.finish(model)

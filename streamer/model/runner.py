@@ -22,6 +22,7 @@ import torch
 import kernels.common
 from streamer.config import EngineConfig, use_pdl
 from streamer.diagnostics import Diagnostics
+from streamer.distributed.group import current as tensor_parallel
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
@@ -106,6 +107,9 @@ class ModelRunner:
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
         layers, kvh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim
+        tp = tensor_parallel()
+        if tp is not None:  # this rank's KV heads
+            kvh = tp.heads(cfg.num_attention_heads, kvh)[1]
         per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype)
         if c.num_pages is not None:
             n = c.num_pages
@@ -116,6 +120,8 @@ class ModelRunner:
             n = budget // per_page
         else:
             n = c.cpu_kv_bytes // per_page
+        if tp is not None:  # the scheduler's pages must exist on every rank
+            n = tp.min_int(n)
         if n < 2:
             raise ConfigError(f"not enough memory for the KV pool ({n} pages of {per_page} bytes)")
         return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device)

@@ -1,0 +1,97 @@
+"""What tensor parallelism changes in the decoder (Megatron's split, as vLLM and SGLang do):
+
+  q/k/v, gate/up   column-parallel: each rank holds the output rows of its heads (its share
+                   of the intermediate size); no communication.
+  o, down          row-parallel: each rank holds the input columns matching the above and
+                   produces a partial sum; one all-reduce (the layers call TPGroup.all_reduce);
+                   a bias is held by rank 0 alone (zeros elsewhere), so it is added once.
+  embedding        vocab-parallel: each rank holds ceil(vocab / size) rows; a token outside
+                   its rows embeds to zeros there; one all-reduce.
+  LM head          vocab-parallel rows (the embedding's, when tied); the logits are
+                   all-gathered, so every rank holds the whole row. Rank 0 samples alone and
+                   broadcasts the tokens (runner.py): the sampler's state (generators,
+                   grammar masks, penalties) then lives in one place, and the other ranks
+                   need only the token ids that the next step may read on the device.
+
+Each rank reads only its slices of the checkpoint (checkpoint_slice, on safetensors'
+lazy slices): no rank holds a whole copy of a sharded weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamer.distributed.group import TPGroup
+from streamer.model.layers import Linear
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, group: TPGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.first, self.rows, _ = group.vocab(vocab)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        inside = (local >= 0) & (local < self.rows)
+        x = nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        x = x * inside.unsqueeze(-1).to(x.dtype)
+        return self.group.all_reduce(x)
+
+
+class ParallelLMHead(Linear):
+    """The LM head over this rank's vocabulary rows; returns the whole [.., vocab] logits."""
+
+    def __init__(self, hidden: int, vocab: int, group: TPGroup) -> None:
+        _, rows, _ = group.vocab(vocab)
+        super().__init__(hidden, rows, bias=False)
+        self.group, self.vocab = group, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().forward(x)
+        if local.shape[0] == 0:  # (every rank has the same batch: all skip the collective)
+            return local.new_zeros(0, self.vocab)
+        return self.group.all_gather_last(local)[..., : self.vocab]
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
+
+
+def _take(t: Any, dim: int, first: int, n: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [first, first + n) of a tensor or a safetensors slice:
+    only those bytes are read."""
+    return t[first : first + n] if dim == 0 else t[:, first : first + n]
+
+
+def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (transformers' name without "model."),
+    of the shape of its parameter here. `t`: a tensor or a safetensors slice."""
+    cfg = model.config
+    hd = model.head_dim
+    q, kv, q0, kv0 = group.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    if ".self_attn.q_proj." in name:
+        return _take(t, 0, q0 * hd, q * hd)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return _take(t, 0, kv0 * hd, kv * hd)
+    if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+        return _take(t, 0, *group.split(cfg.intermediate_size))
+    row_parallel = ".self_attn.o_proj." in name or ".mlp.down_proj." in name
+    if row_parallel and name.endswith(".bias"):
+        whole = t[:]
+        return whole if group.rank == 0 else torch.zeros_like(whole)
+    if ".self_attn.o_proj." in name:
+        return _take(t, 1, q0 * hd, q * hd)
+    if ".mlp.down_proj." in name:
+        return _take(t, 1, *group.split(cfg.intermediate_size))
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        first, rows, held = group.vocab(_shape(t)[0])
+        part = _take(t, 0, first, held)
+        if held < rows:  # the last shard's padding rows: zero logits, never looked up
+            part = torch.cat([part, part.new_zeros(rows - held, *part.shape[1:])])
+        return part
+    return t[:]

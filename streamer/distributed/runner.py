@@ -1,0 +1,125 @@
+"""The ModelRunner of each tensor-parallel rank.
+
+Rank 0 (TPRunner) is the engine's runner: before each step's forward it broadcasts the
+step (step.py), then runs the same forward as every rank on its shard; it samples alone and
+broadcasts the sampled token ids, which the next step may read on the device (packing.py's
+pending rows). The other ranks (follow_steps) run each step they receive and take the
+tokens; they never schedule nor sample.
+
+Invariant: every rank issues the same collectives in the same order (same batch, same
+code). A step that fails on rank 0 may leave the others inside a collective: it is fatal
+to the engine (`failed`), not one step's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from streamer.distributed.group import TPGroup
+from streamer.distributed.step import StepChannel, for_ranks
+from streamer.messages import Batch, RankStep, RankStop
+from streamer.model.runner import Launched, ModelRunner, PromptLogprobs
+
+log = logging.getLogger("streamer.distributed")
+
+
+class TPRunner(ModelRunner):
+    def __init__(self, config: Any, model_path: str, diagnostics: Any, group: TPGroup, workers: Any) -> None:
+        self.group = group
+        self.workers = workers
+        """launch.Workers: this node's other ranks (their processes)."""
+        self.failed: str | None = None
+        self._on_failure: Callable[[str], None] | None = None
+        self._closed = False
+        self._fail_lock = threading.Lock()
+        super().__init__(config, model_path, diagnostics)
+        self.channel = StepChannel(group)
+        self.channel.start_keepalive()
+        workers.watch(self.fail)
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """on_failure(why) once, from any thread, when a rank dies or a step breaks the group."""
+        with self._fail_lock:
+            self._on_failure = on_failure
+            failed = self.failed
+        if failed is not None:
+            on_failure(failed)
+
+    def fail(self, why: str) -> None:
+        with self._fail_lock:
+            if self.failed is not None or self._closed:
+                return
+            self.failed = why
+            sink = self._on_failure
+        log.error("tensor parallelism: %s; the engine stops", why)
+        self.workers.terminate()
+        if sink is not None:
+            sink(why)
+
+    def _launch(self, batch: Batch) -> Launched:
+        if self.failed is not None:
+            raise RuntimeError(f"the tensor-parallel group is down: {self.failed}")
+        try:
+            self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens))
+            return super()._launch(batch)
+        except Exception as e:
+            raise RuntimeError(self._broken(batch, e)) from e
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
+                plan: Any = None) -> Launched:
+        try:
+            out = super()._sample(batch, logits, prompt_logprobs, plan)
+            if self.last_tokens.numel():  # (the same count on every rank: all skip it, or none)
+                self.group.broadcast(self.last_tokens.to(torch.long).contiguous())
+        except Exception as e:
+            raise RuntimeError(self._broken(batch, e)) from e
+        return out
+
+    def _broken(self, batch: Batch, e: Exception) -> str:
+        """A step failed on rank 0: the group is out of step; why (naming a rank that died)."""
+        why = self.workers.why(f"step {batch.step} failed on rank 0: {e}")
+        self.fail(why)
+        return self.failed or why
+
+    def close(self) -> None:
+        """Stop the other ranks (in order where they are alive) and leave the group."""
+        from streamer.distributed.group import leave
+
+        if self._closed:
+            return
+        self.channel.stop_keepalive()
+        with self._fail_lock:
+            self._closed = True
+            failed = self.failed
+        if failed is None:
+            try:
+                self.channel.send(RankStop())
+            except Exception:  # noqa: BLE001 - a rank died meanwhile: terminated below
+                log.warning("tensor parallelism: a rank was gone at stop", exc_info=True)
+        self.workers.close()
+        leave()
+
+
+@torch.inference_mode()
+def follow_steps(runner: ModelRunner, channel: StepChannel) -> None:
+    """A rank other than 0: run every step rank 0 sends, until RankStop."""
+    group = channel.group
+    while True:
+        msg = channel.recv()
+        if isinstance(msg, RankStop):
+            return
+        if not isinstance(msg, RankStep):
+            continue  # a keep-alive
+        batch = msg.batch
+        runner.split_decode_tokens = msg.split_decode_tokens
+        runner.forward(batch)
+        rids = [s.request_id for s in batch.seqs if s.sample]
+        tokens = torch.empty(len(rids), dtype=torch.long, device=runner.device)
+        if rids:
+            group.broadcast(tokens)
+        runner.last_tokens, runner.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
