@@ -166,8 +166,19 @@ class EngineConfig:
     """Start the grammar compilation process with the engine (`streamer serve` does: it takes
     a few seconds, which the first structured-output request would otherwise wait), not on
     the first grammar that needs it."""
+    speculative_config: Any = None
+    """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
+    SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off. With it on, steps are not
+    scheduled ahead (overlap): a request's next proposals need its accepted tokens."""
 
     def __post_init__(self) -> None:
+        from streamer.engine.spec.config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.overlap_schedule:
+            raise ConfigError("speculative_config runs without overlap scheduling (a request's next proposals "
+                              "need its accepted tokens): leave overlap_schedule unset or false")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -61,6 +61,9 @@ class Request:
     until its prompt is in the radix tree (requests needing that page wait for it)."""
     deadline: float | None = None
     """time.monotonic() at which it ends with finish_reason "timeout" (SamplingParams.timeout)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the proposals chosen for the batch being built (spec/rollback.py);
+    BatchBuilder.build sends them and clears this."""
 
     @property
     def num_output(self) -> int:

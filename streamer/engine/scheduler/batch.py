@@ -20,6 +20,7 @@ from typing import Any
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
 from streamer.engine.scheduler.stats import Counters
+from streamer.engine.spec.rollback import verify_chunk
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, MaskFill, SeqChunk
 
@@ -44,7 +45,17 @@ class BatchBuilder:
         if ahead:
             self.built_ahead.add(self.step_id)
         seqs, params, hist, banned = [], [], [], []
+        spec = False
         for req, n in chunks:
+            if req.draft:  # speculative decoding: a row per position (spec/rollback.py)
+                chunk, rows_hist, rows_banned = verify_chunk(req, self.pool.pages_for)
+                seqs.append(chunk)
+                self.in_flight[req.request_id] += 1
+                params.extend([req.params] * len(rows_hist))
+                hist.extend(rows_hist)
+                banned.extend(rows_banned)
+                spec = True
+                continue
             start = req.num_computed
             sample = start + n == len(req.tokens)
             chunk = SeqChunk(
@@ -81,14 +92,17 @@ class BatchBuilder:
         self.counters.batch_sizes_sum += len(seqs)
         self.counters.max_batch_size = max(self.counters.max_batch_size, len(seqs))
         sampling = [r for r, n in chunks if r.num_computed == len(r.tokens) - 1]
+        if spec:  # one per sampling row (a verify chunk's request has no grammar: unconstrained rows)
+            owner = {r.request_id: r for r, _ in chunks}
+            sampling = [owner[c.request_id] for c in seqs if c.sample for _ in range(c.num_draft + 1)]
         if not any(r.grammar is not None for r in sampling):
-            return Batch(self.step_id, seqs, params, hist, banned)
+            return Batch(self.step_id, seqs, params, hist, banned, spec=spec)
         if ahead:
             # the batch in flight will move these matchers: fill once its tokens are in
             self.deferred_masks[self.step_id] = sampling
             self.counters.masks_deferred += 1
-            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True)
-        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling))
+            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True, spec=spec)
+        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling), spec=spec)
 
     def _grammar_masks(self, sampling: list[Request]) -> Any:
         from streamer.sampling.grammar import fill_bitmask
