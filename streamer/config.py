@@ -22,6 +22,7 @@ from typing import Any
 
 from streamer.chat_template import check_kwargs
 from streamer.errors import ConfigError, RequestError
+from streamer.speculative_config import parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -173,8 +174,6 @@ class EngineConfig:
     scheduled ahead (overlap): a request's next proposals need its accepted tokens."""
 
     def __post_init__(self) -> None:
-        from streamer.engine.spec.config import parse_speculative_config
-
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.overlap_schedule:
             raise ConfigError("speculative_config runs without overlap scheduling (a request's next proposals "

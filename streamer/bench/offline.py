@@ -216,6 +216,7 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
 
 def bench(args: argparse.Namespace, name: str) -> Result:
     from streamer import LLM
+    from streamer.engine.spec.report import spec_delta
     from streamer.model.source import resolve_model
 
     w0 = make_workload(name, 1000, None)
@@ -235,6 +236,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         cuda_graphs=not args.no_cuda_graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         decode_gemv=not args.no_decode_gemv,
+        speculative_config=args.speculative_config,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -257,6 +259,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         # where the wall time went: device computing, device waiting for the host with work in flight
         for k in ("device_busy_s", "device_idle_s"):
             res.extra["engine_stats"][k] = getattr(stats, k) - getattr(s0, k)
+        res.extra.update(spec_delta(s0, stats))
     finally:
         llm.close()
         del llm
@@ -300,6 +303,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=512,
                    help="largest decode batch replayed from a graph (capped at --max-num-seqs)")
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--json", default=None, help="write results here")
 
 
@@ -312,6 +317,9 @@ def print_table(results: list[Result]) -> None:
             f"{(r.ms_per_output_token or 0):7.2f} {100 * (r.floor_fraction or 0):6.1f}% "
             f"{(peer or 0):10.0f} {(r.ratio_vs_peer or 0):6.1f}"
         )
+        if "spec_acceptance_rate" in r.extra:
+            print(f"{'':8} speculation: acceptance rate {r.extra['spec_acceptance_rate']:.2f}, "
+                  f"mean accepted length {r.extra['spec_mean_accepted_length']:.2f} tokens per verify")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -31,11 +31,11 @@ from streamer.engine.scheduler.clock import AheadClock
 from streamer.engine.scheduler.deadlines import Deadlines, timed_out
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
-from streamer.engine.spec.config import SpeculativeConfig
 from streamer.engine.spec.rollback import proposals
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
 from streamer.messages import Batch, EngineStats, MaskFill, StepOutput, TokenDelta, TokenizedRequest
+from streamer.speculative_config import SpeculativeConfig
 
 
 class Scheduler:

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
-from streamer.engine.spec.config import SpeculativeConfig
 from streamer.engine.spec.ngram import propose
 from streamer.messages import SeqChunk
+from streamer.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from collections import Counter

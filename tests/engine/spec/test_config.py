@@ -6,9 +6,9 @@ import pytest
 
 from streamer.cli import build_parser, engine_config
 from streamer.config import EngineConfig
-from streamer.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from streamer.engine.spec.ngram import propose
 from streamer.errors import ConfigError
+from streamer.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
 def test_a_dict_and_json_text_parse_to_the_same_config():

@@ -1,4 +1,5 @@
-"""SpeculativeConfig: EngineConfig.speculative_config, parsed from a dict or JSON text.
+"""SpeculativeConfig: EngineConfig.speculative_config (streamer/engine/spec/), parsed from a
+dict or JSON text.
 
 Unknown keys and methods are refused by name (ConfigError): a knob that is accepted is
 implemented.
