@@ -144,8 +144,12 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
     if reason is None:
         roll_back(sched.pages, req, sched.in_flight)
         return delta(req, ids, logprobs)
-    d = sched.retire(req, reason)
-    d.token_ids, d.logprobs = ids, logprobs
+    error = grammar_error(req, sched.vocab_size) if reason == "error" else None
+    d = sched.retire(req, reason, error=error)
+    if error is None:
+        d.token_ids, d.logprobs = ids, logprobs
+    else:  # a token the grammar refused is not output
+        d.token_ids, d.logprobs = ids[:-1], None if logprobs is None else logprobs[:-1]
     return d
 
 

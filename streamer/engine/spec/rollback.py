@@ -25,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
 from streamer.engine.spec.ngram import propose
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: int, in_flight: Counter[str]) -> list[int]:
     """The tokens to verify after req's last one this step (none: a plain decode)."""
     p = req.params
-    if (req.remaining != 1 or req.grammar is not None or req.request_id in in_flight
+    if (req.remaining != 1 or req.request_id in in_flight
             or req.tokens[-1] == PLACEHOLDER or (p.prompt_logprobs_from is not None and req.num_output == 0)):
         return []
     # the kept run is at most k + 1 tokens: stay within max_tokens, the context and the budget
@@ -85,11 +85,17 @@ def roll_back(pages: Pages, req: Request, in_flight: Counter[str]) -> None:
         del req.pages[keep:]
 
 
-def verify_chunk(req: Request, pool_pages_for: Callable[[int], int]) -> tuple[SeqChunk, list[list[int]], list[list[int]]]:
-    """req's verify chunk (its last token, then req.draft), and the histories and bans of its
-    k + 1 sampling rows. Counts the last token computed at once (the proposals are counted
-    when kept, results.process) and appends the PLACEHOLDER of the first token to come."""
+def verify_chunk(
+    req: Request, pool_pages_for: Callable[[int], int], vocab_size: int
+) -> tuple[SeqChunk, list[list[int]], list[list[int]], Any]:
+    """req's verify chunk (its last token, then req.draft), the histories and bans of its
+    k + 1 sampling rows, and with a grammar their bitmask rows (None without). Counts the last
+    token computed at once (the proposals are counted when kept, results.process) and
+    appends the PLACEHOLDER of the first token to come."""
     draft, req.draft = req.draft, []
+    masks = None
+    if req.grammar is not None:
+        draft, masks = _grammar_rows(req.grammar, draft, vocab_size)
     start = req.num_computed
     k = len(draft)
     chunk = SeqChunk(req.request_id, [req.tokens[start], *draft], start, req.pages[: pool_pages_for(start + 1 + k)],
@@ -103,4 +109,28 @@ def verify_chunk(req: Request, pool_pages_for: Callable[[int], int]) -> tuple[Se
     banned = [ban if req.num_output + j < p.min_tokens else [] for j in range(k + 1)]
     req.num_computed = start + 1
     req.tokens.append(PLACEHOLDER)
-    return chunk, hist, banned
+    return chunk, hist, banned, masks
+
+
+def _grammar_rows(grammar: Any, draft: list[int], vocab_size: int) -> tuple[list[int], Any]:
+    """The proposals the grammar allows (the longest such prefix, short of one that ends it:
+    a terminated matcher has no next mask), and the bitmask of each row: row j is the mask
+    after d1..dj. The matcher is rolled back to where it was: results.process moves it by
+    the kept tokens only."""
+    import torch
+
+    from streamer.sampling.grammar import fill_bitmask
+
+    rows = [fill_bitmask([grammar], vocab_size)]
+    moved = 0
+    for t in draft:
+        if not grammar.accept(t):
+            grammar.rejected = False  # (a refused proposal is just not proposed)
+            break
+        moved += 1
+        if grammar.is_terminated():
+            break
+        rows.append(fill_bitmask([grammar], vocab_size))
+    grammar.rollback(moved)
+    kept = len(rows) - 1
+    return draft[:kept], torch.cat(rows)

@@ -158,3 +158,22 @@ def test_logprobs_of_kept_tokens_are_those_of_plain_decoding(plain, spec, prompt
     for x, y in zip(a.logprobs, b.logprobs):
         assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
         assert [t for t, _ in x.top_logprobs or []] == [t for t, _ in y.top_logprobs or []]
+
+
+def test_a_json_schema_request_with_speculation_is_valid_json_and_the_plain_output(plain, spec, tok):
+    import json
+
+    from streamer.messages import GrammarSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+              "items": {"type": "string"}}}, "required": ["name", "tags"]}
+    doc = '{"name": "lighthouse", "tags": ["sea", "light", "night"]}'
+    chat = [{"role": "user", "content": f"Repeat this JSON exactly: {doc}"}]
+    ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+    p = SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    a, s0 = gen(plain, [ids], p)[0], spec.stats()
+    b = gen(spec, [ids], p)[0]
+    assert b.error is None and b.token_ids == a.token_ids
+    json.loads(b.text)
+    assert spec.stats().spec_accepted_tokens > s0.spec_accepted_tokens
+    settle(spec)
