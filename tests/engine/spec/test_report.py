@@ -35,3 +35,4 @@ def test_acceptance_rate_and_mean_accepted_length():
              "streamer_spec_decode_verifies_total": 12.0}
     view = server_view(before, after)
     assert view["spec_acceptance_rate"] == 25 / 40 and view["spec_mean_accepted_length"] == 3.5
+

@@ -127,6 +127,7 @@ def test_stops_end_inside_an_accepted_run(plain, spec, prompts, expected):
     ps = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop=[stop])
     a, b = gen(plain, [prompts[0]], ps)[0], gen(spec, [prompts[0]], ps)[0]
     assert b.text == a.text and stop not in b.text and b.finish_reason == "stop"
+    assert b.token_ids == a.token_ids and b.completion_tokens == a.completion_tokens, "no token after the stop"
     for n in (1, 2, 7):  # max_tokens inside a run
         pm = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         assert gen(spec, [prompts[0]], pm)[0].token_ids == out[:n]
