@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
                    help='variables of every chat prompt\'s template, e.g. \'{"enable_thinking": false}\'; '
                         "a request's chat_template_kwargs win over them")
+    g.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (turns overlap scheduling off)')
 
 
 def _json_object(text: str) -> dict:

@@ -24,6 +24,7 @@ from typing import Any
 
 from streamer.chat_template import check_kwargs
 from streamer.errors import ConfigError, RequestError
+from streamer.speculative_config import parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -187,8 +188,17 @@ class EngineConfig:
     """Hosts the tensor_parallel_size ranks span (MASTER_ADDR/MASTER_PORT: node 0)."""
     node_rank: int = 0
     """This host's index among nnodes; 0 runs the engine, the others only their ranks."""
+    speculative_config: Any = None
+    """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
+    SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off. With it on, steps are not
+    scheduled ahead (overlap): a request's next proposals need its accepted tokens."""
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.overlap_schedule:
+            raise ConfigError("speculative_config runs without overlap scheduling (a request's next proposals "
+                              "need its accepted tokens): leave overlap_schedule unset or false")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

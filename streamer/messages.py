@@ -188,6 +188,9 @@ class SeqChunk(msgspec.Struct):
     """The next token of each such position, whose logprob is reported."""
     logprob_top: int = 0
     """And the top this-many tokens at each such position (SamplingParams.prompt_top_logprobs)."""
+    num_draft: int = 0
+    """Speculative decoding: the last num_draft tokens are proposals; the chunk samples at
+    each of its last num_draft + 1 positions (a row each in the Batch's sampling lists)."""
 
 
 class Batch(msgspec.Struct):
@@ -205,6 +208,9 @@ class Batch(msgspec.Struct):
     """Scheduled while the step before it was in flight, with grammar rows: the matchers
     have not seen that step's tokens yet, so the bitmask follows in a MaskFill. The
     executor runs the forward meanwhile and samples when the MaskFill arrives."""
+    spec: bool = False
+    """Some sequence has proposals (SeqChunk.num_draft): the sampling lists have a row per
+    sampled position, not per sequence."""
 
 
 class MaskFill(msgspec.Struct):
@@ -374,6 +380,16 @@ class EngineStats(msgspec.Struct):
     step that never returns (a stuck device or worker thread) shows here (engine.stalled)."""
     host: HostStats | None = None
     """The host tier's numbers (None: --host-kv-cache-gb is off)."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: tokens proposed and verified..."""
+    spec_accepted_tokens: int = 0
+    """...and of those, tokens kept (acceptance rate = accepted / draft)."""
+    spec_verifies: int = 0
+    """Verify chunks (a request's proposals checked in one step); mean accepted length =
+    (spec_accepted_tokens + spec_verifies) / spec_verifies tokens per verify."""
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    """Entry j: verifies that kept proposal j (0-based), so entry j / spec_verifies is the
+    acceptance of the (j+1)-th proposed token."""
 
 
 class HostStats(msgspec.Struct):

@@ -234,6 +234,7 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
 
 def bench(args: argparse.Namespace, name: str) -> Result:
     from streamer import LLM
+    from streamer.engine.spec.report import spec_delta
     from streamer.model.source import resolve_model
 
     w0 = make_workload(name, 1000, None)
@@ -255,6 +256,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         decode_gemv=not args.no_decode_gemv,
         host_kv_cache_gb=args.host_kv_cache_gb,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
     )
     llm = LLM(str(model_dir), **common)
     try:
@@ -276,6 +278,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         # where the wall time went: device computing, device waiting for the host with work in flight
         for k in ("device_busy_s", "device_idle_s"):
             res.extra["engine_stats"][k] = getattr(stats, k) - getattr(s0, k)
+        res.extra.update(spec_delta(s0, stats))
     finally:
         llm.close()
         del llm
@@ -321,6 +324,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-gemv", action="store_true", help="cuBLAS for the linear layers at batch 1")
     p.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="host KV tier under the prefix cache (0: off)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded over")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--json", default=None, help="write results here")
 
 
@@ -333,6 +338,9 @@ def print_table(results: list[Result]) -> None:
             f"{(r.ms_per_output_token or 0):7.2f} {100 * (r.floor_fraction or 0):6.1f}% "
             f"{(peer or 0):10.0f} {(r.ratio_vs_peer or 0):6.1f}"
         )
+        if "spec_acceptance_rate" in r.extra:
+            print(f"{'':8} speculation: acceptance rate {r.extra['spec_acceptance_rate']:.2f}, "
+                  f"mean accepted length {r.extra['spec_mean_accepted_length']:.2f} tokens per verify")
 
 
 def main(args: argparse.Namespace) -> None:

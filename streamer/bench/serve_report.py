@@ -7,12 +7,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamer.engine.spec.report import spec_summary
+
 SCRAPED = (
     "streamer_cached_prompt_tokens_total", "streamer_prompt_tokens_total", "streamer_engine_steps_total",
     "streamer_time_to_first_token_seconds_sum", "streamer_time_to_first_token_seconds_count",
     "streamer_request_queue_time_seconds_sum", "streamer_request_queue_time_seconds_count",
     "streamer_steps_held_total", "streamer_held_steps_joined_total", "streamer_held_steps_late_total",
     "streamer_device_busy_seconds_total", "streamer_device_idle_seconds_total",
+    "streamer_spec_decode_draft_tokens_total", "streamer_spec_decode_accepted_tokens_total",
+    "streamer_spec_decode_verifies_total",
 )
 
 
@@ -49,6 +53,8 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     busy, idle = d.get("streamer_device_busy_seconds_total"), d.get("streamer_device_idle_seconds_total")
     if busy is not None and idle is not None:
         out["device_busy_s"], out["device_idle_s"] = busy, idle
+    out.update(spec_summary(*(d.get(f"streamer_spec_decode_{k}_total", 0.0)
+                              for k in ("draft_tokens", "accepted_tokens", "verifies"))))
     return out
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
+
 from streamer.messages import (
     Finish,
     Register,
@@ -100,6 +102,35 @@ class Stream:
 
     def update(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
         """(output to send, whether a stop string ended the request here)."""
+        if self.stops and len(d.token_ids) > 1:
+            return self._update_each(d)
+        return self._update_one(d)
+
+    def _update_each(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
+        """A delta of several tokens (speculative decoding's kept run, a grammar's jump) with
+        stop strings: token by token, as if decoded one at a time, so that no token after
+        the one completing a stop string is output (nor counted)."""
+        outs: list[RequestOutput] = []
+        stopped = False
+        n = len(d.token_ids)
+        for i, t in enumerate(d.token_ids):
+            last = i == n - 1
+            sub = msgspec.structs.replace(
+                d, token_ids=[t], logprobs=None if d.logprobs is None else d.logprobs[i : i + 1],
+                finish_reason=d.finish_reason if last else None, error=d.error if last else None)
+            out, stopped = self._update_one(sub)
+            outs.append(out)
+            if stopped or out.finished:
+                break
+        first, end = outs[0], outs[-1]
+        logprobs = None if d.logprobs is None else [lp for o in outs for lp in o.logprobs or []]
+        return msgspec.structs.replace(
+            end, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
+            logprobs=logprobs, prompt_logprobs=first.prompt_logprobs, queue_time=first.queue_time,
+            prompt_token_ids=first.prompt_token_ids, prompt_top_logprobs=first.prompt_top_logprobs,
+        ), stopped
+
+    def _update_one(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
         if d.prompt_tokens:
             self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
             self.cached_host_tokens = d.cached_host_tokens

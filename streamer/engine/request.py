@@ -63,6 +63,9 @@ class Request:
     """time.monotonic() at which it ends with finish_reason "timeout" (SamplingParams.timeout)."""
     cached_host_tokens: int = 0
     """Of cached_tokens, those whose KV came back from the host tier (kv/host.py)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the proposals chosen for the batch being built (spec/rollback.py);
+    BatchBuilder.build sends them and clears this."""
 
     @property
     def num_output(self) -> int:

@@ -57,6 +57,8 @@ def prepare(
         table[i, : len(s.page_table)] = s.page_table
     slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
     last = [int(cu[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+    if batch.spec:  # a verify chunk samples at its last num_draft + 1 positions (engine/spec)
+        last = [r for i, s in enumerate(seqs) if s.sample for r in range(int(cu[i + 1]) - 1 - s.num_draft, int(cu[i + 1]))]
     n_sample = len(last)
     if last:
         # the LM head of eager and extend-graph steps sees a few row counts only: at

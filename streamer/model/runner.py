@@ -248,7 +248,7 @@ class ModelRunner:
     @staticmethod
     def _sample_inputs(batch: Batch, rids: list[str] | None = None) -> SampleInputs:
         if rids is None:
-            rids = [s.request_id for s in batch.seqs if s.sample]
+            rids = _row_ids(batch)
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
@@ -256,7 +256,7 @@ class ModelRunner:
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
         copy of its tokens to the host."""
-        rids = [s.request_id for s in batch.seqs if s.sample]
+        rids = _row_ids(batch)
         sampled: list[SampledToken] | None = None
         if plan is None and _plain_greedy(batch):
             tokens = logits.argmax(-1)
@@ -341,6 +341,13 @@ class Launched:
     @property
     def awaiting_masks(self) -> bool:
         return self.tokens is None and self.sampled is None
+
+
+def _row_ids(batch: Batch) -> list[str]:
+    """The request of each sampling row (a verify chunk has num_draft + 1 rows, engine/spec)."""
+    if batch.spec:
+        return [s.request_id for s in batch.seqs if s.sample for _ in range(s.num_draft + 1)]
+    return [s.request_id for s in batch.seqs if s.sample]
 
 
 def _plain_greedy(batch: Batch) -> bool:

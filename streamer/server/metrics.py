@@ -81,6 +81,18 @@ class EngineCollector(Collector):
                                                                h.cached_tokens_total)}
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        # speculative decoding (engine/spec; 0 where it is off)
+        yield CounterMetricFamily("streamer_spec_decode_draft_tokens", "proposed tokens verified",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("streamer_spec_decode_accepted_tokens", "proposed tokens kept",
+                                  value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("streamer_spec_decode_verifies", "proposal runs verified (one per request "
+                                  "and step)", value=s.spec_verifies)
+        per = CounterMetricFamily("streamer_spec_decode_accepted_per_position",
+                                  "verifies that kept the proposal at this position (0-based)", labels=["position"])
+        for j, n in enumerate(s.spec_accepted_per_position):
+            per.add_metric([str(j)], n)
+        yield per
 
 
 class LoopHistogram(Collector):

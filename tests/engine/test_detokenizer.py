@@ -83,3 +83,13 @@ def test_a_bpe_tokenizer_asking_for_clean_up_decodes_as_transformers_does(tok):
         setattr(bpe, flag, True)  # clean-up forced: the slow path, and its cleaned text
         forced = IncrementalText(bpe, skip_special_tokens=True)
         assert forced.backend is None and forced._decode(ids) == bpe.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stop_string_inside_a_multi_token_delta_cuts_the_tokens_after_it(tok):
+    # a kept run of speculative decoding (or a grammar's jump) arrives as one delta
+    ids = tok("alpha beta gamma delta epsilon", add_special_tokens=False)["input_ids"]
+    s = Stream(tok, SamplingParams(stop=[" gam"]), asyncio.Queue())
+    out, stopped = s.update(TokenDelta("r", ids))
+    assert stopped and out.finished and out.text == "alpha beta"
+    upto = next(i for i in range(1, len(ids) + 1) if " gam" in tok.decode(ids[:i]))
+    assert out.token_ids == ids[:upto] and out.completion_tokens == upto < len(ids)

@@ -16,12 +16,14 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
 from streamer.engine.scheduler.stats import Counters
+from streamer.engine.spec.rollback import verify_chunk
 from streamer.kv.pages import PagePool
-from streamer.messages import Batch, MaskFill, SeqChunk
+from streamer.messages import Batch, MaskFill, SamplingParams, SeqChunk
 
 
 class BatchBuilder:
@@ -43,8 +45,24 @@ class BatchBuilder:
         self.step_id += 1
         if ahead:
             self.built_ahead.add(self.step_id)
-        seqs, params, hist, banned = [], [], [], []
+        seqs: list[SeqChunk] = []
+        params: list[SamplingParams] = []
+        hist: list[list[int]] = []
+        banned: list[list[int]] = []
+        spec = False
+        spec_masks: dict[int, Any] = {}  # first row -> a verify chunk's grammar rows
         for req, n in chunks:
+            if req.draft:  # speculative decoding: a row per position (spec/rollback.py)
+                chunk, rows_hist, rows_banned, rows_masks = verify_chunk(req, self.pool.pages_for, self.vocab_size)
+                if rows_masks is not None:
+                    spec_masks[len(params)] = rows_masks
+                seqs.append(chunk)
+                self.in_flight[req.request_id] += 1
+                params.extend([req.params] * len(rows_hist))
+                hist.extend(rows_hist)
+                banned.extend(rows_banned)
+                spec = True
+                continue
             start = req.num_computed
             sample = start + n == len(req.tokens)
             chunk = SeqChunk(
@@ -81,27 +99,42 @@ class BatchBuilder:
         self.counters.batch_sizes_sum += len(seqs)
         self.counters.max_batch_size = max(self.counters.max_batch_size, len(seqs))
         sampling = [r for r, n in chunks if r.num_computed == len(r.tokens) - 1]
+        if spec:  # one per sampling row (a verify chunk's grammar rows are filled by verify_chunk)
+            owner = {r.request_id: r for r, _ in chunks}
+            sampling = [owner[c.request_id] for c in seqs if c.sample for _ in range(c.num_draft + 1)]
+            if spec_masks:
+                return Batch(self.step_id, seqs, params, hist, banned, self._spec_masks(sampling, spec_masks),
+                             spec=True)
         if not any(r.grammar is not None for r in sampling):
-            return Batch(self.step_id, seqs, params, hist, banned)
+            return Batch(self.step_id, seqs, params, hist, banned, spec=spec)
         if ahead:
             # the batch in flight will move these matchers: fill once its tokens are in
             self.deferred_masks[self.step_id] = sampling
             self.counters.masks_deferred += 1
-            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True)
-        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling))
+            return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True, spec=spec)
+        return Batch(self.step_id, seqs, params, hist, banned, self._grammar_masks(sampling), spec=spec)
 
-    def _grammar_masks(self, sampling: list[Request]) -> Any:
+    def _grammar_masks(self, sampling: Sequence[Request | None]) -> Any:
         from streamer.sampling.grammar import fill_bitmask
 
         # a request that ended meanwhile (stop, abort, grammar complete) samples unconstrained:
         # its token is dropped, and a terminated matcher has no mask to give
         states = [
             r.grammar
-            if r.grammar is not None and r.status == Status.RUNNING and not r.grammar.is_terminated()
+            if r is not None and r.grammar is not None and r.status == Status.RUNNING and not r.grammar.is_terminated()
             else None
             for r in sampling
         ]
         return fill_bitmask(states, self.vocab_size, pin=self.pin_masks)
+
+    def _spec_masks(self, sampling: list[Request], rows: dict[int, Any]) -> Any:
+        """The bitmask of a batch with grammar verify chunks: their rows as verify_chunk
+        filled them, every other row from its matcher."""
+        skip = {i for at, m in rows.items() for i in range(at, at + m.shape[0])}
+        mask = self._grammar_masks([None if i in skip else r for i, r in enumerate(sampling)])
+        for at, m in rows.items():
+            mask[at : at + m.shape[0]] = m
+        return mask
 
     def fill_deferred(self, step: int) -> MaskFill:
         """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they

@@ -33,9 +33,11 @@ from streamer.engine.scheduler.keeps import Keeps
 from streamer.engine.scheduler.loads import Loads, check_holds, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
+from streamer.engine.spec.rollback import proposals
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
 from streamer.messages import Batch, EngineStats, MaskFill, StepOutput, TokenDelta, TokenizedRequest
+from streamer.speculative_config import SpeculativeConfig
 
 
 class Scheduler:
@@ -82,6 +84,8 @@ class Scheduler:
         """Aborted before they reached the scheduler (still in the tokenizer)."""
         self.jumps: list[tuple[Request, TokenDelta]] = []
         """Requests whose grammar may force text after the last process() (jump-forward)."""
+        self.spec: SpeculativeConfig | None = config.speculative_config
+        """Speculative decoding (spec/rollback.py), or None."""
 
     # ---- arrivals and departures ------------------------------------------
     def add(self, msg: TokenizedRequest) -> TokenDelta | None:
@@ -187,6 +191,11 @@ class Scheduler:
             if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
                 continue
             n = min(req.remaining, budget)
+            if self.spec is not None and n == 1:  # speculative decoding: a verify chunk (spec/)
+                req.draft = proposals(self.spec, req, budget, self.max_model_len, self.in_flight)
+                if req.draft and not self.pages.grow(req, req.num_computed + 1 + len(req.draft)):
+                    req.draft = []  # no pages for the proposals: a plain decode
+                n += len(req.draft)
             while not self.pages.grow(req, req.num_computed + n):
                 if ahead:
                     break

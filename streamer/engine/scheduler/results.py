@@ -25,7 +25,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from streamer.engine.request import Request, Status
-from streamer.messages import Batch, StepOutput, TokenDelta
+from streamer.engine.spec.rollback import accepted, count, roll_back
+from streamer.messages import Batch, SampledToken, SeqChunk, StepOutput, TokenDelta
 
 if TYPE_CHECKING:
     from streamer.engine.scheduler.policy import Scheduler
@@ -62,6 +63,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
             del in_flight[seq.request_id]
         req = requests.get(seq.request_id)
         tok = next(sampled) if seq.sample and out.error is None else None
+        more = [next(sampled) for _ in range(seq.num_draft)] if seq.num_draft and tok is not None else None
         if req is None or req.status != Status.RUNNING:
             continue
         if out.error is not None:
@@ -76,6 +78,9 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         if tok is None:
             continue
         req.suspect = False  # it sampled alone without failing: batched again from now
+        if more is not None:
+            deltas.append(verified(sched, req, seq, [tok, *more]))
+            continue
         at = seq.start + len(seq.token_ids)
         req.tokens[at] = tok.token_id
         counters.generated_tokens_total += 1
@@ -101,7 +106,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         for seq in batch.seqs:  # (after cache_prompt: a prompt goes to the tree before it is trimmed)
             req = requests.get(seq.request_id)
             if req is not None and req.status == Status.RUNNING:
-                pages.trim(req, seq.start + len(seq.token_ids))
+                pages.trim(req, req.num_computed if seq.num_draft else seq.start + len(seq.token_ids))
     # KV efficiency: of the slots in pages held by running requests, how many hold tokens
     ps = sched.pool.page_size
     counters.kv_live += sum(r.num_computed - r.released * ps for r in sched.running)
@@ -109,6 +114,43 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
     pages.returned(in_flight)
     sched.diagnostics.on_step(batch, out, ahead, t_begin, c_begin)
     return deltas
+
+
+def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledToken]) -> TokenDelta:
+    """A verify chunk's rows in (spec/rollback.py): the kept run written, up to the token that
+    ends req if one does; the pages of the rejected proposals returned. Its delta."""
+    drafts = seq.token_ids[1:]
+    kept = accepted(drafts, [t.token_id for t in toks])
+    count(sched.counters, len(drafts), kept)
+    at = seq.start + 1  # (the PLACEHOLDER of the first token)
+    new: list[SampledToken] = []
+    reason = None
+    for t in toks[: kept + 1]:
+        if new:
+            req.tokens.append(t.token_id)
+        else:
+            req.tokens[at] = t.token_id
+        new.append(t)
+        if at == req.prompt_len and len(new) == 1 and sched.config.enable_prefix_caching:
+            sched.pages.cache_prompt(req)
+        reason = stop_reason(req, t.token_id, at + len(new), sched.max_model_len)
+        if reason is not None:
+            break  # nothing after the stopping token is output
+    # KV is computed for the last token and the kept proposals before the newest token
+    req.num_computed = at + len(new) - 1
+    sched.counters.generated_tokens_total += len(new)
+    logprobs = new if req.params.logprobs is not None else None
+    ids = [t.token_id for t in new]
+    if reason is None:
+        roll_back(sched.pages, req, sched.in_flight)
+        return delta(req, ids, logprobs)
+    error = grammar_error(req, sched.vocab_size) if reason == "error" else None
+    d = sched.retire(req, reason, error=error)
+    if error is None:
+        d.token_ids, d.logprobs = ids, logprobs
+    else:  # a token the grammar refused is not output
+        d.token_ids, d.logprobs = ids[:-1], None if logprobs is None else logprobs[:-1]
+    return d
 
 
 def stop_reason(req: Request, token: int, length: int, max_model_len: int) -> str | None:

@@ -6,7 +6,7 @@ build, step results, preemption); nothing here is read on the hot path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamer.engine.scheduler.clock import AheadClock
 from streamer.kv.pages import PagePool
@@ -40,6 +40,10 @@ class Counters:
     """Failed steps of several requests, each of which then ran its next step alone."""
     cached_host_tokens_total: int = 0
     """Of cached_tokens_total, tokens whose KV came back from the host tier."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifies: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     def snapshot(
         self, steps: int, running: int, waiting: int, pool: PagePool, tree: RadixCache, clock: AheadClock, now: float
@@ -71,6 +75,10 @@ class Counters:
             device_idle_s=self.device_idle_s,
             step_age_s=clock.step_age(now),
             host=self._host(tree),
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verifies=self.spec_verifies,
+            spec_accepted_per_position=list(self.spec_accepted_per_position),
         )
 
     def _host(self, tree: RadixCache) -> HostStats | None:

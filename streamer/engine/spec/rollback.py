@@ -1,0 +1,136 @@
+"""The scheduler's side of speculation: who gets proposals, and what a verified chunk leaves.
+
+A verify chunk is the request's last token then its k proposals d1..dk; it samples at each
+of its k + 1 positions, with the history each position would have had (the output so far,
+then d1..dj: penalties and seeded draws see the same thing as without speculation). The
+runner samples every position y0..yk as it would sample a plain decode; the request keeps
+y0..ya, where a is the length of the longest prefix with yj == d(j+1). For greedy rows
+that is the target's argmax run plus its next token; for sampled rows it is exact
+rejection sampling of a point-mass draft (ngram proposes one token, q = 1 on it): dj is
+kept with probability p(dj), and on rejection yj is distributed as p with dj taken out,
+norm(max(0, p - q)). A seeded request draws the same uniform per output position with or
+without speculation, so its output is the same either way.
+
+Invariants:
+  - proposals only for a request with no batch in flight and its last token known (the
+    engine runs speculation without overlap scheduling: the next proposals need this
+    step's accepted tokens), never for grammar requests, nor where prompt logprobs are due;
+  - the KV of the rejected proposals is never counted computed (`num_computed` covers the
+    kept tokens only, so neither the radix tree nor a preemption's cache insert sees it),
+    and the pages past the kept tokens are returned at once;
+  - a stop token, max_tokens or the context ends a request inside an accepted run: nothing
+    after the stopping token is output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from streamer.engine.request import PLACEHOLDER, Request, Status
+from streamer.engine.spec.ngram import propose
+from streamer.messages import SeqChunk
+from streamer.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from collections import Counter
+
+    from streamer.engine.scheduler.pages import Pages
+    from streamer.engine.scheduler.stats import Counters
+
+
+def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: int, in_flight: Counter[str]) -> list[int]:
+    """The tokens to verify after req's last one this step (none: a plain decode)."""
+    p = req.params
+    if (req.remaining != 1 or req.request_id in in_flight
+            or req.tokens[-1] == PLACEHOLDER or (p.prompt_logprobs_from is not None and req.num_output == 0)):
+        return []
+    # the kept run is at most k + 1 tokens: stay within max_tokens, the context and the budget
+    k = min(cfg.num_speculative_tokens, p.max_tokens - req.num_output - 1,
+            max_model_len - len(req.tokens) - 1, budget - 1)
+    if k <= 0:
+        return []
+    return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many proposals the verify step kept: the longest prefix where each sampled token
+    is the proposal it checked (sampled has one more entry: the token after the last)."""
+    a = 0
+    while a < len(drafts) and sampled[a] == drafts[a]:
+        a += 1
+    return a
+
+
+def count(counters: Counters, drafts: int, kept: int) -> None:
+    counters.spec_verifies += 1
+    counters.spec_draft_tokens += drafts
+    counters.spec_accepted_tokens += kept
+    pos = counters.spec_accepted_per_position
+    if len(pos) < drafts:
+        pos.extend([0] * (drafts - len(pos)))
+    for j in range(kept):
+        pos[j] += 1
+
+
+def roll_back(pages: Pages, req: Request, in_flight: Counter[str]) -> None:
+    """After a verify step: give back the pages past req's tokens (they held only rejected
+    proposals' KV). Nothing else holds them: req is in no batch in flight."""
+    if req.status != Status.RUNNING:
+        return
+    assert req.request_id not in in_flight, "a speculating request has a batch in flight"
+    keep = pages.pool.pages_for(len(req.tokens))
+    if len(req.pages) > keep:
+        pages.pool.decref(req.pages[keep:])
+        del req.pages[keep:]
+
+
+def verify_chunk(
+    req: Request, pool_pages_for: Callable[[int], int], vocab_size: int
+) -> tuple[SeqChunk, list[list[int]], list[list[int]], Any]:
+    """req's verify chunk (its last token, then req.draft), the histories and bans of its
+    k + 1 sampling rows, and with a grammar their bitmask rows (None without). Counts the last
+    token computed at once (the proposals are counted when kept, results.process) and
+    appends the PLACEHOLDER of the first token to come."""
+    draft, req.draft = req.draft, []
+    masks = None
+    if req.grammar is not None:
+        draft, masks = _grammar_rows(req.grammar, draft, vocab_size)
+    start = req.num_computed
+    k = len(draft)
+    chunk = SeqChunk(req.request_id, [req.tokens[start], *draft], start, req.pages[: pool_pages_for(start + 1 + k)],
+                     True, num_draft=k)
+    p = req.params
+    needed = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.seed is not None
+    out = req.output
+    hist = [out + draft[:j] if needed else [] for j in range(k + 1)]
+    ban = sorted(req.eos_token_ids | set(p.stop_token_ids))
+    # row j samples output token num_output + j: EOS stays banned there before min_tokens
+    banned = [ban if req.num_output + j < p.min_tokens else [] for j in range(k + 1)]
+    req.num_computed = start + 1
+    req.tokens.append(PLACEHOLDER)
+    return chunk, hist, banned, masks
+
+
+def _grammar_rows(grammar: Any, draft: list[int], vocab_size: int) -> tuple[list[int], Any]:
+    """The proposals the grammar allows (the longest such prefix, short of one that ends it:
+    a terminated matcher has no next mask), and the bitmask of each row: row j is the mask
+    after d1..dj. The matcher is rolled back to where it was: results.process moves it by
+    the kept tokens only."""
+    import torch
+
+    from streamer.sampling.grammar import fill_bitmask
+
+    rows = [fill_bitmask([grammar], vocab_size)]
+    moved = 0
+    for t in draft:
+        if not grammar.accept(t):
+            grammar.rejected = False  # (a refused proposal is just not proposed)
+            break
+        moved += 1
+        if grammar.is_terminated():
+            break
+        rows.append(fill_bitmask([grammar], vocab_size))
+    grammar.rollback(moved)
+    kept = len(rows) - 1
+    return draft[:kept], torch.cat(rows)

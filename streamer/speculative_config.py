@@ -1,0 +1,62 @@
+"""SpeculativeConfig: EngineConfig.speculative_config (streamer/engine/spec/), parsed from a
+dict or JSON text.
+
+Unknown keys and methods are refused by name (ConfigError): a knob that is accepted is
+implemented.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from streamer.errors import ConfigError
+
+METHODS = ("ngram",)
+"""Methods implemented. (draft_model, in the issue, is refused by name: not built yet.)"""
+_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+}
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    """Proposed tokens per step at most (k): a verify step has 1 + k tokens per request."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest suffix of the sequence that is looked up in it."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest; longer suffixes are tried first."""
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """None, a SpeculativeConfig, a dict, or JSON text of one -> SpeculativeConfig (or None)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+    method = value.get("method", "ngram")
+    if method == "draft_model":
+        raise ConfigError("speculative_config method 'draft_model' is not supported yet (use 'ngram')")
+    if method not in METHODS:
+        raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, not {method!r}")
+    unknown = sorted(set(value) - set(_KEYS[method]))
+    if unknown:
+        raise ConfigError(f"unknown speculative_config key(s) for method {method!r}: {', '.join(unknown)}")
+    try:
+        cfg = msgspec.convert(value, SpeculativeConfig, strict=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"speculative_config: {e}") from None
+    if not 1 <= cfg.num_speculative_tokens <= 64:
+        raise ConfigError(f"speculative_config num_speculative_tokens must be in [1, 64], not {cfg.num_speculative_tokens}")
+    if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, not "
+                          f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}")
+    return cfg

@@ -1,0 +1,66 @@
+"""speculative_config: parsed and validated; what is not implemented is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamer.cli import build_parser, engine_config
+from streamer.config import EngineConfig
+from streamer.engine.spec.ngram import propose
+from streamer.errors import ConfigError
+from streamer.speculative_config import SpeculativeConfig, parse_speculative_config
+
+
+def test_a_dict_and_json_text_parse_to_the_same_config():
+    want = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5)
+    d = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert parse_speculative_config(d) == want
+    assert parse_speculative_config('{"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}') == want
+    assert EngineConfig(speculative_config=d).speculative_config == want
+    assert EngineConfig(speculative_config=want).speculative_config == want  # (LLM passes it on parsed)
+    assert EngineConfig().speculative_config is None
+
+
+def test_the_cli_flag_reaches_the_engine_config():
+    for cmd in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args([*cmd, "--speculative-config", '{"num_speculative_tokens": 2}'])
+        assert engine_config(args).speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"method": "eagle"}, "method must be one of ngram, not 'eagle'"),
+        ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported"),
+        ({"num_speculative_tokens": 4, "lookahead": 2}, "unknown speculative_config key(s) for method 'ngram': lookahead"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 64]"),
+        ({"num_speculative_tokens": "4"}, "Expected `int`"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+        ("{not json", "not JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_bad_configs_are_refused_by_name(value, words):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(speculative_config=value)
+    assert words in str(e.value)
+
+
+def test_speculation_refuses_forced_overlap_scheduling():
+    with pytest.raises(ConfigError, match="without overlap scheduling"):
+        EngineConfig(speculative_config={}, overlap_schedule=True)
+    EngineConfig(speculative_config={}, overlap_schedule=False)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    seq = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # the suffix [1, 2, 3] occurred at 6 (latest, followed by 7 8) and at 0
+    assert propose(seq, 3, 1, 3) == [7, 8, 1]
+    assert propose(seq, 1, 1, 3) == [7]
+    # a longer suffix wins over a later short match: [9, 1, 2] x -> the 4-gram [5, 9, 1, 2]...
+    seq2 = [5, 9, 1, 2, 6, 6, 2, 0, 5, 9, 1, 2]
+    assert propose(seq2, 2, 1, 4) == [6, 6]
+    assert propose(seq2, 2, 1, 1) == [0, 5]  # (only [2]: its latest earlier occurrence is at 6)
+    assert propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert propose([4, 4], 3, 2, 3) == []  # shorter than prompt_lookup_min + 1
+    assert propose([4, 4, 4], 5, 1, 2) == [4]  # (the match at 0 is followed by one token only)

@@ -1,0 +1,180 @@
+"""Speculative decoding (ngram) end to end on the default model: the greedy output is the
+plain greedy output token for token (and transformers'), whatever the batch, the chunking,
+the page size, the pool or the cache; stops end a request inside an accepted run; seeded
+sampling gives the same output with and without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamer import LLM, SamplingParams
+from tests.oracle import Comparison, compare
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+CODE = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n\n"
+    "def describe(width, height):\n    return f'{width}x{height}: area {area(width, height)}'\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tok(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model))
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    """An input-grounded prompt (the answer copies the code) and two plain ones."""
+    chat = [{"role": "user", "content": "Rewrite this code, renaming width to w:\n\n" + CODE}]
+    grounded = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+    story = tok("The lighthouse keeper climbed the stairs every evening. The lighthouse keeper")["input_ids"]
+    short = tok("Numbers: 1, 2, 3, 4, 5,")["input_ids"]
+    return [grounded, story, short]
+
+
+@pytest.fixture(scope="module")
+def plain(default_model, prompts):
+    with LLM(str(default_model)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def expected(plain, prompts):
+    return [o.token_ids for o in gen(plain, prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def spec(default_model):
+    with LLM(str(default_model), speculative_config=SPEC) as llm:
+        yield llm
+
+
+def gen(llm: LLM, prompts, params):
+    """generate, then wait for the engine to idle: two engines of one process must not step at
+    once (a request ended by a stop string may still be in a step when its output is back)."""
+    out = llm.generate(prompts, params)
+    llm.wait_idle()
+    return out
+
+
+def settle(llm: LLM) -> None:
+    s = llm.wait_idle()
+    llm.check()
+    assert s.running == 0 and s.waiting == 0
+    assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
+
+
+def test_batched_greedy_equals_plain_greedy_and_transformers(default_model, spec, prompts, expected):
+    s0 = spec.stats()
+    got = [o.token_ids for o in gen(spec, prompts, GREEDY)]
+    s = spec.stats()
+    assert got == expected
+    cmp = Comparison()
+    compare(default_model, prompts[0], got[0], cmp)
+    assert not cmp.failures, cmp.failures
+    assert s.spec_draft_tokens > s0.spec_draft_tokens and s.spec_accepted_tokens > s0.spec_accepted_tokens
+    settle(spec)
+
+
+def test_input_grounded_output_accepts_most_proposals_in_fewer_steps(default_model, spec, plain, prompts, expected):
+    p0, s0 = plain.stats(), spec.stats()
+    gen(plain, [prompts[0]], GREEDY)
+    got = gen(spec, [prompts[0]], GREEDY)[0].token_ids
+    p1, s1 = plain.stats(), spec.stats()
+    assert got == expected[0]
+    drafted = s1.spec_draft_tokens - s0.spec_draft_tokens
+    kept = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    assert kept / drafted > 0.5, (kept, drafted)
+    assert (s1.steps - s0.steps) * 2 <= p1.steps - p0.steps, "at least half the steps saved"
+    per_pos = s1.spec_accepted_per_position
+    assert per_pos == sorted(per_pos, reverse=True), "a later proposal is kept only after the earlier ones"
+
+
+@pytest.mark.parametrize("page_size, chunk, pages", [(1, 7, 150), (16, 5, None)])
+def test_chunked_prefill_page_sizes_and_preemption(default_model, prompts, expected, page_size, chunk, pages):
+    # 150 pages of 1 token: the three requests (137, 44 and 49 tokens at the end) take turns
+    with LLM(str(default_model), speculative_config=SPEC, page_size=page_size, max_num_batched_tokens=chunk,
+             num_pages=pages) as llm:
+        got = [o.token_ids for o in gen(llm, prompts, GREEDY)]
+        s = llm.stats()
+        assert s.spec_accepted_tokens > 0
+        assert (s.preemptions > 0) == (pages is not None)
+        settle(llm)
+    assert got == expected
+
+
+def test_a_cached_prefix_gives_the_same_output(spec, prompts, expected):
+    first = gen(spec, [prompts[0]], GREEDY)[0]
+    again = gen(spec, [prompts[0]], GREEDY)[0]
+    assert again.cached_tokens > 0
+    assert first.token_ids == again.token_ids == expected[0]
+    settle(spec)
+
+
+def test_stops_end_inside_an_accepted_run(plain, spec, prompts, expected):
+    out = expected[0]
+    # a token some way in that the grounded answer repeats: the stop lands inside a kept run
+    stop_at = next(i for i in range(8, len(out)) if out[i] in out[:i])
+    p = SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[out[stop_at]])
+    first = out.index(out[stop_at])
+    assert gen(spec, [prompts[0]], p)[0].token_ids == out[: first + 1]
+    text = gen(plain, [prompts[0]], GREEDY)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 5]
+    ps = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop=[stop])
+    a, b = gen(plain, [prompts[0]], ps)[0], gen(spec, [prompts[0]], ps)[0]
+    assert b.text == a.text and stop not in b.text and b.finish_reason == "stop"
+    assert b.token_ids == a.token_ids and b.completion_tokens == a.completion_tokens, "no token after the stop"
+    for n in (1, 2, 7):  # max_tokens inside a run
+        pm = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        assert gen(spec, [prompts[0]], pm)[0].token_ids == out[:n]
+    settle(spec)
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(plain, spec, prompts):
+    # every knob of the target distribution: each output position draws its own seeded uniform
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, min_p=0.05, seed=8, repetition_penalty=1.2,
+                       logit_bias={13: 2.0}, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3, seed=9,
+                       min_tokens=4, ignore_eos=False),
+    ]
+    want = [o.token_ids for o in gen(plain, prompts, params)]
+    s0 = spec.stats()
+    got = [o.token_ids for o in gen(spec, prompts, params)]
+    assert spec.stats().spec_accepted_tokens > s0.spec_accepted_tokens
+    assert got == want
+    assert [o.token_ids for o in gen(spec, prompts, params)] == got  # (reproduced)
+
+
+def test_logprobs_of_kept_tokens_are_those_of_plain_decoding(plain, spec, prompts):
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    a, b = gen(plain, [prompts[0]], p)[0], gen(spec, [prompts[0]], p)[0]
+    assert a.token_ids == b.token_ids
+    assert a.logprobs is not None and b.logprobs is not None and len(b.logprobs) == 12
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t for t, _ in x.top_logprobs or []] == [t for t, _ in y.top_logprobs or []]
+
+
+def test_a_json_schema_request_with_speculation_is_valid_json_and_the_plain_output(plain, spec, tok):
+    import json
+
+    from streamer.messages import GrammarSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+              "items": {"type": "string"}}}, "required": ["name", "tags"]}
+    doc = '{"name": "lighthouse", "tags": ["sea", "light", "night"]}'
+    chat = [{"role": "user", "content": f"Repeat this JSON exactly: {doc}"}]
+    ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+    p = SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    a, s0 = gen(plain, [ids], p)[0], spec.stats()
+    b = gen(spec, [ids], p)[0]
+    assert b.error is None and b.token_ids == a.token_ids
+    json.loads(b.text)
+    assert spec.stats().spec_accepted_tokens > s0.spec_accepted_tokens
+    settle(spec)
