@@ -133,8 +133,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = engine_config(args)
     if config.node_rank > 0:  # a tensor-parallel engine's other node: its ranks alone, no server
         from streamer.distributed.launch import run_node
+        from streamer.engine.engine import resolve_model_path
 
-        run_node(config)
+        run_node(config, resolve_model_path(config))
         return
     config.grammar_prestart = True  # a server's first structured request should not wait for it
     serve(args, config)

@@ -202,12 +202,11 @@ def start_ranks(config: EngineConfig, model_path: Path, diagnostics: Any) -> Any
     return runner
 
 
-def run_node(config: EngineConfig) -> None:
-    """Node node_rank > 0 of a multi-node engine: its ranks, until they end."""
-    from streamer.engine.engine import resolve_model_path
+def run_node(config: EngineConfig, model_path: Path) -> None:
+    """Node node_rank > 0 of a multi-node engine: its ranks, until they end. (model_path from
+    the caller: importing the engine here would make distributed <-> engine a cycle.)"""
     from streamer.model.loader import load_hf_config
 
-    model_path = resolve_model_path(config)
     check_model(config, load_hf_config(model_path), model_path)
     check_devices(config)
     per_node = config.tensor_parallel_size // config.nnodes
