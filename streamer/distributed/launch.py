@@ -171,9 +171,9 @@ def start_ranks(config: EngineConfig, model_path: Path, diagnostics: Any) -> Any
     """Rank 0's runner (runner.TPRunner), the group joined and every local rank started."""
     import weakref
 
-    from streamer.distributed.group import building, init, leave
     from streamer.distributed.runner import TPRunner
     from streamer.model.loader import load_hf_config
+    from streamer.model.tp_group import building, init, leave
 
     check_model(config, load_hf_config(model_path), model_path)
     check_devices(config)

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from streamer.distributed.group import TPGroup
 from streamer.distributed.step import StepChannel, for_ranks
 from streamer.messages import Batch, RankStep, RankStop
 from streamer.model.runner import Launched, ModelRunner, PromptLogprobs
+from streamer.model.tp_group import TPGroup
 
 log = logging.getLogger("streamer.distributed")
 
@@ -88,7 +88,7 @@ class TPRunner(ModelRunner):
 
     def close(self) -> None:
         """Stop the other ranks (in order where they are alive) and leave the group."""
-        from streamer.distributed.group import leave
+        from streamer.model.tp_group import leave
 
         if self._closed:
             return

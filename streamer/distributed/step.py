@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamer.distributed.group import COUNTS, KEEPALIVE_S, TPGroup
 from streamer.messages import Batch, RankPing, RankStep, ToRank
+from streamer.model.tp_group import COUNTS, KEEPALIVE_S, TPGroup
 
 HEAD_BYTES = 64 << 10
 LEN = 8

@@ -40,11 +40,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     from streamer.config import EngineConfig
-    from streamer.distributed import group as tp
     from streamer.distributed.checks import rank_device
     from streamer.distributed.launch import _store
     from streamer.distributed.runner import follow_steps
     from streamer.distributed.step import StepChannel
+    from streamer.model import tp_group as tp
     from streamer.model.runner import ModelRunner
 
     rank, local_rank = args["rank"], args["local_rank"]

@@ -10,9 +10,9 @@ from torch import nn
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
-from streamer.distributed.group import current as tensor_parallel
 from streamer.model import quant
 from streamer.model.context import get_context
+from streamer.model.tp_group import current as tensor_parallel
 
 
 class Linear(nn.Linear):

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamer.distributed.group import current as tensor_parallel
-from streamer.distributed.layers import ParallelLMHead, VocabParallelEmbedding, checkpoint_slice
 from streamer.errors import ModelLoadError
 from streamer.model.layers import MLP, Attention, Linear, RMSNorm
 from streamer.model.rope import partial_rotary_permutation, rope_cos_sin, rope_params, rotary_dim
+from streamer.model.tp_group import current as tensor_parallel
+from streamer.model.tp_layers import ParallelLMHead, VocabParallelEmbedding, checkpoint_slice
 from streamer.model.windows import layer_windows
 
 # transformers name fragment -> (our fused parameter, shard index)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from streamer.distributed.group import current as tensor_parallel
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
@@ -25,6 +24,7 @@ from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import Experts, MoEForCausalLM
 from streamer.model.registry import model_class
 from streamer.model.rope import default_dtype, longrope_note
+from streamer.model.tp_group import current as tensor_parallel
 
 log = logging.getLogger("streamer.model")
 

@@ -22,7 +22,6 @@ import torch
 import kernels.common
 from streamer.config import EngineConfig, use_pdl
 from streamer.diagnostics import Diagnostics
-from streamer.distributed.group import current as tensor_parallel
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
@@ -31,6 +30,7 @@ from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
+from streamer.model.tp_group import current as tensor_parallel
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
 

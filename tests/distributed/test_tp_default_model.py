@@ -13,8 +13,8 @@ import time
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.distributed.group import COUNTS
 from streamer.messages import GenerateRequest
+from streamer.model.tp_group import COUNTS
 from tests.distributed.workload import ENGINE, assert_same, collectives_of_one_step, run
 
 

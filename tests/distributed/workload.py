@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 
 from streamer import LLM, SamplingParams
-from streamer.distributed.group import COUNTS
+from streamer.model.tp_group import COUNTS
 
 ENGINE = dict(num_pages=24, page_size=16, max_num_batched_tokens=48, max_num_seqs=8)
 """Chunks of at most 48 tokens; 23 pages of 16 tokens for 6 requests of ~100 + 24 tokens

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamer.distributed.group import TPGroup
 from streamer.model.layers import Linear
+from streamer.model.tp_group import TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
