@@ -22,8 +22,8 @@ def total_stats(parts: Sequence[EngineStats]) -> EngineStats:
     values: dict[str, float | int] = {}
     for name in EngineStats.__struct_fields__:
         vals = [getattr(s, name) for s in parts]
-        if name == "cache_hit_rate":
-            continue
+        if name == "cache_hit_rate" or not all(type(v) in (int, float) for v in vals):
+            continue  # (the rate is recomputed below; nested and list fields keep their defaults)
         if name == "step_age_s":
             values[name] = max(vals)
         elif name in _WEIGHTED:
