@@ -244,14 +244,7 @@ def fused_moe(
         return torch.zeros_like(x)
     cfg = config or default_config(pairs, experts, hidden, inter)
     out_dtype = x.dtype
-    scaled = w_gate_up_scale is not None
-    assert scaled == (w_down_scale is not None), "both scales or neither"
-    x = x.contiguous()
-    sx = sw_gu = sw_d = topk_weights  # (unread placeholders unless scaled)
-    if scaled:
-        assert w_gate_up_scale is not None and w_down_scale is not None
-        x, sx = quantize_rows(x)
-        sw_gu, sw_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
+    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -290,6 +283,20 @@ def fused_moe(
         **launch,
     )  # fmt: skip
     return y.view(t, topk, hidden).sum(1).to(out_dtype)
+
+
+def fp8_operands(
+    x: torch.Tensor, w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scaled, x or its float8 rows, x's scales, the two weight scales): float8 experts when
+    the scales are given (both or neither); otherwise x contiguous and unread placeholders."""
+    scaled = w_gate_up_scale is not None
+    assert scaled == (w_down_scale is not None), "both scales or neither"
+    x = x.contiguous()
+    if w_gate_up_scale is None or w_down_scale is None:
+        return False, x, x, x, x
+    q, sx = quantize_rows(x)
+    return True, q, sx, w_gate_up_scale.contiguous(), w_down_scale.contiguous()
 
 
 def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from kernels.activation import gate_activation
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
-from kernels.moe import quantize_rows
+from kernels.moe import fp8_operands, quantize_rows
 
 MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
@@ -190,14 +190,7 @@ def moe_gemv(
     out = torch.empty_like(x)
     if t == 0:
         return out
-    scaled = w_gate_up_scale is not None
-    assert scaled == (w_down_scale is not None), "both scales or neither"
-    x = x.contiguous()
-    sx = sw_gu = sw_d = x  # (unread placeholders unless scaled)
-    if scaled:
-        assert w_gate_up_scale is not None and w_down_scale is not None
-        x, sx = quantize_rows(x)
-        sw_gu, sw_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
+    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
