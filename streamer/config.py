@@ -191,7 +191,8 @@ class EngineConfig:
     speculative_config: Any = None
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off. With it on, steps are not
+    "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
+    "path/to/small-model", "num_speculative_tokens": 4}. None: off. With it on, steps are not
     scheduled ahead (overlap): a request's next proposals need its accepted tokens."""
 
     def __post_init__(self) -> None:
@@ -199,6 +200,14 @@ class EngineConfig:
         if self.speculative_config is not None and self.overlap_schedule:
             raise ConfigError("speculative_config runs without overlap scheduling (a request's next proposals "
                               "need its accepted tokens): leave overlap_schedule unset or false")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            # (neither moves or shards the draft's KV pages: model/draft.py)
+            if self.host_kv_cache_gb:
+                raise ConfigError("speculative_config method 'draft_model' does not run with host_kv_cache_gb "
+                                  "(the host tier keeps the target's KV only): use one of them, or method 'ngram'")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("speculative_config method 'draft_model' does not run with tensor_parallel_size "
+                                  f"{self.tensor_parallel_size} yet: use method 'ngram', or one rank")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

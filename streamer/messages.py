@@ -236,6 +236,9 @@ class StepOutput(msgspec.Struct):
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = msgspec.field(default_factory=dict)
     """Per request that asked for them (SeqChunk.logprob_top), the top tokens at each of its
     prompt_logprobs' positions."""
+    drafts: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    """speculative draft_model: the proposals the draft drew for each verify chunk (sent as
+    PLACEHOLDERs, model/draft.py)."""
     device_time: float = 0.0
     """Seconds the step took on the device, from its first work to its tokens' copy (on
     the CPU: the launch's wall time). The scheduler predicts decode steps' ends from it."""

@@ -14,10 +14,12 @@ import msgspec
 
 from streamer.errors import ConfigError
 
-METHODS = ("ngram",)
-"""Methods implemented. (draft_model, in the issue, is refused by name: not built yet.)"""
+METHODS = ("ngram", "draft_model")
+"""ngram: prompt lookup (engine/spec/ngram.py); draft_model: a smaller model with the same
+vocabulary proposes (model/draft.py)."""
 _KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("method", "model", "num_speculative_tokens"),
 }
 
 
@@ -29,6 +31,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """ngram: the shortest suffix of the sequence that is looked up in it."""
     prompt_lookup_max: int = 4
     """ngram: the longest; longer suffixes are tried first."""
+    model: str | None = None
+    """draft_model: what `--model` would name (a folder, a GGUF file or "default"); its
+    vocabulary must be the target's."""
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -43,8 +48,6 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
     method = value.get("method", "ngram")
-    if method == "draft_model":
-        raise ConfigError("speculative_config method 'draft_model' is not supported yet (use 'ngram')")
     if method not in METHODS:
         raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, not {method!r}")
     unknown = sorted(set(value) - set(_KEYS[method]))
@@ -56,6 +59,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config: {e}") from None
     if not 1 <= cfg.num_speculative_tokens <= 64:
         raise ConfigError(f"speculative_config num_speculative_tokens must be in [1, 64], not {cfg.num_speculative_tokens}")
+    if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
+        raise ConfigError("speculative_config method 'draft_model' needs 'model': the draft model's folder or file")
     if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
         raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, not "
                           f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}")

@@ -71,7 +71,8 @@ class TPRunner(ModelRunner):
             raise RuntimeError(self._broken(batch, e)) from e
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
-                plan: Any = None) -> Launched:
+                plan: Any = None, proposed: Any = None) -> Launched:
+        assert proposed is None, "no draft model under tensor parallelism (EngineConfig refuses it)"
         try:
             out = super()._sample(batch, logits, prompt_logprobs, plan)
             if self.last_tokens.numel():  # (the same count on every rank: all skip it, or none)

@@ -26,6 +26,7 @@ from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import ForwardContext, set_context
+from streamer.model.draft import DraftModel, Proposed
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
@@ -68,7 +69,17 @@ class ModelRunner:
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.draft: DraftModel | None = None
+        """speculative_config's draft_model (model/draft.py): its KV in the same page ids."""
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from streamer.model.source import resolve_model
+
+            self.draft = DraftModel(str(resolve_model(spec.model, config.cache_dir)), target_cfg=cfg, config=config,
+                                    device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.pool = self._make_pool()
+        if self.draft is not None:
+            self.draft.make_pool(self.pool.num_pages, self.pool.page_size)
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_rows: dict[str, int] = {}
@@ -111,6 +122,8 @@ class ModelRunner:
         if tp is not None:  # this rank's KV heads
             kvh = tp.heads(cfg.num_attention_heads, kvh)[1]
         per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype)
+        if self.draft is not None:  # a page id holds the target's and the draft's KV of its tokens
+            per_page += self.draft.bytes_per_page(c.page_size)
         if c.num_pages is not None:
             n = c.num_pages
         elif self.device.type == "cuda":
@@ -144,6 +157,12 @@ class ModelRunner:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, PromptLogprobs]:
         """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs asked for."""
         x = self.prepare(batch)
+        out = self._forward(x)
+        if self.draft is not None:  # the draft's KV of the same tokens (model/draft.py)
+            self.draft.mirror(x)
+        return out
+
+    def _forward(self, x: dict[str, Any]) -> tuple[torch.Tensor, PromptLogprobs]:
         if self.device.type == "cuda":
             # the step's device work starts here: its inputs are prepared, the kernels follow
             self.step_start = torch.cuda.Event(enable_timing=True)
@@ -208,6 +227,10 @@ class ModelRunner:
         if self.pool.fence is not None:  # the host tier's last write-back (it freed pages this step may reuse)
             torch.cuda.current_stream().wait_event(self.pool.fence)
         after = self.last_done
+        proposed = None
+        if self.draft is not None and batch.spec:
+            assert not batch.masks_deferred, "speculation runs without overlap"
+            batch, proposed = self.draft.propose(batch)
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
@@ -221,7 +244,7 @@ class ModelRunner:
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
             return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
                             wall=t1 - t0, after=after, paused=paused, times=times)
-        out = self._sample(batch, logits, prompt_logprobs)
+        out = self._sample(batch, logits, prompt_logprobs, proposed=proposed)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
         out.times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
@@ -252,10 +275,12 @@ class ModelRunner:
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
-        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs, plan: Plan | None = None
+        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs, plan: Plan | None = None,
+        proposed: Proposed | None = None,
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
-        copy of its tokens to the host."""
+        copy of its tokens to the host. proposed: the draft's proposals of its verify chunks
+        (their non-greedy rows are decided by rejection sampling, model/draft.py)."""
         rids = _row_ids(batch)
         sampled: list[SampledToken] | None = None
         if plan is None and _plain_greedy(batch):
@@ -272,6 +297,10 @@ class ModelRunner:
             else:
                 sampled = out  # logprobs were asked for: already on the host
                 tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
+        if proposed is not None and proposed.rows:
+            tokens = self.draft.resolve(tokens, logits, batch, proposed)  # type: ignore[union-attr]
+            if sampled is not None:  # (a row with logprobs is never a draft's: only the ids change)
+                sampled = [msgspec.structs.replace(t, token_id=i) for t, i in zip(sampled, tokens.tolist())]
         self.last_tokens, self.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
         done = None
         if sampled is None and tokens.is_cuda:
@@ -282,7 +311,8 @@ class ModelRunner:
             done = self.tokens_staging.record(timing=True)
             tokens = host
         self.last_done = done
-        return Launched(batch.step, tokens, sampled, prompt_logprobs, done)
+        return Launched(batch.step, tokens, sampled, prompt_logprobs, done,
+                        drafts=proposed.drafts if proposed is not None else {})
 
     @staticmethod
     def collect(launched: Launched) -> StepOutput:
@@ -304,7 +334,7 @@ class ModelRunner:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         launched.times["ready"] = time.perf_counter()
         values, tops = launched.prompt_logprobs
-        return StepOutput(launched.step, sampled, prompt_logprobs=values, prompt_top_logprobs=tops,
+        return StepOutput(launched.step, sampled, prompt_logprobs=values, prompt_top_logprobs=tops, drafts=launched.drafts,
                           device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:
@@ -337,6 +367,8 @@ class Launched:
     resumed: torch.cuda.Event | None = None
     times: dict[str, float] = field(default_factory=dict)
     """Host milestones (StepOutput.host_times)."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """StepOutput.drafts."""
 
     @property
     def awaiting_masks(self) -> bool:

@@ -79,7 +79,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
             continue
         req.suspect = False  # it sampled alone without failing: batched again from now
         if more is not None:
-            deltas.append(verified(sched, req, seq, [tok, *more]))
+            deltas.append(verified(sched, req, seq, [tok, *more], out.drafts.get(seq.request_id)))
             continue
         at = seq.start + len(seq.token_ids)
         req.tokens[at] = tok.token_id
@@ -116,10 +116,12 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
     return deltas
 
 
-def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledToken]) -> TokenDelta:
+def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledToken],
+             drawn: list[int] | None = None) -> TokenDelta:
     """A verify chunk's rows in (spec/rollback.py): the kept run written, up to the token that
-    ends req if one does; the pages of the rejected proposals returned. Its delta."""
-    drafts = seq.token_ids[1:]
+    ends req if one does; the pages of the rejected proposals returned. Its delta. drawn:
+    the proposals a draft model drew for the chunk's PLACEHOLDERs (StepOutput.drafts)."""
+    drafts = drawn if drawn is not None else seq.token_ids[1:]
     kept = accepted(drafts, [t.token_id for t in toks])
     count(sched.counters, len(drafts), kept)
     at = seq.start + 1  # (the PLACEHOLDER of the first token)

@@ -14,7 +14,12 @@ without speculation, so its output is the same either way.
 Invariants:
   - proposals only for a request with no batch in flight and its last token known (the
     engine runs speculation without overlap scheduling: the next proposals need this
-    step's accepted tokens), never for grammar requests, nor where prompt logprobs are due;
+    step's accepted tokens), not where prompt logprobs are due; with a grammar, only the
+    proposals it allows (ngram; draft_model proposes nothing to grammar or logprobs
+    requests);
+  - draft_model: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
+    (model/draft.py), StepOutput.drafts brings them back, and the acceptance is the same
+    comparison (a non-greedy row that rejected its proposal holds the redraw: never it);
   - the KV of the rejected proposals is never counted computed (`num_computed` covers the
     kept tokens only, so neither the radix tree nor a preemption's cache insert sees it),
     and the pages past the kept tokens are returned at once;
@@ -50,6 +55,13 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
             max_model_len - len(req.tokens) - 1, budget - 1)
     if k <= 0:
         return []
+    if cfg.method == "draft_model":
+        # the runner's draft draws them (model/draft.py); not under a grammar (the draft's
+        # draws would need its mask at each step) nor with logprobs (reported per kept token
+        # of the plain draw only)
+        if req.grammar is not None or p.logprobs is not None:
+            return []
+        return [PLACEHOLDER] * k
     return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
 

@@ -30,8 +30,10 @@ def test_the_cli_flag_reaches_the_engine_config():
 @pytest.mark.parametrize(
     "value, words",
     [
-        ({"method": "eagle"}, "method must be one of ngram, not 'eagle'"),
-        ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported"),
+        ({"method": "eagle"}, "method must be one of ngram, draft_model, not 'eagle'"),
+        ({"method": "draft_model"}, "'draft_model' needs 'model'"),
+        ({"method": "draft_model", "model": "x", "prompt_lookup_max": 3},
+         "unknown speculative_config key(s) for method 'draft_model': prompt_lookup_max"),
         ({"num_speculative_tokens": 4, "lookahead": 2}, "unknown speculative_config key(s) for method 'ngram': lookahead"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 64]"),
         ({"num_speculative_tokens": "4"}, "Expected `int`"),
@@ -64,3 +66,12 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
     assert propose([4, 4], 3, 2, 3) == []  # shorter than prompt_lookup_min + 1
     assert propose([4, 4, 4], 5, 1, 2) == [4]  # (the match at 0 is followed by one token only)
+
+
+def test_a_draft_model_refuses_what_would_not_move_its_pages():
+    draft = {"method": "draft_model", "model": "default"}
+    assert EngineConfig(speculative_config=draft).speculative_config.model == "default"
+    with pytest.raises(ConfigError, match="'draft_model' does not run with host_kv_cache_gb"):
+        EngineConfig(speculative_config=draft, host_kv_cache_gb=1)
+    with pytest.raises(ConfigError, match="'draft_model' does not run with tensor_parallel_size 2"):
+        EngineConfig(speculative_config=draft, tensor_parallel_size=2)

@@ -1,0 +1,221 @@
+"""DraftModel: speculative decoding's draft_model method, on the runner's side.
+
+A smaller model with the target's vocabulary proposes k tokens per speculating request;
+the target verifies them in one forward (the verify chunk of engine/spec/rollback.py) and
+sampling/rejection.py keeps each with probability min(1, p/q).
+
+Its KV lives in its own pool tensors indexed by the target's page ids: a page id holds
+the target's K/V of some tokens and the draft's of the same tokens, so the scheduler's
+one page accounting (allocation, the radix tree, preemption, rollback) covers both, and
+the pool is sized for both (ModelRunner._make_pool). To keep the draft's KV wherever the
+target's is, every forward of the target is mirrored: the draft runs over the same packed
+tokens (prefill chunks, decodes, verify chunks; eagerly, no LM head) into its pages.
+The proposals themselves are k single-token draft steps over the speculating requests,
+writing their KV at the positions the verify chunk then rewrites.
+
+The scheduler sends a verify chunk's proposals as PLACEHOLDERs (it cannot know them);
+`propose` draws them and returns the batch with the real tokens, plus what the
+acceptance needs (the draft's distributions of sampled rows).
+
+Invariants:
+  - the draft's KV of every computed token of every page equals a fresh draft prefill's
+    (mirror runs after each target forward, over the same slots);
+  - requests with a grammar or logprobs never get draft proposals (rollback.proposals):
+    the draft's draws would need the grammar's masks per step;
+  - no host KV tier and no tensor parallelism with a draft (EngineConfig refuses them):
+    neither moves the draft's pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from streamer.errors import ConfigError
+from streamer.kv.pages import PagePool
+from streamer.messages import Batch, SamplingParams, SeqChunk
+from streamer.model.context import ForwardContext, set_context
+from streamer.model.loader import load_model
+from streamer.model.packing import prepare
+from streamer.model.windows import kv_window, layer_windows
+from streamer.sampling.processing import BiasCache
+from streamer.sampling.rejection import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
+    accept_or_redraw,
+    draw,
+    processed_probs,
+    uniforms,
+)
+from streamer.staging import PinnedRing
+
+
+@dataclass
+class Proposed:
+    """What one step's draft proposed, for the acceptance (resolve)."""
+
+    drafts: dict[str, list[int]]
+    """Per speculating request, its proposals in order."""
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    """(first sampling row, k) of each verify chunk with non-greedy rows."""
+    q: list[torch.Tensor] = field(default_factory=list)
+    """For those chunks, the draft's distributions [k, V] at their proposals."""
+    tokens: list[list[int]] = field(default_factory=list)
+
+
+class DraftModel:
+    def __init__(self, model_path: str, *, target_cfg: Any, config: Any, device: torch.device,
+                 max_model_len: int, kv_dtype: torch.dtype) -> None:
+        self.model, self.cfg = load_model(model_path, dtype=config.dtype, device=device,
+                                          load_format=config.load_format, max_positions=max_model_len,
+                                          seed=config.seed + 1)
+        if int(self.cfg.vocab_size) != int(target_cfg.vocab_size):
+            raise ConfigError(f"speculative_config model {model_path}: its vocabulary has {self.cfg.vocab_size} "
+                              f"tokens, the target's {target_cfg.vocab_size}: a draft needs the target's tokenizer")
+        window = kv_window(target_cfg)
+        mine = layer_windows(self.cfg)
+        if window and not all(0 < w <= window for w in mine):
+            raise ConfigError(f"speculative_config model {model_path}: the target keeps only the last {window} "
+                              f"tokens' KV (a sliding window); the draft's layers need windows within it, not {mine}")
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.pool: PagePool | None = None
+        self.staging = PinnedRing()
+        self.biases: BiasCache = BiasCache()
+
+    def bytes_per_page(self, page_size: int) -> int:
+        c = self.cfg
+        return PagePool.bytes_per_page(c.num_hidden_layers, page_size, c.num_key_value_heads, self.model.head_dim,
+                                       self.kv_dtype)
+
+    def make_pool(self, num_pages: int, page_size: int) -> None:
+        c = self.cfg
+        self.pool = PagePool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, self.model.head_dim,
+                             self.kv_dtype, self.device)
+
+    def _run(self, x: dict[str, Any]) -> torch.Tensor:
+        assert self.pool is not None
+        ctx = ForwardContext(
+            slot_mapping=x["slot_mapping"],
+            page_table=x["page_table"].to(torch.int32),
+            seq_lens=x["seq_lens"].to(torch.int32),
+            cu_q_lens=x["cu_q_lens"].to(torch.int32),
+            max_q_len=x["max_q_len"],
+            k_cache=self.pool.k,
+            v_cache=self.pool.v,
+        )
+        set_context(ctx)
+        try:
+            return self.model(x["input_ids"], x["positions"])
+        finally:
+            set_context(None)
+
+    @torch.inference_mode()
+    def mirror(self, x: dict[str, Any]) -> None:
+        """Write the draft's KV of the tokens a target forward just wrote (same slots)."""
+        self._run(x)
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch) -> tuple[Batch, Proposed]:
+        """Draw the proposals of batch's verify chunks (their PLACEHOLDERs) with the draft:
+        k single-token steps, each request's row processed as the target's row at the same
+        position will be (its parameters, history with the proposals so far, bans)."""
+        assert self.pool is not None
+        ps = self.pool.page_size
+        # each verify chunk: (seq index, first sampling row)
+        spec: list[tuple[int, int]] = []
+        row = 0
+        for i, s in enumerate(batch.seqs):
+            if not s.sample:
+                continue
+            if s.num_draft:
+                spec.append((i, row))
+            row += 1 + s.num_draft
+        drafts: list[list[int]] = [[] for _ in spec]
+        qs: list[list[torch.Tensor]] = [[] for _ in spec]
+        prev = torch.zeros(0, dtype=torch.long, device=self.device)
+        prev_rows: dict[str, int] = {}
+        kmax = max(batch.seqs[i].num_draft for i, _ in spec)
+        for j in range(kmax):
+            live = [n for n, (i, _) in enumerate(spec) if batch.seqs[i].num_draft > j]
+            chunks, params, hist, banned = [], [], [], []
+            for n in live:
+                i, r = spec[n]
+                s = batch.seqs[i]
+                tok = s.token_ids[0] if j == 0 else -1  # (a PLACEHOLDER: last step's draw, on the device)
+                chunks.append(SeqChunk(s.request_id, [tok], s.start + j, s.page_table, True))
+                params.append(batch.params[r + j])
+                hist.append(self._history(batch, r, drafts[n], j))
+                banned.append(batch.banned[r + j] if r + j < len(batch.banned) else [])
+            x = prepare(Batch(batch.step, chunks, [], [], []), page_size=ps, device=self.device,
+                        staging=self.staging, graphs=None, extend_graphs=None, split_decode_tokens=1 << 62,
+                        last_tokens=prev, last_rows=prev_rows)
+            hidden = self._run(x)
+            logits = self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]]
+            q = processed_probs(logits, params, hist, banned, self.biases)
+            pos = [len(h) if h else 0 for h in hist]
+            toks = draw(q, uniforms(params, pos, DRAFT_STREAM))
+            for m, n in enumerate(live):
+                if not params[m].greedy:
+                    qs[n].append(q[m])
+            prev, prev_rows = toks, {chunks[m].request_id: m for m in range(len(live))}
+            host = toks.tolist()  # (small: one id per speculating request)
+            for m, n in enumerate(live):
+                drafts[n].append(host[m])
+        proposed = Proposed({batch.seqs[i].request_id: d for (i, _), d in zip(spec, drafts)})
+        seqs = list(batch.seqs)
+        histories = list(batch.histories)
+        for n, (i, r) in enumerate(spec):
+            s = seqs[i]
+            seqs[i] = msgspec.structs.replace(s, token_ids=[s.token_ids[0], *drafts[n]])
+            if qs[n]:
+                proposed.rows.append((r, s.num_draft))
+                proposed.q.append(torch.stack(qs[n]))
+                proposed.tokens.append(drafts[n])
+            for j in range(s.num_draft + 1):
+                if r + j < len(histories) and _needs_history(batch.params[r + j]):
+                    histories[r + j] = self._history(batch, r, drafts[n], j)
+        return msgspec.structs.replace(batch, seqs=seqs, histories=histories), proposed
+
+    @staticmethod
+    def _history(batch: Batch, row: int, drafts: list[int], j: int) -> list[int]:
+        """The output a verify chunk's row j follows: the request's output, then its first j
+        proposals (row 0's history is the output as the scheduler sent it)."""
+        if row >= len(batch.histories) or not _needs_history(batch.params[row]):
+            return []
+        return [*batch.histories[row], *drafts[:j]]
+
+    def resolve(self, tokens: torch.Tensor, logits: torch.Tensor, batch: Batch, proposed: Proposed) -> torch.Tensor:
+        """The sampled rows of a verify step with the draft's non-greedy proposals decided by
+        rejection: row j of a chunk is its proposal where kept, else the redraw. (Greedy rows,
+        and the last row of each chunk, are the plain sampler's draws already.)"""
+        if not proposed.rows:
+            return tokens
+        idx: list[int] = []
+        params: list[SamplingParams] = []
+        hist: list[list[int]] = []
+        banned: list[list[int]] = []
+        for r, k in proposed.rows:
+            for j in range(k):
+                idx.append(r + j)
+                params.append(batch.params[r + j])
+                hist.append(batch.histories[r + j] if r + j < len(batch.histories) else [])
+                banned.append(batch.banned[r + j] if r + j < len(batch.banned) else [])
+        rows = torch.tensor(idx, device=logits.device)
+        p = processed_probs(logits[rows], params, hist, banned, self.biases)
+        q = torch.cat(proposed.q)
+        d = torch.tensor([t for ts in proposed.tokens for t in ts], device=logits.device)
+        pos = [len(h) for h in hist]
+        picked = accept_or_redraw(p, q, d, uniforms(params, pos, ACCEPT_STREAM), uniforms(params, pos, 0))
+        tokens = tokens.clone()
+        tokens[rows] = picked
+        return tokens
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    """The rows whose draws read their history (penalties; a seed's position), as
+    rollback.verify_chunk decides."""
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.seed is not None

@@ -1,0 +1,113 @@
+"""Speculative decoding with a draft model (model/draft.py): greedy output is the plain
+greedy output token for token, with a tiny random draft of another family for a tiny random
+target and with the default model drafting for itself; batched, chunked, at page sizes 1 and
+16, preempted, from a cached prefix; stops never leak; seeded sampling reproduces."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamer import LLM, SamplingParams
+from streamer.errors import ConfigError
+from tests.conftest import make_tiny_model
+from tests.oracle import Comparison, compare
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, default_model):
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model(root / "target", "LlamaForCausalLM", default_model, initializer_range=0.02)
+    # another family, other shapes: only the vocabulary is shared
+    draft = make_tiny_model(root / "draft", "Qwen3ForCausalLM", None, hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                            initializer_range=0.02)
+    return target, draft
+
+
+def settle(llm: LLM) -> None:
+    s = llm.wait_idle()
+    llm.check()
+    assert s.running == 0 and s.waiting == 0
+    assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
+
+
+@pytest.mark.parametrize("page_size, pages", [(1, 90), (16, None)])
+def test_a_tiny_random_draft_leaves_the_greedy_output_of_a_tiny_target_unchanged(tiny, page_size, pages):
+    target, draft = tiny
+    prompts = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
+             speculative_config=spec) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        s = llm.stats()
+        settle(llm)
+    assert s.spec_verifies > 0 and s.spec_draft_tokens >= s.spec_verifies
+    assert (s.preemptions > 0) == (pages is not None)
+    cmp = Comparison()
+    for p, o in zip(prompts, got):
+        compare(target, p, o, cmp)
+    assert not cmp.failures, cmp.failures
+
+
+@pytest.fixture(scope="module")
+def own(default_model):
+    spec = {"method": "draft_model", "model": str(default_model), "num_speculative_tokens": 4}
+    with LLM(str(default_model), speculative_config=spec) as llm:
+        yield llm
+
+
+PROMPTS = ["The lighthouse keeper climbed the stairs every evening to light the lamp, and every morning "
+           "he climbed them again to put it out. One winter night the lighthouse keeper",
+           "Numbers: 1, 2, 3, 4, 5,", "Write a haiku about rain."]
+
+
+def test_the_default_model_drafting_for_itself_keeps_nearly_every_proposal(default_model, own):
+    with LLM(str(default_model)) as plain:
+        want = plain.generate(PROMPTS, GREEDY)
+        plain.wait_idle()
+    s0 = own.stats()
+    got = own.generate(PROMPTS, GREEDY)
+    s1 = own.stats()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    kept = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    assert kept >= 0.9 * (s1.spec_draft_tokens - s0.spec_draft_tokens)
+    assert s1.steps - s0.steps <= 24 // 4 + 2, "about one step per 1 + k tokens"
+    again = own.generate(PROMPTS[:1], GREEDY)[0]
+    assert again.cached_tokens > 0 and again.token_ids == want[0].token_ids
+    # a stop string inside a kept run: nothing after it is output
+    text = want[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    ps = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    cut = own.generate(PROMPTS[:1], ps)[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    settle(own)
+
+
+def test_seeded_sampling_reproduces_and_a_draft_equal_to_the_target_is_mostly_kept(own):
+    p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True,
+                       repetition_penalty=1.1)
+    s0 = own.stats()
+    a = [o.token_ids for o in own.generate(PROMPTS, p)]
+    s1 = own.stats()
+    b = [o.token_ids for o in own.generate(PROMPTS[::-1], p)][::-1]  # (another batch order)
+    assert a == b
+    assert s1.spec_accepted_tokens - s0.spec_accepted_tokens >= 0.8 * (s1.spec_draft_tokens - s0.spec_draft_tokens)
+    settle(own)
+
+
+def test_a_grammar_request_is_decoded_without_proposals_beside_speculating_ones(own):
+    from streamer.messages import GrammarSpec
+
+    g = SamplingParams(max_tokens=16, temperature=0, grammar=GrammarSpec("regex", "(yes|no)[.]"))
+    out = own.generate(["Is water wet? Answer:", *PROMPTS[:1]], [g, GREEDY])
+    assert out[0].text in ("yes.", "no.")
+    settle(own)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_by_name(tmp_path, tiny):
+    target, _ = tiny
+    other = make_tiny_model(tmp_path / "small-vocab", "LlamaForCausalLM", None, vocab_size=1000)
+    with pytest.raises(ConfigError, match="vocabulary has 1000 tokens, the target's 49152"):
+        LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
