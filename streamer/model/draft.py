@@ -9,9 +9,9 @@ the target's K/V of some tokens and the draft's of the same tokens, so the sched
 one page accounting (allocation, the radix tree, preemption, rollback) covers both, and
 the pool is sized for both (ModelRunner._make_pool). To keep the draft's KV wherever the
 target's is, every forward of the target is mirrored: the draft runs over the same packed
-tokens (prefill chunks, decodes, verify chunks; eagerly, no LM head) into its pages.
-The proposals themselves are k single-token draft steps over the speculating requests,
-writing their KV at the positions the verify chunk then rewrites.
+tokens (prefill chunks and decodes: eagerly, or its decode graphs) into its pages. The
+proposals themselves are k + 1 single-token draft steps over the speculating requests (in
+its decode graphs on CUDA), which write the draft's KV of every token of the verify chunk.
 
 The scheduler sends a verify chunk's proposals as PLACEHOLDERs (it cannot know them);
 `propose` draws them and returns the batch with the real tokens, plus what the
@@ -38,10 +38,11 @@ from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SamplingParams, SeqChunk
 from streamer.model.context import ForwardContext, set_context
+from streamer.model.graphs import DecodeGraphs
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.windows import kv_window, layer_windows
-from streamer.sampling.processing import BiasCache
+from streamer.sampling.processing import BiasCache, has_penalty
 from streamer.sampling.rejection import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
@@ -85,16 +86,23 @@ class DraftModel:
         self.pool: PagePool | None = None
         self.staging = PinnedRing()
         self.biases: BiasCache = BiasCache()
+        self.graphs: DecodeGraphs | None = None
+        """The draft's decode steps (its proposals, the mirror of plain decodes), on CUDA."""
 
     def bytes_per_page(self, page_size: int) -> int:
         c = self.cfg
         return PagePool.bytes_per_page(c.num_hidden_layers, page_size, c.num_key_value_heads, self.model.head_dim,
                                        self.kv_dtype)
 
-    def make_pool(self, num_pages: int, page_size: int) -> None:
+    def make_pool(self, num_pages: int, page_size: int, graphs_bs: int = 0, max_pages: int = 0) -> None:
+        """The draft's KV tensors under the target's num_pages page ids; with graphs_bs, its
+        decode steps captured up to that batch size."""
         c = self.cfg
         self.pool = PagePool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, self.model.head_dim,
                              self.kv_dtype, self.device)
+        if graphs_bs and getattr(self.model, "cuda_graphs_ok", True):
+            self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, graphs_bs, max_pages)
+            self.graphs.capture()
 
     def _run(self, x: dict[str, Any]) -> torch.Tensor:
         assert self.pool is not None
@@ -114,15 +122,25 @@ class DraftModel:
             set_context(None)
 
     @torch.inference_mode()
-    def mirror(self, x: dict[str, Any]) -> None:
-        """Write the draft's KV of the tokens a target forward just wrote (same slots)."""
+    def mirror(self, batch: Batch, x: dict[str, Any]) -> None:
+        """Write the draft's KV of the tokens a target forward just wrote (same slots). A step
+        of verify chunks only needs none: propose wrote their KV already."""
+        if all(s.num_draft for s in batch.seqs):
+            return
+        if self.graphs is not None and x["graph"] is not None and x["max_q_len"] == 1 \
+                and self.graphs.fits(x["input_ids"].shape[0], x["page_table"].shape[1]):
+            self.graphs.replay(x)  # (a decode step: its LM head is in the graph, unused here)
+            return
         self._run(x)
 
     @torch.inference_mode()
     def propose(self, batch: Batch) -> tuple[Batch, Proposed]:
         """Draw the proposals of batch's verify chunks (their PLACEHOLDERs) with the draft:
-        k single-token steps, each request's row processed as the target's row at the same
-        position will be (its parameters, history with the proposals so far, bans)."""
+        single-token steps, each request's row processed as the target's row at the same
+        position will be (its parameters, history with the proposals so far, bans). A chunk
+        of k proposals takes k + 1 steps: the last writes the draft's KV of its k-th proposal,
+        so that with the earlier steps' the draft holds the KV of every token the verify
+        chunk computes (mirror skips verify chunks)."""
         assert self.pool is not None
         ps = self.pool.page_size
         # each verify chunk: (seq index, first sampling row)
@@ -134,37 +152,51 @@ class DraftModel:
             if s.num_draft:
                 spec.append((i, row))
             row += 1 + s.num_draft
-        drafts: list[list[int]] = [[] for _ in spec]
+        ks = [batch.seqs[i].num_draft for i, _ in spec]
+        drawn: list[tuple[list[int], torch.Tensor]] = []  # per step: (its chunks, their draws on the device)
         qs: list[list[torch.Tensor]] = [[] for _ in spec]
         prev = torch.zeros(0, dtype=torch.long, device=self.device)
         prev_rows: dict[str, int] = {}
-        kmax = max(batch.seqs[i].num_draft for i, _ in spec)
-        for j in range(kmax):
-            live = [n for n, (i, _) in enumerate(spec) if batch.seqs[i].num_draft > j]
+        for j in range(max(ks) + 1):
+            live = [n for n, k in enumerate(ks) if k >= j]
             chunks, params, hist, banned = [], [], [], []
             for n in live:
                 i, r = spec[n]
                 s = batch.seqs[i]
-                tok = s.token_ids[0] if j == 0 else -1  # (a PLACEHOLDER: last step's draw, on the device)
+                tok = s.token_ids[0] if j == 0 else -1  # (a PLACEHOLDER: the last step's draw, on the device)
                 chunks.append(SeqChunk(s.request_id, [tok], s.start + j, s.page_table, True))
-                params.append(batch.params[r + j])
-                hist.append(self._history(batch, r, drafts[n], j))
-                banned.append(batch.banned[r + j] if r + j < len(batch.banned) else [])
+                jj = min(j, ks[n])
+                params.append(batch.params[r + jj])
+                so_far = self._so_far(drawn, n) if j and _needs_history(batch.params[r]) else []
+                hist.append(self._history(batch, r, so_far, j))
+                banned.append(batch.banned[r + jj] if r + jj < len(batch.banned) else [])
             x = prepare(Batch(batch.step, chunks, [], [], []), page_size=ps, device=self.device,
-                        staging=self.staging, graphs=None, extend_graphs=None, split_decode_tokens=1 << 62,
+                        staging=self.staging, graphs=self.graphs, extend_graphs=None, split_decode_tokens=1 << 62,
                         last_tokens=prev, last_rows=prev_rows)
-            hidden = self._run(x)
-            logits = self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]]
-            q = processed_probs(logits, params, hist, banned, self.biases)
-            pos = [len(h) if h else 0 for h in hist]
-            toks = draw(q, uniforms(params, pos, DRAFT_STREAM))
+            if x["graph"] is not None:
+                logits = x["graph"].replay(x)
+            else:
+                logits = self.model.compute_logits(self._run(x)[x["last"]])[: x["n_sample"]]
+            if all(p.greedy and not p.logit_bias and not has_penalty(p) for p in params) and not any(banned):
+                toks = logits.argmax(-1)
+            else:
+                q = processed_probs(logits, params, hist, banned, self.biases)
+                pos = [len(h) if h else 0 for h in hist]
+                toks = draw(q, uniforms(params, pos, DRAFT_STREAM))
+                for m, n in enumerate(live):
+                    if j < ks[n] and not params[m].greedy:
+                        qs[n].append(q[m])
+            drawn.append((live, toks))
+            prev, prev_rows = toks, {c.request_id: m for m, c in enumerate(chunks)}
+        # one copy to the host for all the draws (step j's draw is proposal j + 1)
+        host = torch.cat([t for _, t in drawn]).tolist()
+        drafts: list[list[int]] = [[] for _ in spec]
+        at = 0
+        for j, (live, _) in enumerate(drawn):
             for m, n in enumerate(live):
-                if not params[m].greedy:
-                    qs[n].append(q[m])
-            prev, prev_rows = toks, {chunks[m].request_id: m for m in range(len(live))}
-            host = toks.tolist()  # (small: one id per speculating request)
-            for m, n in enumerate(live):
-                drafts[n].append(host[m])
+                if j < ks[n]:
+                    drafts[n].append(host[at + m])
+            at += len(live)
         proposed = Proposed({batch.seqs[i].request_id: d for (i, _), d in zip(spec, drafts)})
         seqs = list(batch.seqs)
         histories = list(batch.histories)
@@ -179,6 +211,12 @@ class DraftModel:
                 if r + j < len(histories) and _needs_history(batch.params[r + j]):
                     histories[r + j] = self._history(batch, r, drafts[n], j)
         return msgspec.structs.replace(batch, seqs=seqs, histories=histories), proposed
+
+    @staticmethod
+    def _so_far(drawn: list[tuple[list[int], torch.Tensor]], n: int) -> list[int]:
+        """Chunk n's draws of the steps so far, on the host (only rows whose history counts:
+        penalties, seeds)."""
+        return [int(t[live.index(n)]) for live, t in drawn]
 
     @staticmethod
     def _history(batch: Batch, row: int, drafts: list[int], j: int) -> list[int]:

@@ -79,7 +79,10 @@ class ModelRunner:
                                     device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.pool = self._make_pool()
         if self.draft is not None:
-            self.draft.make_pool(self.pool.num_pages, self.pool.page_size)
+            graphs = self.device.type == "cuda" and config.cuda_graphs
+            self.draft.make_pool(self.pool.num_pages, self.pool.page_size,
+                                 min(config.max_num_seqs, config.cuda_graph_max_bs) if graphs else 0,
+                                 self.pool.pages_for(self.max_model_len))
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_rows: dict[str, int] = {}
@@ -159,7 +162,7 @@ class ModelRunner:
         x = self.prepare(batch)
         out = self._forward(x)
         if self.draft is not None:  # the draft's KV of the same tokens (model/draft.py)
-            self.draft.mirror(x)
+            self.draft.mirror(batch, x)
         return out
 
     def _forward(self, x: dict[str, Any]) -> tuple[torch.Tensor, PromptLogprobs]:
