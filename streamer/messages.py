@@ -8,8 +8,8 @@ through an asyncio.Queue, and never mutated afterwards.
   detokenizer ─Finish─▶ scheduler (a stop string matched);  anyone ─Abort─▶ scheduler
   the engine ─Shutdown─▶ each actor, in pipeline order, when it stops
 
-At the end of the file, the frames between the server process and the engine process
-(engine/remote.py).
+The frames between processes (server and engine, rank 0 and the other ranks) are in
+streamer/frames.py.
 """
 
 from __future__ import annotations
@@ -410,76 +410,3 @@ class HostStats(msgspec.Struct):
     """Prompt tokens whose KV came back from the host (of cached_tokens_total)."""
     hit_rate: float
     """cached_tokens_total / prompt tokens."""
-
-
-# ---- between the server process and the engine process (engine/remote.py) ----------
-# Length-prefixed msgpack frames over one socket pair. Tagged, so that each direction
-# decodes as one union.
-
-
-class Submit(msgspec.Struct, tag=True):
-    """Server -> engine: a new request; its outputs come back in Outputs frames."""
-
-    request: GenerateRequest
-
-
-class Stop(msgspec.Struct, tag=True):
-    """Server -> engine: abort what runs (each request's final output still comes), then exit."""
-
-
-class Ready(msgspec.Struct, tag=True):
-    """Engine -> server, once: the model is loaded and warmed up."""
-
-    model_path: str
-    """The resolved model folder: the server loads the same tokenizer from it."""
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    stats: EngineStats
-
-
-class Outputs(msgspec.Struct, tag=True):
-    """Engine -> server: every RequestOutput of one event-loop iteration, all requests mixed."""
-
-    outputs: list[RequestOutput]
-
-
-class Stats(msgspec.Struct, tag=True):
-    """Engine -> server: the latest EngineStats (sent after outputs, or now and then when idle)."""
-
-    stats: EngineStats
-
-
-class Failed(msgspec.Struct, tag=True):
-    """Engine -> server: the engine could not start (kind: the exception's class name, e.g.
-    ModelLoadError) or died; the process exits after it."""
-
-    error: str
-    kind: str = "RuntimeError"
-
-
-ToEngine = Submit | Abort | Stop
-FromEngine = Ready | Outputs | Stats | Failed
-
-
-# ---- tensor parallelism: rank 0 -> the other ranks (streamer/distributed/step.py) ----------
-
-
-class RankStep(msgspec.Struct, tag=True):
-    """One step, once for all its requests: the batch (its sampling fields emptied: rank 0
-    samples alone) and the runner's split threshold (the warm-up changes it)."""
-
-    batch: Batch
-    split_decode_tokens: int
-
-
-class RankPing(msgspec.Struct, tag=True):
-    """Keep-alive while the engine is idle (the ranks wait on a collective with a timeout)."""
-
-
-class RankStop(msgspec.Struct, tag=True):
-    """The engine stops: the rank leaves the group and exits."""
-
-
-ToRank = RankStep | RankPing | RankStop

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from streamer.distributed.step import StepChannel, for_ranks
-from streamer.messages import Batch, RankStep, RankStop
+from streamer.frames import RankStep, RankStop
+from streamer.messages import Batch
 from streamer.model.runner import Launched, ModelRunner, PromptLogprobs
 from streamer.model.tp_group import TPGroup
 

@@ -1,4 +1,4 @@
-"""The step broadcast: rank 0 -> every other rank, one message per step (messages.ToRank).
+"""The step broadcast: rank 0 -> every other rank, one message per step (frames.ToRank).
 
 A message is msgpack (msgspec) in a uint8 tensor broadcast on the control group (gloo, CPU:
 no device synchronization). The tensor has a fixed size, HEAD_BYTES, so that one broadcast
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamer.messages import Batch, RankPing, RankStep, ToRank
+from streamer.frames import RankPing, RankStep, ToRank
+from streamer.messages import Batch
 from streamer.model.tp_group import COUNTS, KEEPALIVE_S, TPGroup
 
 HEAD_BYTES = 64 << 10

@@ -8,7 +8,7 @@ AsyncEngine, and the frame format both sides use.
           per token; Stats after outputs (at most every STATS_INTERVAL_S) and at least
           every IDLE_STATS_S (the server's heartbeat); Failed, then exit, if an engine actor
           crashes.
-  Frames: a 4-byte little-endian length, then msgpack of messages.ToEngine / FromEngine.
+  Frames: a 4-byte little-endian length, then msgpack of frames.ToEngine / FromEngine.
 
 Invariants: the process ignores SIGINT (Ctrl-C reaches the whole process group: the server
 shuts down in order and sends Stop) and exits when it reads EOF; until it is ready (while
@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamer.config import EngineConfig
-from streamer.messages import Abort, Failed, Outputs, Ready, RequestOutput, Stats, Submit, ToEngine
+from streamer.frames import Failed, Outputs, Ready, Stats, Submit, ToEngine
+from streamer.messages import Abort, RequestOutput
 
 if TYPE_CHECKING:
     # imported by the engine process alone: the server process does without the model
