@@ -112,9 +112,9 @@ def test_heavy_eviction_stays_correct(default_model, text_ids):
 
 def test_preemption_when_pages_run_out_keeps_outputs_identical(default_model, plain_llm, text_ids):
     prompts = distinct_prompts(text_ids, 6, 80, 120, seed=4)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in plain_llm.generate(prompts, params)]  # (a roomy pool)
-    with LLM(str(default_model), num_pages=30) as tight:  # 6 x ~10 pages do not fit in 29
+    with LLM(str(default_model), num_pages=30) as tight:  # 6 x ~8 pages do not fit in 29
         got = [o.token_ids for o in tight.generate(prompts, params)]
         assert tight.stats().preemptions > 0
         settle(tight)
@@ -267,9 +267,9 @@ def test_event_loop_is_never_blocked_for_50ms(default_model, text_ids):
 
 
 def test_kv_memory_holds_live_tokens(default_model, text_ids):
-    prompts = distinct_prompts(text_ids, 12, 100, 300, seed=9)
+    prompts = distinct_prompts(text_ids, 8, 100, 300, seed=9)
     rng = random.Random(0)
-    params = [SamplingParams(max_tokens=rng.randint(16, 48), temperature=0, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=rng.randint(16, 40), temperature=0, ignore_eos=True) for _ in prompts]
     with LLM(str(default_model)) as llm:
         llm.generate(prompts, params)
         eff = llm.stats().kv_efficiency
