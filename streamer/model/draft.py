@@ -102,7 +102,8 @@ class DraftModel:
                              self.kv_dtype, self.device)
         if graphs_bs and getattr(self.model, "cuda_graphs_ok", True):
             self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, graphs_bs, max_pages)
-            self.graphs.capture()
+            with torch.inference_mode():
+                self.graphs.capture()
 
     def _run(self, x: dict[str, Any]) -> torch.Tensor:
         assert self.pool is not None
