@@ -7,6 +7,7 @@ every forward signature.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,3 +47,26 @@ def set_context(ctx: ForwardContext | None) -> None:
 def get_context() -> ForwardContext:
     assert _current is not None, "model called outside ModelRunner.forward"
     return _current
+
+
+def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: torch.Tensor, num_decodes: int = 0
+              ) -> torch.Tensor:
+    """Hidden states of model over a step prepared by packing.prepare, run eagerly into the
+    given KV tensors. The index arrays go in as int32, as in the graphs' buffers: the attention
+    kernels of eager steps are then the variants built at capture (the decode kernel of a mixed
+    step's split, int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3)."""
+    ctx = ForwardContext(
+        slot_mapping=x["slot_mapping"],
+        page_table=x["page_table"].to(torch.int32),
+        seq_lens=x["seq_lens"].to(torch.int32),
+        cu_q_lens=x["cu_q_lens"].to(torch.int32),
+        max_q_len=x["max_q_len"],
+        k_cache=k_cache,
+        v_cache=v_cache,
+        num_decodes=num_decodes,
+    )
+    set_context(ctx)
+    try:
+        return model(x["input_ids"], x["positions"])
+    finally:
+        set_context(None)

@@ -37,7 +37,7 @@ import torch
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SamplingParams, SeqChunk
-from streamer.model.context import ForwardContext, set_context
+from streamer.model.context import run_eager
 from streamer.model.graphs import DecodeGraphs
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
@@ -107,20 +107,7 @@ class DraftModel:
 
     def _run(self, x: dict[str, Any]) -> torch.Tensor:
         assert self.pool is not None
-        ctx = ForwardContext(
-            slot_mapping=x["slot_mapping"],
-            page_table=x["page_table"].to(torch.int32),
-            seq_lens=x["seq_lens"].to(torch.int32),
-            cu_q_lens=x["cu_q_lens"].to(torch.int32),
-            max_q_len=x["max_q_len"],
-            k_cache=self.pool.k,
-            v_cache=self.pool.v,
-        )
-        set_context(ctx)
-        try:
-            return self.model(x["input_ids"], x["positions"])
-        finally:
-            set_context(None)
+        return run_eager(self.model, x, self.pool.k, self.pool.v)
 
     @torch.inference_mode()
     def mirror(self, batch: Batch, x: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
-from streamer.model.context import ForwardContext, set_context
+from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.layers import Linear
@@ -176,24 +176,7 @@ class ModelRunner:
         if isinstance(graph, ExtendGraphs):
             hidden = graph.replay(x)
             return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], ({}, {})
-        # int32 index arrays, as in the graphs' buffers: the attention kernels of eager steps
-        # are then the variants built at capture (the decode kernel of a mixed step's split,
-        # int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3)
-        ctx = ForwardContext(
-            slot_mapping=x["slot_mapping"],
-            page_table=x["page_table"].to(torch.int32),
-            seq_lens=x["seq_lens"].to(torch.int32),
-            cu_q_lens=x["cu_q_lens"].to(torch.int32),
-            max_q_len=x["max_q_len"],
-            k_cache=self.pool.k,
-            v_cache=self.pool.v,
-            num_decodes=x["num_decodes"],
-        )
-        set_context(ctx)
-        try:
-            hidden = self.model(x["input_ids"], x["positions"])
-        finally:
-            set_context(None)
+        hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"])
         prompt_logprobs: dict[str, list[float]] = {}
         prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}
         if x["lp_rows"]:

@@ -10,16 +10,10 @@ import torch
 from streamer.messages import SamplingParams
 from streamer.sampling.draw import MIN_TEMPERATURE, filtered_probs
 from streamer.sampling.rejection import accept_or_redraw, draw, processed_probs, uniforms
+from tests.stats import chi2
 
 V = 8
 CHI2_DF7_P999 = 24.32  # the 99.9% quantile of chi-square with 7 degrees of freedom
-
-
-def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token outside the target's support came out"
-    exp = probs[keep] * counts.sum()
-    return float(((counts[keep] - exp) ** 2 / exp).sum())
 
 
 def test_kept_and_redrawn_tokens_follow_the_target_with_a_deliberately_wrong_draft():

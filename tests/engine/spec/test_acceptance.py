@@ -9,6 +9,7 @@ from streamer.engine.spec.rollback import accepted
 from streamer.messages import SamplingParams
 from streamer.sampling.draw import MIN_TEMPERATURE, filtered_probs
 from streamer.sampling.sampler import SampleInputs, Sampler
+from tests.stats import chi2
 
 V = 8
 
@@ -33,13 +34,6 @@ def verify(logits0, logits1, draft, params, n, seeds=None):
 
 def _fields(p):
     return {f: getattr(p, f) for f in p.__struct_fields__}
-
-
-def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token outside the target's support was kept"
-    exp = probs[keep] * counts.sum()
-    return float(((counts[keep] - exp) ** 2 / exp).sum())
 
 
 def test_kept_tokens_follow_the_target_distribution_with_a_wrong_draft():

@@ -1,0 +1,82 @@
+"""The frames between processes, as tagged msgspec Structs: server <-> engine process
+(engine/remote.py, remote_engine.py) and rank 0 -> the other tensor-parallel ranks
+(distributed/step.py). They carry the actor messages of streamer/messages.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from streamer.messages import Abort, Batch, EngineStats, GenerateRequest, RequestOutput
+
+# ---- between the server process and the engine process (engine/remote.py) ----------
+# Length-prefixed msgpack frames over one socket pair. Tagged, so that each direction
+# decodes as one union.
+
+
+class Submit(msgspec.Struct, tag=True):
+    """Server -> engine: a new request; its outputs come back in Outputs frames."""
+
+    request: GenerateRequest
+
+
+class Stop(msgspec.Struct, tag=True):
+    """Server -> engine: abort what runs (each request's final output still comes), then exit."""
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Engine -> server, once: the model is loaded and warmed up."""
+
+    model_path: str
+    """The resolved model folder: the server loads the same tokenizer from it."""
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """Engine -> server: every RequestOutput of one event-loop iteration, all requests mixed."""
+
+    outputs: list[RequestOutput]
+
+
+class Stats(msgspec.Struct, tag=True):
+    """Engine -> server: the latest EngineStats (sent after outputs, or now and then when idle)."""
+
+    stats: EngineStats
+
+
+class Failed(msgspec.Struct, tag=True):
+    """Engine -> server: the engine could not start (kind: the exception's class name, e.g.
+    ModelLoadError) or died; the process exits after it."""
+
+    error: str
+    kind: str = "RuntimeError"
+
+
+ToEngine = Submit | Abort | Stop
+FromEngine = Ready | Outputs | Stats | Failed
+
+
+# ---- tensor parallelism: rank 0 -> the other ranks (streamer/distributed/step.py) ----------
+
+
+class RankStep(msgspec.Struct, tag=True):
+    """One step, once for all its requests: the batch (its sampling fields emptied: rank 0
+    samples alone) and the runner's split threshold (the warm-up changes it)."""
+
+    batch: Batch
+    split_decode_tokens: int
+
+
+class RankPing(msgspec.Struct, tag=True):
+    """Keep-alive while the engine is idle (the ranks wait on a collective with a timeout)."""
+
+
+class RankStop(msgspec.Struct, tag=True):
+    """The engine stops: the rank leaves the group and exits."""
+
+
+ToRank = RankStep | RankPing | RankStop
