@@ -42,7 +42,7 @@ from tests.reliability.fuzz_hooks import steer
 # every request crosses the socket to the engine process (the fuzz found a request msgpack could not carry)
 SERVER_ARGS = ["--engine-process"]
 
-SCHEMATHESIS_EXAMPLES = 50
+SCHEMATHESIS_EXAMPLES = 30
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
           "stream": True}
 
