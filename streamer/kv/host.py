@@ -13,9 +13,11 @@ and counts them. Host pages have their own free list; their LRU order is the tre
 CUDA streams and events (what may run when):
   - write-backs (device -> host) run on `d2h`, loads (host -> device) on `h2d`, so both
     copy engines work and neither copy blocks the model's stream;
-  - a device page written back is freed at once: the model's next step waits for the last
-    write-back (`pool.fence`, waited for by the runner before each step), and so does every
-    later load (h2d waits for it), so nothing overwrites a page before its copy has read it;
+  - a device page written back is freed at once: the model's next step waits until the last
+    write-back has gathered its pages into staging buffers (`pool.fence`, waited for by the
+    runner before each step; the copies to the host go on behind it), and every later load
+    waits for the whole write-back (h2d waits for `last_write`), so nothing overwrites a page
+    before its copy has read it;
     a host page written back may be loaded back (or overwritten by another write-back, on
     the same stream) only after that write-back, for the same reason;
   - a load's device pages are not read before its event has completed (the scheduler
@@ -36,6 +38,10 @@ from streamer.kv.pages import PagePool
 STAGING_PAGES = 64
 """Device pages staged per copy on CUDA (the gather/scatter between the pool's strided
 pages and a contiguous buffer the DMA moves at full speed)."""
+FENCE_STAGE_BYTES = 256 << 20
+"""A write-back gathers up to this many bytes of pages into staging buffers before their
+copies to the host start; the model's next step waits for the last group's gathers, not for
+the copies (a larger write-back serializes its earlier groups' copies before that)."""
 
 
 class HostPool:
@@ -116,7 +122,8 @@ class HostTier:
         self.d2h: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.last_write: Any = None
-        """The event after the newest write-back (CUDA), also pool.fence."""
+        """The event after the newest write-back's copies to the host (CUDA); pool.fence is
+        the one after its gathers."""
         self.write_backs = 0
         """Pages written back (device -> host)."""
         self.load_backs = 0
@@ -136,15 +143,25 @@ class HostTier:
             data[h, 0] = k[:, g].transpose(0, 1)
             data[h, 1] = v[:, g].transpose(0, 1)
         else:
+            read = None
+            group = max(1, FENCE_STAGE_BYTES // self.host.page_bytes)
             with torch.cuda.stream(self.d2h):
-                for s in range(0, len(gpu), STAGING_PAGES):
-                    g = _indices(gpu[s : s + STAGING_PAGES], k.device)
-                    staged = torch.stack((k[:, g], v[:, g]), dim=0).permute(2, 0, 1, 3).contiguous()
-                    for i, p, n in _runs(host[s : s + STAGING_PAGES]):
-                        data[p : p + n].copy_(staged[i : i + n], non_blocking=True)
+                for s0 in range(0, len(gpu), group):
+                    # the gathers of a group first, then its copies to the host: the next step
+                    # waits for the gathers only (its kernels may then overwrite the freed
+                    # pages), while the slower copies over PCIe overlap with it
+                    staged = []
+                    for s in range(s0, min(s0 + group, len(gpu)), STAGING_PAGES):
+                        g = _indices(gpu[s : min(s + STAGING_PAGES, s0 + group)], k.device)
+                        staged.append((s, torch.stack((k[:, g], v[:, g]), dim=0).permute(2, 0, 1, 3).contiguous()))
+                    read = torch.cuda.Event()
+                    read.record(self.d2h)
+                    for s, buf in staged:
+                        for i, p, n in _runs(host[s : s + buf.shape[0]]):
+                            data[p : p + n].copy_(buf[i : i + n], non_blocking=True)
                 self.last_write = torch.cuda.Event()
                 self.last_write.record(self.d2h)
-            self.pool.fence = self.last_write
+            self.pool.fence = read
         self.write_backs += len(gpu)
         self.bytes_written += len(gpu) * self.host.page_bytes
 
