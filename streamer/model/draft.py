@@ -20,8 +20,8 @@ acceptance needs (the draft's distributions of sampled rows).
 Invariants:
   - the draft's KV of every computed token of every page equals a fresh draft prefill's
     (mirror runs after each target forward, over the same slots);
-  - requests with a grammar or logprobs never get draft proposals (rollback.proposals):
-    the draft's draws would need the grammar's masks per step;
+  - requests with a grammar never get draft proposals (rollback.proposals): the draft's
+    draws would need the grammar's masks per step;
   - no host KV tier and no tensor parallelism with a draft (EngineConfig refuses them):
     neither moves the draft's pages.
 """
@@ -36,18 +36,21 @@ import torch
 
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
-from streamer.messages import Batch, SamplingParams, SeqChunk
+from streamer.messages import Batch, SampledToken, SamplingParams, SeqChunk
 from streamer.model.context import run_eager
 from streamer.model.graphs import DecodeGraphs
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.windows import kv_window, layer_windows
+from streamer.sampling.draw import package
 from streamer.sampling.processing import BiasCache, has_penalty
 from streamer.sampling.rejection import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
     accept_or_redraw,
     draw,
+    probs_of,
+    processed_logits,
     processed_probs,
     uniforms,
 )
@@ -214,12 +217,14 @@ class DraftModel:
             return []
         return [*batch.histories[row], *drafts[:j]]
 
-    def resolve(self, tokens: torch.Tensor, logits: torch.Tensor, batch: Batch, proposed: Proposed) -> torch.Tensor:
+    def resolve(self, tokens: torch.Tensor, logits: torch.Tensor, batch: Batch, proposed: Proposed
+                ) -> tuple[torch.Tensor, dict[int, SampledToken]]:
         """The sampled rows of a verify step with the draft's non-greedy proposals decided by
         rejection: row j of a chunk is its proposal where kept, else the redraw. (Greedy rows,
-        and the last row of each chunk, are the plain sampler's draws already.)"""
+        and the last row of each chunk, are the plain sampler's draws already.) Also, per row
+        decided here whose request asks for logprobs, its token with them."""
         if not proposed.rows:
-            return tokens
+            return tokens, {}
         idx: list[int] = []
         params: list[SamplingParams] = []
         hist: list[list[int]] = []
@@ -231,14 +236,20 @@ class DraftModel:
                 hist.append(batch.histories[r + j] if r + j < len(batch.histories) else [])
                 banned.append(batch.banned[r + j] if r + j < len(batch.banned) else [])
         rows = torch.tensor(idx, device=logits.device)
-        p = processed_probs(logits[rows], params, hist, banned, self.biases)
+        lp = processed_logits(logits[rows], params, hist, banned, self.biases)
         q = torch.cat(proposed.q)
         d = torch.tensor([t for ts in proposed.tokens for t in ts], device=logits.device)
         pos = [len(h) for h in hist]
-        picked = accept_or_redraw(p, q, d, uniforms(params, pos, ACCEPT_STREAM), uniforms(params, pos, 0))
+        picked = accept_or_redraw(probs_of(lp, params), q, d, uniforms(params, pos, ACCEPT_STREAM),
+                                  uniforms(params, pos, 0))
         tokens = tokens.clone()
         tokens[rows] = picked
-        return tokens
+        with_logprobs: dict[int, SampledToken] = {}
+        if any(p.logprobs is not None for p in params):
+            for row, t in zip(idx, package(lp, picked, params)):
+                if t.logprob is not None:
+                    with_logprobs[row] = t
+        return tokens, with_logprobs
 
 
 def _needs_history(p: SamplingParams) -> bool:

@@ -284,9 +284,10 @@ class ModelRunner:
                 sampled = out  # logprobs were asked for: already on the host
                 tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
         if proposed is not None and proposed.rows:
-            tokens = self.draft.resolve(tokens, logits, batch, proposed)  # type: ignore[union-attr]
-            if sampled is not None:  # (a row with logprobs is never a draft's: only the ids change)
-                sampled = [msgspec.structs.replace(t, token_id=i) for t, i in zip(sampled, tokens.tolist())]
+            tokens, decided = self.draft.resolve(tokens, logits, batch, proposed)  # type: ignore[union-attr]
+            if sampled is not None:  # (the rows decided by rejection, with their logprobs where asked for)
+                sampled = [decided.get(r) or msgspec.structs.replace(t, token_id=i)
+                           for r, (t, i) in enumerate(zip(sampled, tokens.tolist()))]
         self.last_tokens, self.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
         done = None
         if sampled is None and tokens.is_cuda:

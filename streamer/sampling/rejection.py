@@ -31,15 +31,22 @@ token after the last proposal use the plain stream: offset 0)."""
 ACCEPT_STREAM = 0x2545F4914F6CDD1D
 
 
-def processed_probs(
+def processed_logits(
     logits: torch.Tensor, params: list[SamplingParams], hist: list[list[int]], banned: list[list[int]], biases: BiasCache
 ) -> torch.Tensor:
-    """float32 [rows, V]: the distribution each row draws from (a greedy row: its argmax)."""
+    """float32 [rows, V]: logit_bias, penalties and bans applied (what reported logprobs are
+    the log_softmax of)."""
     logits = logits.float().clone()
     if any(has_penalty(p) or p.logit_bias for p in params):
         bias_and_penalties(logits, params, hist, biases)
         logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
     mask_and_ban(logits, banned, None, None)
+    return logits
+
+
+def probs_of(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """float32 [rows, V]: the distribution each row of processed logits draws from, after
+    temperature, top-k, top-p and min-p (a greedy row: its argmax)."""
     n, v = logits.shape
     out = torch.zeros_like(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -56,6 +63,13 @@ def processed_probs(
         min_p = torch.tensor([params[i].min_p for i in drawn], device=dev)
         out[d] = filtered_probs(logits[d] / temp[:, None], top_k, top_p, min_p)
     return out
+
+
+def processed_probs(
+    logits: torch.Tensor, params: list[SamplingParams], hist: list[list[int]], banned: list[list[int]], biases: BiasCache
+) -> torch.Tensor:
+    """float32 [rows, V]: the distribution each row draws from (a greedy row: its argmax)."""
+    return probs_of(processed_logits(logits, params, hist, banned, biases), params)
 
 
 def uniforms(params: list[SamplingParams], positions: list[int], stream: int) -> torch.Tensor:

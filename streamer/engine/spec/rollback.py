@@ -15,8 +15,7 @@ Invariants:
   - proposals only for a request with no batch in flight and its last token known (the
     engine runs speculation without overlap scheduling: the next proposals need this
     step's accepted tokens), not where prompt logprobs are due; with a grammar, only the
-    proposals it allows (ngram; draft_model proposes nothing to grammar or logprobs
-    requests);
+    proposals it allows (ngram; draft_model proposes nothing to grammar requests);
   - draft_model: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
     (model/draft.py), StepOutput.drafts brings them back, and the acceptance is the same
     comparison (a non-greedy row that rejected its proposal holds the redraw: never it);
@@ -57,9 +56,8 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
         return []
     if cfg.method == "draft_model":
         # the runner's draft draws them (model/draft.py); not under a grammar (the draft's
-        # draws would need its mask at each step) nor with logprobs (reported per kept token
-        # of the plain draw only)
-        if req.grammar is not None or p.logprobs is not None:
+        # draws would need its mask at each step)
+        if req.grammar is not None:
             return []
         return [PLACEHOLDER] * k
     return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)

@@ -111,3 +111,21 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(tmp_path, tiny):
     other = make_tiny_model(tmp_path / "small-vocab", "LlamaForCausalLM", None, vocab_size=1000)
     with pytest.raises(ConfigError, match="vocabulary has 1000 tokens, the target's 49152"):
         LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_logprobs_of_sampled_tokens_are_the_targets_with_a_draft(default_model, own):
+    """A row decided by rejection (its proposal kept, or redrawn) reports the target's
+    logprob of the token it holds, as a plain decode would."""
+    p = SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)
+    s0 = own.stats()
+    out = own.generate(PROMPTS[:1], p)[0]
+    assert own.stats().spec_accepted_tokens > s0.spec_accepted_tokens, "the request speculated"
+    ids = own.tokenizer(PROMPTS[0])["input_ids"]
+    with LLM(str(default_model)) as plain:
+        ref = plain.generate([ids + out.token_ids], SamplingParams(max_tokens=1, temperature=0,
+                                                                    prompt_logprobs_from=len(ids)))[0]
+        plain.wait_idle()
+    got = [t.logprob for t in out.logprobs]
+    assert all(len(t.top_logprobs) == 2 for t in out.logprobs)
+    assert max(abs(a - b) for a, b in zip(got, ref.prompt_logprobs)) < 1e-3
+    settle(own)
