@@ -134,7 +134,8 @@ def run(model: str, ps: list[list[int]], args: argparse.Namespace, spec: str | N
     from streamer import LLM, SamplingParams
     from streamer.engine.spec.report import spec_delta
 
-    kw: dict[str, Any] = dict(dtype=args.dtype, load_format=args.load_format, device=args.device,
+    # (two engines live in this process one after the other: each a fixed pool: 2,048 pages hold 32k tokens, for one request at a time)
+    kw: dict[str, Any] = dict(dtype=args.dtype, load_format=args.load_format, device=args.device, num_pages=2048,
                               max_model_len=max(len(p) for p in ps) + args.max_tokens + 16)
     if args.no_cuda_graphs:
         kw["cuda_graphs"] = False
