@@ -192,14 +192,12 @@ class EngineConfig:
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
-    "path/to/small-model", "num_speculative_tokens": 4}. None: off. With it on, steps are not
-    scheduled ahead (overlap): a request's next proposals need its accepted tokens."""
+    "path/to/small-model", "num_speculative_tokens": 4}. None: off. With overlap scheduling,
+    a request with a verify chunk in flight is not scheduled ahead (its next proposals need
+    its kept tokens); one whose proposals keep failing decodes ahead for a while."""
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.overlap_schedule:
-            raise ConfigError("speculative_config runs without overlap scheduling (a request's next proposals "
-                              "need its accepted tokens): leave overlap_schedule unset or false")
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             # (neither moves or shards the draft's KV pages: model/draft.py)
             if self.host_kv_cache_gb:

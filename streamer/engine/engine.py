@@ -152,7 +152,6 @@ class AsyncEngine:
         self._attach_grammar()
         overlap = self.config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if overlap is None else overlap
-        self.overlap &= self.config.speculative_config is None  # (spec/rollback.py: proposals need the tokens)
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self.dead: str | None = None

@@ -66,6 +66,14 @@ class Request:
     draft: list[int] = field(default_factory=list)
     """Speculative decoding: the proposals chosen for the batch being built (spec/rollback.py);
     BatchBuilder.build sends them and clears this."""
+    verifying: bool = False
+    """Speculative decoding: a verify chunk of it is in flight (how many tokens it keeps is
+    unknown until it is back: nothing of it is scheduled ahead)."""
+    spec_misses: int = 0
+    """Speculative decoding with overlap: its proposal attempts in a row that found nothing."""
+    ahead_left: int = 0
+    """Of those, how many of its next steps may still be scheduled ahead without proposals
+    before it waits for its tokens to try again (spec/rollback.py: ahead_budget)."""
 
     @property
     def num_output(self) -> int:

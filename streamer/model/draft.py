@@ -68,6 +68,9 @@ class Proposed:
     q: list[torch.Tensor] = field(default_factory=list)
     """For those chunks, the draft's distributions [k, V] at their proposals."""
     tokens: list[list[int]] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    """A step whose sampling waits for its masks: the target's logits as the forward left them
+    (the plan's are processed in place)."""
 
 
 class DraftModel:

@@ -215,12 +215,13 @@ class ModelRunner:
         after = self.last_done
         proposed = None
         if self.draft is not None and batch.spec:
-            assert not batch.masks_deferred, "speculation runs without overlap"
             batch, proposed = self.draft.propose(batch)
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
             # everything of the sampling that the masks do not change is queued now
+            if proposed is not None:
+                proposed.logits = logits
             plan = self.sampler.plan(logits, self._sample_inputs(batch), masked=True)
             paused = None
             if start is not None:
@@ -229,7 +230,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
             return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
-                            wall=t1 - t0, after=after, paused=paused, times=times)
+                            wall=t1 - t0, after=after, paused=paused, times=times, proposed=proposed)
         out = self._sample(batch, logits, prompt_logprobs, proposed=proposed)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
@@ -246,7 +247,8 @@ class ModelRunner:
             resumed = torch.cuda.Event(enable_timing=True)
             resumed.record()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
-        out = self._sample(batch, launched.plan.logits, launched.prompt_logprobs, launched.plan)
+        out = self._sample(batch, launched.plan.logits, launched.prompt_logprobs, launched.plan,
+                           proposed=launched.proposed)
         out.start, out.after = launched.start, launched.after
         out.paused, out.resumed = launched.paused, resumed
         t1 = time.perf_counter()
@@ -284,7 +286,8 @@ class ModelRunner:
                 sampled = out  # logprobs were asked for: already on the host
                 tokens = torch.tensor([t.token_id for t in sampled], dtype=torch.long, device=self.device)
         if proposed is not None and proposed.rows:
-            tokens, decided = self.draft.resolve(tokens, logits, batch, proposed)  # type: ignore[union-attr]
+            raw = proposed.logits if proposed.logits is not None else logits
+            tokens, decided = self.draft.resolve(tokens, raw, batch, proposed)  # type: ignore[union-attr]
             if sampled is not None:  # (the rows decided by rejection, with their logprobs where asked for)
                 sampled = [decided.get(r) or msgspec.structs.replace(t, token_id=i)
                            for r, (t, i) in enumerate(zip(sampled, tokens.tolist()))]
@@ -356,6 +359,8 @@ class Launched:
     """Host milestones (StepOutput.host_times)."""
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """StepOutput.drafts."""
+    proposed: Proposed | None = None
+    """A step awaiting its masks: its draft proposals, decided when it is sampled."""
 
     @property
     def awaiting_masks(self) -> bool:

@@ -33,7 +33,7 @@ from streamer.engine.scheduler.keeps import Keeps
 from streamer.engine.scheduler.loads import Loads, check_holds, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
-from streamer.engine.spec.rollback import proposals
+from streamer.engine.spec.rollback import ahead_budget, proposals
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
 from streamer.messages import Batch, EngineStats, MaskFill, StepOutput, TokenDelta, TokenizedRequest
@@ -192,7 +192,14 @@ class Scheduler:
                 continue
             n = min(req.remaining, budget)
             if self.spec is not None and n == 1:  # speculative decoding: a verify chunk (spec/)
-                req.draft = proposals(self.spec, req, budget, self.max_model_len, self.in_flight)
+                if req.request_id in self.in_flight:  # (overlap: this batch is built ahead of its tokens)
+                    if req.verifying or req.ahead_left <= 0:
+                        continue  # it waits for its tokens (and proposes then)
+                    req.ahead_left -= 1  # a plain decode ahead: its proposals keep failing
+                else:
+                    req.draft = proposals(self.spec, req, budget, self.max_model_len, self.in_flight, ahead)
+                    req.spec_misses = 0 if req.draft else req.spec_misses + 1
+                    req.ahead_left = ahead_budget(req.spec_misses)
                 if req.draft and not self.pages.grow(req, req.num_computed + 1 + len(req.draft)):
                     req.draft = []  # no pages for the proposals: a plain decode
                 n += len(req.draft)

@@ -62,6 +62,8 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         if in_flight[seq.request_id] <= 0:
             del in_flight[seq.request_id]
         req = requests.get(seq.request_id)
+        if req is not None and seq.num_draft:
+            req.verifying = False
         tok = next(sampled) if seq.sample and out.error is None else None
         more = [next(sampled) for _ in range(seq.num_draft)] if seq.num_draft and tok is not None else None
         if req is None or req.status != Status.RUNNING:

@@ -12,9 +12,11 @@ norm(max(0, p - q)). A seeded request draws the same uniform per output position
 without speculation, so its output is the same either way.
 
 Invariants:
-  - proposals only for a request with no batch in flight and its last token known (the
-    engine runs speculation without overlap scheduling: the next proposals need this
-    step's accepted tokens), not where prompt logprobs are due; with a grammar, only the
+  - proposals only for a request with no batch in flight and its last token known (the next
+    proposals need this step's accepted tokens), not where prompt logprobs are due; with
+    overlap scheduling a request with a verify chunk in flight is never scheduled ahead, and
+    one whose proposals keep failing is scheduled ahead as plain decodes for a while
+    (ahead_budget), then waits for its tokens to try again; with a grammar, only the
     proposals it allows (ngram; draft_model proposes nothing to grammar requests);
   - draft_model: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
     (model/draft.py), StepOutput.drafts brings them back, and the acceptance is the same
@@ -43,10 +45,13 @@ if TYPE_CHECKING:
     from streamer.engine.scheduler.stats import Counters
 
 
-def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: int, in_flight: Counter[str]) -> list[int]:
-    """The tokens to verify after req's last one this step (none: a plain decode)."""
+def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: int, in_flight: Counter[str],
+              ahead: bool = False) -> list[int]:
+    """The tokens to verify after req's last one this step (none: a plain decode). ahead: the
+    batch is built while another is in flight (a grammar request then gets none: its rows'
+    masks are filled once that batch is back, BatchBuilder's masks_deferred)."""
     p = req.params
-    if (req.remaining != 1 or req.request_id in in_flight
+    if (req.remaining != 1 or req.request_id in in_flight or (ahead and req.grammar is not None)
             or req.tokens[-1] == PLACEHOLDER or (p.prompt_logprobs_from is not None and req.num_output == 0)):
         return []
     # the kept run is at most k + 1 tokens: stay within max_tokens, the context and the budget
@@ -61,6 +66,14 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
             return []
         return [PLACEHOLDER] * k
     return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+def ahead_budget(misses: int) -> int:
+    """With overlap scheduling: after `misses` proposal attempts in a row that found nothing,
+    how many of a request's next steps are scheduled ahead as plain decodes before it waits
+    for its tokens to look again (doubling, up to 16: a request whose output never repeats
+    its input loses little of the overlap, one that starts to repeat soon gets proposals)."""
+    return 0 if misses <= 0 else min(1 << (misses - 1), 16)
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -119,6 +132,7 @@ def verify_chunk(
     banned = [ban if req.num_output + j < p.min_tokens else [] for j in range(k + 1)]
     req.num_computed = start + 1
     req.tokens.append(PLACEHOLDER)
+    req.verifying = True  # (until results.process has its rows)
     return chunk, hist, banned, masks
 
 

@@ -48,10 +48,10 @@ def test_bad_configs_are_refused_by_name(value, words):
     assert words in str(e.value)
 
 
-def test_speculation_refuses_forced_overlap_scheduling():
-    with pytest.raises(ConfigError, match="without overlap scheduling"):
-        EngineConfig(speculative_config={}, overlap_schedule=True)
-    EngineConfig(speculative_config={}, overlap_schedule=False)
+def test_a_request_whose_proposals_keep_failing_is_scheduled_ahead_for_longer_and_longer():
+    from streamer.engine.spec.rollback import ahead_budget
+
+    assert [ahead_budget(m) for m in range(8)] == [0, 1, 2, 4, 8, 16, 16, 16]
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():

@@ -33,13 +33,13 @@ def settle(llm: LLM) -> None:
     assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
 
 
-@pytest.mark.parametrize("page_size, pages", [(1, 90), (16, None)])
-def test_a_tiny_random_draft_leaves_the_greedy_output_of_a_tiny_target_unchanged(tiny, page_size, pages):
+@pytest.mark.parametrize("page_size, pages, overlap", [(1, 90, False), (16, None, True)])
+def test_a_tiny_random_draft_leaves_the_greedy_output_of_a_tiny_target_unchanged(tiny, page_size, pages, overlap):
     target, draft = tiny
     prompts = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
-             speculative_config=spec) as llm:
+             speculative_config=spec, overlap_schedule=overlap) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         s = llm.stats()
         settle(llm)

@@ -178,3 +178,26 @@ def test_a_json_schema_request_with_speculation_is_valid_json_and_the_plain_outp
     json.loads(b.text)
     assert spec.stats().spec_accepted_tokens > s0.spec_accepted_tokens
     settle(spec)
+
+
+def test_overlap_scheduling_with_speculation_gives_the_plain_output(default_model, plain, prompts, expected):
+    """Requests with a verify chunk in flight wait for it; those whose proposals keep failing
+    decode ahead of their tokens (spec/rollback.py: ahead_budget); a grammar request beside
+    them gets no proposals in batches built ahead (its masks are deferred there)."""
+    import json
+
+    from streamer.messages import GrammarSpec
+
+    g = SamplingParams(max_tokens=24, temperature=0, grammar=GrammarSpec("json_object"))
+    want_json = gen(plain, [prompts[2]], g)[0]
+    with LLM(str(default_model), speculative_config=SPEC, overlap_schedule=True) as llm:
+        llm.engine.scheduler.jump_forward = False  # (jump-forward turns scheduling ahead off)
+        outs = gen(llm, [*prompts, prompts[2]], [GREEDY] * len(prompts) + [g])
+        s = llm.stats()
+        settle(llm)
+    assert [o.token_ids for o in outs[:-1]] == expected
+    assert outs[-1].token_ids == want_json.token_ids
+    if outs[-1].finish_reason == "stop":
+        json.loads(outs[-1].text)
+    assert s.spec_accepted_tokens > 0 and s.steps_ahead > 0
+
