@@ -116,6 +116,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reads_history(self) -> bool:
+        """Its draws read the output so far: penalties, or a seed (the position of its seeded
+        uniform). Batches send the others an empty history."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty) \
+            or self.seed is not None
+
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """What a caller submits: exactly one of prompt, prompt_token_ids, messages."""

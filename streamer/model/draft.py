@@ -161,7 +161,7 @@ class DraftModel:
                 chunks.append(SeqChunk(s.request_id, [tok], s.start + j, s.page_table, True))
                 jj = min(j, ks[n])
                 params.append(batch.params[r + jj])
-                so_far = self._so_far(drawn, n) if j and _needs_history(batch.params[r]) else []
+                so_far = self._so_far(drawn, n) if j and batch.params[r].reads_history else []
                 hist.append(self._history(batch, r, so_far, j))
                 banned.append(batch.banned[r + jj] if r + jj < len(batch.banned) else [])
             x = prepare(Batch(batch.step, chunks, [], [], []), page_size=ps, device=self.device,
@@ -202,7 +202,7 @@ class DraftModel:
                 proposed.q.append(torch.stack(qs[n]))
                 proposed.tokens.append(drafts[n])
             for j in range(s.num_draft + 1):
-                if r + j < len(histories) and _needs_history(batch.params[r + j]):
+                if r + j < len(histories) and batch.params[r + j].reads_history:
                     histories[r + j] = self._history(batch, r, drafts[n], j)
         return msgspec.structs.replace(batch, seqs=seqs, histories=histories), proposed
 
@@ -216,7 +216,7 @@ class DraftModel:
     def _history(batch: Batch, row: int, drafts: list[int], j: int) -> list[int]:
         """The output a verify chunk's row j follows: the request's output, then its first j
         proposals (row 0's history is the output as the scheduler sent it)."""
-        if row >= len(batch.histories) or not _needs_history(batch.params[row]):
+        if row >= len(batch.histories) or not batch.params[row].reads_history:
             return []
         return [*batch.histories[row], *drafts[:j]]
 
@@ -253,9 +253,3 @@ class DraftModel:
                 if t.logprob is not None:
                     with_logprobs[row] = t
         return tokens, with_logprobs
-
-
-def _needs_history(p: SamplingParams) -> bool:
-    """The rows whose draws read their history (penalties; a seed's position), as
-    rollback.verify_chunk decides."""
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.seed is not None

@@ -88,7 +88,7 @@ class BatchBuilder:
                 params.append(req.params)
                 p = req.params
                 # the sampler needs the output so far only for penalties and seeded draws
-                needed = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.seed is not None
+                needed = p.reads_history
                 hist.append(req.output if needed else [])
                 ban: list[int] = []
                 if req.num_output < req.params.min_tokens:

@@ -124,7 +124,7 @@ def verify_chunk(
     chunk = SeqChunk(req.request_id, [req.tokens[start], *draft], start, req.pages[: pool_pages_for(start + 1 + k)],
                      True, num_draft=k)
     p = req.params
-    needed = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.seed is not None
+    needed = p.reads_history
     out = req.output
     hist = [out + draft[:j] if needed else [] for j in range(k + 1)]
     ban = sorted(req.eos_token_ids | set(p.stop_token_ids))
