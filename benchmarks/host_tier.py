@@ -188,7 +188,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--long-tokens", type=int, default=7000, help="histories counted as long (the 8k goal)")
-    p.add_argument("--modes", default="tier,none,recompute")
+    p.add_argument("--modes", default="tier,none,recompute", help="\"\" for the bandwidths alone")
     p.add_argument("--smoke", action="store_true", help="CPU-sized: SmolLM2 shape, 4 sessions x 3 turns")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -204,7 +204,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "bandwidth": bandwidths(cfg, args, device, dtype), "runs": []}
     print(json.dumps(results["bandwidth"]), flush=True)
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:  # --modes "": the bandwidths only
         r = run(mode, args, cfg, dtype)
         results["runs"].append(r)
         print(json.dumps(r), flush=True)

@@ -12,7 +12,8 @@ and counts them. Host pages have their own free list; their LRU order is the tre
 
 CUDA streams and events (what may run when):
   - write-backs (device -> host) run on `d2h`, loads (host -> device) on `h2d`, so both
-    copy engines work and neither copy blocks the model's stream;
+    copy engines work and neither copy blocks the model's stream; a load's scatter from its
+    staging buffer into the pool's pages runs on `scatter`, overlapped with its next copy;
   - a device page written back is freed at once: the model's next step waits until the last
     write-back has gathered its pages into staging buffers (`pool.fence`, waited for by the
     runner before each step; the copies to the host go on behind it), and every later load
@@ -38,6 +39,8 @@ from streamer.kv.pages import PagePool
 STAGING_PAGES = 64
 """Device pages staged per copy on CUDA (the gather/scatter between the pool's strided
 pages and a contiguous buffer the DMA moves at full speed)."""
+LOAD_STAGE_BYTES = 64 << 20
+"""Each of a load's two staging buffers holds at most this many bytes of pages."""
 FENCE_STAGE_BYTES = 256 << 20
 """A write-back gathers up to this many bytes of pages into staging buffers before their
 copies to the host start; the model's next step waits for the last group's gathers, not for
@@ -121,6 +124,12 @@ class HostTier:
         self.host = HostPool(pool, max(num_bytes // per_page, 0), pin=self.cuda)
         self.d2h: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
+        self.scatter: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
+        """Loads scatter staged pages into the pool here while h2d copies the next chunk."""
+        self._staging: list[torch.Tensor] = []
+        self._staging_free: list[Any] = [None, None]
+        """Per staging buffer, the event after the last scatter that read it."""
+        self._next_slot = 0
         self.last_write: Any = None
         """The event after the newest write-back's copies to the host (CUDA); pool.fence is
         the one after its gathers."""
@@ -178,25 +187,48 @@ class HostTier:
             k[:, g] = data[h, 0].transpose(0, 1)
             v[:, g] = data[h, 1].transpose(0, 1)
             return None
+        per = self._ring(k.device)
         with torch.cuda.stream(self.h2d):
             if self.last_write is not None:
                 self.h2d.wait_event(self.last_write)
-            for s in range(0, len(gpu), STAGING_PAGES):
-                chunk = host[s : s + STAGING_PAGES]
-                staged = torch.empty((len(chunk), *data.shape[1:]), dtype=torch.uint8, device=k.device)
+            for s in range(0, len(gpu), per):
+                # double buffering: the copy of the next chunk (h2d) runs while this one is scattered
+                # into its pages (on `scatter`); a buffer is refilled only after its last scatter
+                slot = self._next_slot
+                self._next_slot ^= 1
+                buf = self._staging[slot]
+                if self._staging_free[slot] is not None:
+                    self.h2d.wait_event(self._staging_free[slot])
+                chunk = host[s : s + per]
                 for i, p, n in _runs(chunk):
-                    staged[i : i + n].copy_(data[p : p + n], non_blocking=True)
-                g = _indices(gpu[s : s + STAGING_PAGES], k.device)
-                k[:, g] = staged[:, 0].transpose(0, 1)
-                v[:, g] = staged[:, 1].transpose(0, 1)
-            return self.marker()
+                    buf[i : i + n].copy_(data[p : p + n], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.h2d)
+                self.scatter.wait_event(copied)
+                with torch.cuda.stream(self.scatter):
+                    g = _indices(gpu[s : s + per], k.device)
+                    k[:, g] = buf[: len(chunk), 0].transpose(0, 1)
+                    v[:, g] = buf[: len(chunk), 1].transpose(0, 1)
+                    freed = torch.cuda.Event()
+                    freed.record(self.scatter)
+                    self._staging_free[slot] = freed
+        return self.marker()
+
+    def _ring(self, device: torch.device) -> int:
+        """The two staging buffers of loads, allocated at the first (pages per buffer)."""
+        if not self._staging:
+            per = max(1, min(STAGING_PAGES, LOAD_STAGE_BYTES // self.host.page_bytes))
+            shape = (per, *self.host.data.shape[1:])
+            self._staging = [torch.empty(shape, dtype=torch.uint8, device=device) for _ in range(2)]
+        return int(self._staging[0].shape[0])
 
     def marker(self) -> Any:
-        """An event after every load issued so far (None on CPU: all done)."""
+        """An event after every load issued so far (None on CPU: all done). A load's last work
+        is its scatter, and every scatter waits for its copy, so `scatter` orders them all."""
         if not self.cuda:
             return None
         ev = torch.cuda.Event()
-        ev.record(self.h2d)
+        ev.record(self.scatter)
         return ev
 
     @staticmethod
