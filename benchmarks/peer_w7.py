@@ -4,6 +4,8 @@ unpacked site on the path (PEER_PROJ=. bash .peer/vllm/run.sh install first):
 
     PYTHONPATH=.peer/site:/tmp/site:$PWD python3 benchmarks/peer_w7.py --model HF_DIR [--spec JSON]
 
+(it takes the peer tool's environment from .peer/vllm/peer_bench.py).
+
 One mode per process (vLLM keeps one engine per process well): without --spec the plain
 engine, with it speculation. ms/token excludes the first token as spec_w7.py does: each
 prompt runs once with max_tokens=1 (its time to first token) and once in full, prefix
@@ -26,7 +28,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compile-mode", default="default", choices=["default", "graphs", "eager"],
+                    help="as the peer tool's: graphs = CUDA graphs of decode steps without torch.compile")
+    ap.add_argument("--peer", default=".peer/vllm", help="the peer tool (its environment for vLLM offline)")
     args = ap.parse_args()
+
+    # vLLM's engine core is a subprocess that rendezvous over torch.distributed: without the peer
+    # tool's environment (loopback host IP, hub offline, no flashinfer sampler) its start fails
+    sys.path.insert(0, str(Path(args.peer).resolve()))
+    from peer_bench import peer_env
+
+    peer_env(Path(args.peer).resolve().parents[0] / "site")
 
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -38,7 +50,9 @@ def main() -> None:
     ps = prompts(AutoTokenizer.from_pretrained(args.model), args.num_prompts)
     spec = json.loads(args.spec) if args.spec else None
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=max(map(len, ps)) + args.max_tokens + 16,
-              gpu_memory_utilization=0.5, enable_prefix_caching=False, speculative_config=spec, seed=0)
+              gpu_memory_utilization=0.5, enable_prefix_caching=False, speculative_config=spec, seed=0,
+              **({"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+                 if args.compile_mode == "graphs" else {"enforce_eager": True} if args.compile_mode == "eager" else {}))
     full = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     first = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([TokensPrompt(prompt_token_ids=ps[0])], full, use_tqdm=False)  # warm-up

@@ -110,23 +110,27 @@ def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return out
 
 
-async def _one_at_a_time(llm: Any, ps: list[list[int]], max_tokens: int, label: str) -> list[dict[str, Any]]:
+async def _one_at_a_time(llm: Any, ps: list[list[int]], max_tokens: int, label: str,
+                         top: int | None = None) -> list[dict[str, Any]]:
     from streamer.messages import GenerateRequest, SamplingParams
 
     rows = []
     for i, p in enumerate(ps):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=top)
         req = GenerateRequest(request_id=f"{label}-{i}", prompt_token_ids=p, params=params)
         t0 = time.perf_counter()
         t_first = None
         ids: list[int] = []
+        tops: list[Any] = []
         async for out in llm.engine.submit(req):
             if out.error:
                 raise RuntimeError(out.error)
             if out.token_ids and t_first is None:
                 t_first = time.perf_counter()
             ids.extend(out.token_ids)
-        rows.append(dict(ids=ids, ttft=(t_first or t0) - t0, decode_s=time.perf_counter() - (t_first or t0)))
+            tops.extend(t.top_logprobs for t in out.logprobs or [])
+        rows.append(dict(ids=ids, ttft=(t_first or t0) - t0, decode_s=time.perf_counter() - (t_first or t0),
+                         tops=tops))
     return rows
 
 
@@ -139,22 +143,37 @@ def run(model: str, ps: list[list[int]], args: argparse.Namespace, spec: str | N
                               max_model_len=max(len(p) for p in ps) + args.max_tokens + 16)
     if args.no_cuda_graphs:
         kw["cuda_graphs"] = False
+    if args.no_overlap:
+        kw["overlap_schedule"] = False
     label = "spec" if spec else "plain"
     with LLM(model, speculative_config=spec, **kw) as llm:
         llm.generate(ps[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up (compiles, graphs)
         llm.wait_idle()
         s0 = llm.stats()
-        rows = llm.call(_one_at_a_time(llm, ps, args.max_tokens, label))
+        rows = llm.call(_one_at_a_time(llm, ps, args.max_tokens, label, 3 if args.diagnose else None))
         s1 = llm.stats()
     tokens = sum(max(len(r["ids"]) - 1, 0) for r in rows)
     res = dict(
         mode=label, speculative_config=spec, prompts=len(ps), output_tokens=sum(len(r["ids"]) for r in rows),
         ms_per_token=1e3 * sum(r["decode_s"] for r in rows) / max(tokens, 1),
         ttft_ms=1e3 * sum(r["ttft"] for r in rows) / len(rows), steps=s1.steps - s0.steps,
-        outputs=[r["ids"] for r in rows],
+        outputs=[r["ids"] for r in rows], tops=[r["tops"] for r in rows],
     )
     res.update(spec_delta(s0, s1))
     return res
+
+
+def _print_partings(plain: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Where a prompt's two outputs part: the top-3 (token, logprob) each run saw there. A gap
+    between the top two below bf16's resolution (~1e-2 in logprob) is a near tie, which two
+    kernels (decode against extend) may break either way."""
+    for i, (a, b) in enumerate(zip(plain["outputs"], spec["outputs"])):
+        if a == b:
+            continue
+        d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        ta = plain["tops"][i][d] if d < len(plain["tops"][i]) else None
+        tb = spec["tops"][i][d] if d < len(spec["tops"][i]) else None
+        print(f"W7 prompt {i} parts at token {d}: plain {a[d:d + 1]} top {ta}; spec {b[d:d + 1]} top {tb}")
 
 
 def main() -> None:
@@ -167,8 +186,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true", help="overlap scheduling off (both runs)")
     ap.add_argument("--tiny", action="store_true", help="2 prompts of 48 tokens (a CPU check)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="ask for the top-3 logprobs of every token (both runs) and print them where the outputs part")
     args = ap.parse_args()
     if args.tiny:
         args.num_prompts, args.max_tokens = 2, 48
@@ -182,6 +204,8 @@ def main() -> None:
     plain = run(str(path), ps, args, None)
     spec = run(str(path), ps, args, args.speculative_config)
     same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"]))
+    if args.diagnose:
+        _print_partings(plain, spec)
     summary = dict(
         workload="W7", model=args.model, identical_outputs=f"{same}/{len(ps)}",
         speedup=plain["ms_per_token"] / spec["ms_per_token"], plain=plain, spec=spec,
