@@ -243,6 +243,11 @@ def _route_kernel(
     z = z - tl.max(z, axis=0)
     num = tl.where(valid, tl.exp(z), 0.0)
     probs = num / tl.sum(num, axis=0)
+    # a row of NaN or infinite logits (hidden states gone non-finite) has no probability that
+    # equals the maximum: its ids would be BLOCK_E, past the experts, and the GEMMs' index
+    # ops would assert on the device, which ends the whole process. Such a row routes to the
+    # lowest experts instead (its output is non-finite anyway).
+    probs = tl.where(probs == probs, probs, 0.0)
     left = tl.where(valid, probs, -1.0)
     total = 0.0
     for _ in range(TOPK):

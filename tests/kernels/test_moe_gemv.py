@@ -89,6 +89,23 @@ def test_route_topk_ties_take_the_lower_expert():
     assert ids.tolist() == [[2, 4, 0]]
 
 
+@pytest.mark.parametrize("e", [4, 6])
+def test_route_topk_gives_real_experts_for_non_finite_logits(e):
+    """Rows of NaN, +inf or -inf logits still route to k distinct experts in [0, E): an id past
+    the experts would make the grouped GEMM's index ops assert on the device, ending the process
+    for every request. Finite rows beside them route as the reference does."""
+    logits = torch.randn(5, e, generator=torch.Generator().manual_seed(e)).to(DEVICE)
+    logits[1] = float("nan")
+    logits[2, 1] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("nan")
+    w, ids = G.route_topk(logits, 2, True)
+    assert ((ids >= 0) & (ids < e)).all()
+    assert (ids[:, 0] != ids[:, 1]).all()
+    rw, rids = R.route_topk(logits[:1], 2, True)
+    _same_routing(w[:1], ids[:1], rw, rids, 1e-6)
+
+
 @cuda
 @pytest.mark.parametrize("t", [1, 4, 8])
 def test_moe_gemv_model_sized(t):
