@@ -218,6 +218,18 @@ class Batch(msgspec.Struct):
     spec: bool = False
     """Some sequence has proposals (SeqChunk.num_draft): the sampling lists have a row per
     sampled position, not per sequence."""
+    masks_await_drafts: bool = False
+    """With masks_deferred: a grammar request's verify chunk has draft_model proposals
+    (PLACEHOLDERs): its rows' masks follow from the proposals, which the draft draws in this
+    step. The executor sends them (DraftsDrawn) and the scheduler answers with the MaskFill."""
+
+
+class DraftsDrawn(msgspec.Struct):
+    """Executor -> scheduler: the proposals the draft drew in a step sent with
+    masks_await_drafts, before that step's sampling (which waits for the MaskFill)."""
+
+    step: int
+    drafts: dict[str, list[int]]
 
 
 class MaskFill(msgspec.Struct):
@@ -342,7 +354,7 @@ class Register(msgspec.Struct):
 
 
 # What each actor's inbox carries (the tokenizer's: Tokenize | Shutdown).
-ToScheduler = TokenizedRequest | StepOutput | Abort | Finish | Shutdown
+ToScheduler = TokenizedRequest | StepOutput | DraftsDrawn | Abort | Finish | Shutdown
 ToExecutor = Batch | MaskFill | Shutdown
 ToDetokenizer = Register | TokenBatch | Shutdown
 

@@ -3,7 +3,8 @@
 Inbox:  Batch, MaskFill (from the scheduler), Shutdown (the engine stops); an `Inbox`,
         which hands a MaskFill straight to the launch thread instead of queueing it for
         the loop (and, at Shutdown, releases a step still waiting there for its masks).
-Outbox: StepOutput -> scheduler inbox, in the order of the batches.
+Outbox: StepOutput -> scheduler inbox, in the order of the batches; DraftsDrawn (a batch
+        sent with masks_await_drafts: the draft's proposals, right after its forward).
 Invariants:
   - the model runs only in the "launch" worker thread, so the event loop keeps
     serving while a step computes;
@@ -13,7 +14,7 @@ Invariants:
     scheduler keeps up);
   - a batch sent with masks_deferred runs its forward at once; then the launch
     thread waits for its MaskFill (which the scheduler sends before any later
-    batch) and samples the moment it arrives: no hop through the event loop,
+    batch; with masks_await_drafts, once it has the DraftsDrawn sent here) and samples the moment it arrives: no hop through the event loop,
     which may be busy (streaming, detokenizing) while the device waits;
   - a failing step becomes a StepOutput with `error` set (its requests fail,
     the engine lives on).
@@ -27,7 +28,7 @@ import queue
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from streamer.messages import Batch, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
+from streamer.messages import Batch, DraftsDrawn, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
 from streamer.model.runner import Launched, ModelRunner
 
 log = logging.getLogger("streamer.executor")
@@ -108,6 +109,8 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToS
                 except Exception as e:  # noqa: BLE001 - reported to the requests of this step
                     item = _failed(msg.step, e)
                 if isinstance(item, Launched) and item.awaiting_masks:
+                    if msg.masks_await_drafts and item.proposed is not None:
+                        to_scheduler.put_nowait(DraftsDrawn(msg.step, item.proposed.drafts))
                     collect(msg.step, loop.run_in_executor(thread, sample_when_masked, item))
                 else:
                     collect(msg.step, item)

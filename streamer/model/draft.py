@@ -20,8 +20,9 @@ acceptance needs (the draft's distributions of sampled rows).
 Invariants:
   - the draft's KV of every computed token of every page equals a fresh draft prefill's
     (mirror runs after each target forward, over the same slots);
-  - requests with a grammar never get draft proposals (rollback.proposals): the draft's
-    draws would need the grammar's masks per step;
+  - the draft draws unconstrained, also for a grammar request: the target's rows are masked
+    (the scheduler fills their masks from the draws: Batch.masks_await_drafts), so a
+    proposal the grammar refuses is never kept and the output follows the masked target;
   - no host KV tier and no tensor parallelism with a draft (EngineConfig refuses them):
     neither moves the draft's pages.
 """
@@ -239,7 +240,8 @@ class DraftModel:
                 hist.append(batch.histories[r + j] if r + j < len(batch.histories) else [])
                 banned.append(batch.banned[r + j] if r + j < len(batch.banned) else [])
         rows = torch.tensor(idx, device=logits.device)
-        lp = processed_logits(logits[rows], params, hist, banned, self.biases)
+        masks = None if batch.masks is None else batch.masks[idx]
+        lp = processed_logits(logits[rows], params, hist, banned, self.biases, masks)
         q = torch.cat(proposed.q)
         d = torch.tensor([t for ts in proposed.tokens for t in ts], device=logits.device)
         pos = [len(h) for h in hist]

@@ -6,8 +6,9 @@ on rejection the token is drawn from norm(max(0, p - q)), and no later proposal 
 run is looked at. Whatever q is, each kept or redrawn token is distributed exactly as p
 (the classic speculative sampling argument: P(y) = min(p, q)(y) + max(0, p - q)(y) = p(y)).
 
-"Processed" is the sampler's one definition (sampler.py): logit_bias, penalties, bans,
-then temperature, top-k, top-p and min-p. Greedy rows are point masses on the argmax, for
+"Processed" is the sampler's one definition (sampler.py): logit_bias, penalties, the
+grammar's bitmask (the target's rows only: the draft draws unconstrained, and a proposal the
+grammar refuses has p = 0, so it is never kept), bans, then temperature, top-k, top-p and min-p. Greedy rows are point masses on the argmax, for
 the draft and the target alike, so a greedy proposal is kept exactly when it is the
 target's argmax: the acceptance rule needs no case of its own.
 
@@ -32,15 +33,16 @@ ACCEPT_STREAM = 0x2545F4914F6CDD1D
 
 
 def processed_logits(
-    logits: torch.Tensor, params: list[SamplingParams], hist: list[list[int]], banned: list[list[int]], biases: BiasCache
+    logits: torch.Tensor, params: list[SamplingParams], hist: list[list[int]], banned: list[list[int]], biases: BiasCache,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [rows, V]: logit_bias, penalties and bans applied (what reported logprobs are
-    the log_softmax of)."""
+    """float32 [rows, V]: logit_bias, penalties, the grammar bitmask (a row each, or None) and
+    bans applied (what reported logprobs are the log_softmax of)."""
     logits = logits.float().clone()
     if any(has_penalty(p) or p.logit_bias for p in params):
         bias_and_penalties(logits, params, hist, biases)
         logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
-    mask_and_ban(logits, banned, None, None)
+    mask_and_ban(logits, banned, bitmask, None)
     return logits
 
 

@@ -1,7 +1,7 @@
 """Scheduler actor: the loop around the policy (policy.Scheduler).
 
-Inbox:  TokenizedRequest (new work, from the tokenizer), StepOutput (from the executor),
-        Abort (from callers), Finish (from the detokenizer: a stop string matched),
+Inbox:  TokenizedRequest (new work, from the tokenizer), StepOutput and DraftsDrawn (from
+        the executor), Abort (from callers), Finish (from the detokenizer: a stop string matched),
         Shutdown (the engine stops: every request still here ends with "abort").
 Outbox: Batch, MaskFill -> executor; TokenBatch -> detokenizer.
 
@@ -12,7 +12,8 @@ Invariants:
     be writing their pages);
   - a batch scheduled ahead with grammar rows gets its MaskFill right after
     the StepOutput of the batch before it is processed, before anything else
-    goes to the executor;
+    goes to the executor; one sent with masks_await_drafts gets it as soon as the
+    executor reports the draft's proposals (DraftsDrawn);
   - everything queued in the inbox is handled before the next batch is built, so one
     step sees every arrival;
   - the loop wakes up for the earliest deadline even with no message (deadlines.py), and
@@ -30,6 +31,7 @@ from streamer.engine.scheduler.policy import Scheduler
 from streamer.messages import (
     Abort,
     Batch,
+    DraftsDrawn,
     Finish,
     Shutdown,
     StepOutput,
@@ -110,10 +112,13 @@ async def _loop(
                 if sched.jumps:
                     forced = await loop.run_in_executor(jump_thread, sched.compute_jumps)
                     deltas.extend(sched.apply_jumps(forced))
-                if in_flight and in_flight[0].masks_deferred:
+                if in_flight and in_flight[0].masks_deferred and not in_flight[0].masks_await_drafts:
                     # the next step's forward is running: its masks are filled now, on the CPU,
                     # and go straight to the executor's launch thread (executor.Inbox)
                     to_executor.put_nowait(sched.fill_deferred(in_flight[0].step))
+            elif isinstance(msg, DraftsDrawn):
+                # a step of in_flight awaits the masks of its draft's proposals (its forward runs)
+                to_executor.put_nowait(sched.fill_drafted(msg.step, msg.drafts))
             elif isinstance(msg, Abort | Finish):
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:

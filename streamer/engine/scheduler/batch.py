@@ -10,7 +10,10 @@ Invariants:
     results.process overwrites in place;
   - a batch built ahead with grammar rows goes with masks_deferred: the batch in flight will
     move those matchers, so its bitmask is filled (fill_deferred) once that batch's tokens
-    are in, and the actor sends it before anything else goes to the executor.
+    are in, and the actor sends it before anything else goes to the executor;
+  - a batch with a grammar request's draft_model verify chunk goes with masks_deferred and
+    masks_await_drafts: its bitmask (fill_drafted) needs the proposals the executor reports
+    (DraftsDrawn) from the step itself, before that step samples.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
 from streamer.engine.scheduler.stats import Counters
-from streamer.engine.spec.rollback import verify_chunk
+from streamer.engine.spec.rollback import drafted_rows, verify_chunk
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch, MaskFill, SamplingParams, SeqChunk
 
@@ -40,6 +43,9 @@ class BatchBuilder:
         """Steps built while the one before was in flight (their idle_before is host lateness)."""
         self.deferred_masks: dict[int, list[Request]] = {}
         """Sampling requests of batches sent with masks_deferred, by step."""
+        self.drafted: dict[int, tuple[dict[int, Any], dict[int, Request]]] = {}
+        """Batches sent with masks_await_drafts, by step: their verify chunks' grammar rows
+        filled at build (ngram), and the first row of each the draft's proposals fill."""
 
     def build(self, chunks: list[tuple[Request, int]], ahead: bool = False) -> Batch:
         self.step_id += 1
@@ -51,11 +57,14 @@ class BatchBuilder:
         banned: list[list[int]] = []
         spec = False
         spec_masks: dict[int, Any] = {}  # first row -> a verify chunk's grammar rows
+        drafted: dict[int, Request] = {}  # first row -> a grammar request's verify chunk the draft fills
         for req, n in chunks:
             if req.draft:  # speculative decoding: a row per position (spec/rollback.py)
                 chunk, rows_hist, rows_banned, rows_masks = verify_chunk(req, self.pool.pages_for, self.vocab_size)
                 if rows_masks is not None:
                     spec_masks[len(params)] = rows_masks
+                elif req.grammar is not None:  # draft_model's proposals: masks once drawn
+                    drafted[len(params)] = req
                 seqs.append(chunk)
                 self.in_flight[req.request_id] += 1
                 params.extend([req.params] * len(rows_hist))
@@ -102,6 +111,12 @@ class BatchBuilder:
         if spec:  # one per sampling row (a verify chunk's grammar rows are filled by verify_chunk)
             owner = {r.request_id: r for r, _ in chunks}
             sampling = [owner[c.request_id] for c in seqs if c.sample for _ in range(c.num_draft + 1)]
+            if drafted:
+                self.deferred_masks[self.step_id] = sampling
+                self.drafted[self.step_id] = (spec_masks, drafted)
+                self.counters.masks_deferred += 1
+                return Batch(self.step_id, seqs, params, hist, banned, masks_deferred=True, spec=True,
+                             masks_await_drafts=True)
             if spec_masks:
                 return Batch(self.step_id, seqs, params, hist, banned, self._spec_masks(sampling, spec_masks),
                              spec=True)
@@ -140,3 +155,24 @@ class BatchBuilder:
         """The bitmask of batch `step` (sent with masks_deferred), from the matchers as they
         are now: the step before it has been processed."""
         return MaskFill(step, self._grammar_masks(self.deferred_masks.pop(step)))
+
+    def forget(self, step: int) -> None:
+        """Step `step` is back: drop what its deferred masks would have needed (a step whose
+        launch failed never asks)."""
+        self.deferred_masks.pop(step, None)
+        self.drafted.pop(step, None)
+
+    def fill_drafted(self, step: int, drafts: dict[str, list[int]]) -> MaskFill:
+        """The bitmask of batch `step` (sent with masks_await_drafts) now that the draft's
+        proposals are known. Nothing was in flight when it was built (a grammar request gets
+        no proposals in a batch built ahead), so every matcher is where the batch found it."""
+        sampling = self.deferred_masks.pop(step)
+        rows, drafted = self.drafted.pop(step)
+        rows = dict(rows)
+        for at, req in drafted.items():
+            d = drafts.get(req.request_id)
+            live = req.status == Status.RUNNING and req.grammar is not None and not req.grammar.is_terminated()
+            if d is not None and live:
+                rows[at] = drafted_rows(req.grammar, d, self.vocab_size)
+            # (else: ended meanwhile; its rows sample unconstrained and their tokens are dropped)
+        return MaskFill(step, self._spec_masks(sampling, rows))

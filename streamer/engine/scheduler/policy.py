@@ -309,9 +309,17 @@ class Scheduler:
         self.diagnostics.on_mask_fill(step)
         return fill
 
+    def fill_drafted(self, step: int, drafts: dict[str, list[int]]) -> MaskFill:
+        """The bitmask of batch `step` (sent with masks_await_drafts), from the proposals the
+        draft drew in it."""
+        fill = self.batches.fill_drafted(step, drafts)
+        self.diagnostics.on_mask_fill(step)
+        return fill
+
     # ---- step results (results.py) ----------------------------------------
     def process(self, batch: Batch, out: StepOutput) -> list[TokenDelta]:
         """A step's output in: tokens appended, requests ended; the deltas for the detokenizer."""
+        self.batches.forget(batch.step)  # (a step that failed before its masks were asked for)
         return results.process(self, batch, out)
 
     def compute_jumps(self) -> list[list[int]]:

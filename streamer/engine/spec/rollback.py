@@ -17,7 +17,8 @@ Invariants:
     overlap scheduling a request with a verify chunk in flight is never scheduled ahead, and
     one whose proposals keep failing is scheduled ahead as plain decodes for a while
     (ahead_budget), then waits for its tokens to try again; with a grammar, only the
-    proposals it allows (ngram; draft_model proposes nothing to grammar requests);
+    proposals it allows (ngram), or (draft_model, whose proposals the scheduler learns only
+    from the step that draws them) masks that keep nothing past the first it refuses;
   - draft_model: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
     (model/draft.py), StepOutput.drafts brings them back, and the acceptance is the same
     comparison (a non-greedy row that rejected its proposal holds the redraw: never it);
@@ -60,10 +61,8 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
     if k <= 0:
         return []
     if cfg.method == "draft_model":
-        # the runner's draft draws them (model/draft.py); not under a grammar (the draft's
-        # draws would need its mask at each step)
-        if req.grammar is not None:
-            return []
+        # the runner's draft draws them (model/draft.py); under a grammar, the rows' masks
+        # follow from the draws (Batch.masks_await_drafts, drafted_masks)
         return [PLACEHOLDER] * k
     return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
@@ -117,7 +116,7 @@ def verify_chunk(
     appends the PLACEHOLDER of the first token to come."""
     draft, req.draft = req.draft, []
     masks = None
-    if req.grammar is not None:
+    if req.grammar is not None and PLACEHOLDER not in draft:  # (draft_model's: drafted_masks, once drawn)
         draft, masks = _grammar_rows(req.grammar, draft, vocab_size)
     start = req.num_computed
     k = len(draft)
@@ -136,25 +135,46 @@ def verify_chunk(
     return chunk, hist, banned, masks
 
 
-def _grammar_rows(grammar: Any, draft: list[int], vocab_size: int) -> tuple[list[int], Any]:
-    """The proposals the grammar allows (the longest such prefix, short of one that ends it:
-    a terminated matcher has no next mask), and the bitmask of each row: row j is the mask
-    after d1..dj. The matcher is rolled back to where it was: results.process moves it by
-    the kept tokens only."""
+def drafted_rows(grammar: Any, draft: list[int], vocab_size: int) -> Any:
+    """The bitmask rows of a verify chunk whose proposals the draft drew unconstrained (its
+    k + 1 rows, as _grammar_rows'). Past the first proposal the grammar refuses (or one that
+    ends it) the rows are unconstrained: the row before already masks that proposal out, so
+    the verify keeps nothing after it (greedy: the masked argmax is another token; sampled:
+    p(d) = 0, so rejection redraws from norm(max(0, p - q)), which leaves the output
+    distributed as the masked p)."""
     import torch
 
+    from streamer.sampling.grammar import fill_bitmask
+
+    rows = _walk(grammar, draft, vocab_size)
+    rows.extend(fill_bitmask([None], vocab_size) for _ in range(len(draft) + 1 - len(rows)))
+    return torch.cat(rows)
+
+
+def _grammar_rows(grammar: Any, draft: list[int], vocab_size: int) -> tuple[list[int], Any]:
+    """The proposals the grammar allows (the longest such prefix, short of one that ends it:
+    a terminated matcher has no next mask), and the bitmask of each row."""
+    import torch
+
+    rows = _walk(grammar, draft, vocab_size)
+    return draft[: len(rows) - 1], torch.cat(rows)
+
+
+def _walk(grammar: Any, draft: list[int], vocab_size: int) -> list[Any]:
+    """Row j's bitmask is the mask after d1..dj, for j up to the first proposal the grammar
+    refuses or the one that ends it. The matcher is rolled back to where it was:
+    results.process moves it by the kept tokens only."""
     from streamer.sampling.grammar import fill_bitmask
 
     rows = [fill_bitmask([grammar], vocab_size)]
     moved = 0
     for t in draft:
         if not grammar.accept(t):
-            grammar.rejected = False  # (a refused proposal is just not proposed)
+            grammar.rejected = False  # (a refused proposal is just not kept)
             break
         moved += 1
         if grammar.is_terminated():
             break
         rows.append(fill_bitmask([grammar], vocab_size))
     grammar.rollback(moved)
-    kept = len(rows) - 1
-    return draft[:kept], torch.cat(rows)
+    return rows

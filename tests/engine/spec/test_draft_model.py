@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (model/draft.py): greedy output is the plain
 greedy output token for token, with a tiny random draft of another family for a tiny random
 target and with the default model drafting for itself; batched, chunked, at page sizes 1 and
-16, preempted, from a cached prefix; stops never leak; seeded sampling reproduces."""
+16, preempted, from a cached prefix; stops never leak; seeded sampling reproduces; grammar
+requests speculate too, their output the plain constrained output."""
 
 from __future__ import annotations
 
@@ -97,13 +98,89 @@ def test_seeded_sampling_reproduces_and_a_draft_equal_to_the_target_is_mostly_ke
     settle(own)
 
 
-def test_a_grammar_request_is_decoded_without_proposals_beside_speculating_ones(own):
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+def _grammar_params(temperature: float = 0.0, seed: int | None = None) -> list[SamplingParams]:
+    import json
+
     from streamer.messages import GrammarSpec
 
-    g = SamplingParams(max_tokens=16, temperature=0, grammar=GrammarSpec("regex", "(yes|no)[.]"))
-    out = own.generate(["Is water wet? Answer:", *PROMPTS[:1]], [g, GREEDY])
-    assert out[0].text in ("yes.", "no.")
+    return [SamplingParams(max_tokens=40, temperature=temperature, seed=seed,
+                           grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))),
+            SamplingParams(max_tokens=16, temperature=temperature, seed=seed,
+                           grammar=GrammarSpec("regex", "(yes|no)[.]"))]
+
+
+GRAMMAR_PROMPTS = ["Give a person as JSON with a name and an age:", "Is water wet? Answer:"]
+
+
+def test_grammar_requests_speculate_and_keep_the_plain_constrained_output(default_model, own):
+    """The draft proposes unconstrained; the scheduler fills each verify row's mask from the
+    proposals once they are drawn (Batch.masks_await_drafts), so a refused proposal is never
+    kept: greedy output equals plain constrained decoding, beside a speculating request
+    without a grammar."""
+    import json
+
+    import jsonschema
+
+    params = _grammar_params()
+    with LLM(str(default_model)) as plain:
+        want = plain.generate(GRAMMAR_PROMPTS, params)
+        plain.wait_idle()
+    s0 = own.stats()
+    got = own.generate([*GRAMMAR_PROMPTS, PROMPTS[0]], [*params, GREEDY])
+    s1 = own.stats()
+    assert [o.token_ids for o in got[:2]] == [o.token_ids for o in want]
+    jsonschema.validate(json.loads(got[0].text), SCHEMA)
+    assert got[1].text in ("yes.", "no.")
+    assert s1.spec_accepted_tokens > s0.spec_accepted_tokens
+    assert s1.masks_deferred > s0.masks_deferred, "the verify rows' masks came from the draws"
+    # alone, the JSON request takes far fewer steps than tokens: its proposals are kept
+    s2 = own.stats()
+    alone = own.generate(GRAMMAR_PROMPTS[:1], params[:1])[0]
+    s3 = own.stats()
+    assert alone.token_ids == want[0].token_ids
+    assert s3.steps - s2.steps <= len(alone.token_ids) // 2
     settle(own)
+
+
+def test_sampled_grammar_requests_with_a_draft_stay_valid_and_reproduce_their_seed(own):
+    import json
+
+    import jsonschema
+
+    params = _grammar_params(temperature=1.0, seed=3)
+    a = own.generate(GRAMMAR_PROMPTS, params)
+    b = own.generate(GRAMMAR_PROMPTS[::-1], params[::-1])[::-1]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    jsonschema.validate(json.loads(a[0].text), SCHEMA)
+    assert a[1].text in ("yes.", "no.")
+    settle(own)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_random_draft_under_a_grammar_has_its_refused_proposals_dropped(tiny, overlap):
+    """A tiny random draft proposes tokens the grammar mostly refuses: the masks past the
+    first refused proposal keep nothing after it, and the output is the target's own
+    constrained greedy output (with overlap scheduling too: batches built ahead carry no
+    grammar proposals, the others wait for their draws' masks)."""
+    from streamer.messages import GrammarSpec
+
+    target, draft = tiny
+    g = SamplingParams(max_tokens=24, temperature=0, grammar=GrammarSpec("regex", "[a-z]{3,12}( [a-z]{2,9}){2,4}[.]"))
+    prompts = [[5, 17, 99, 5, 17, 300, 41], [1, 2, 3]]
+    with LLM(str(target)) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, g)]
+        plain.wait_idle()
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    with LLM(str(target), speculative_config=spec, overlap_schedule=overlap) as llm:
+        got = llm.generate(prompts, g)
+        s = llm.stats()
+        settle(llm)
+    assert [o.token_ids for o in got] == want
+    assert s.spec_verifies > 0 and s.spec_draft_tokens > s.spec_accepted_tokens
 
 
 def test_a_draft_with_another_vocabulary_is_refused_by_name(tmp_path, tiny):
