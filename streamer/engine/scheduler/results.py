@@ -129,6 +129,7 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
     at = seq.start + 1  # (the PLACEHOLDER of the first token)
     new: list[SampledToken] = []
     reason = None
+    jumps = req.grammar is not None and sched.jump_forward and req.params.logprobs is None
     for t in toks[: kept + 1]:
         if new:
             req.tokens.append(t.token_id)
@@ -140,6 +141,11 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
         reason = stop_reason(req, t.token_id, at + len(new), sched.max_model_len)
         if reason is not None:
             break  # nothing after the stopping token is output
+        if jumps and len(new) <= kept and req.grammar.jump_forward_string(4):  # type: ignore[union-attr]
+            # the grammar forces text from here: plain decoding would jump forward now (after
+            # this step, compute_jumps), not sample the rows after; so the run ends here
+            # (4 bytes: enough for the first whole character of the forced text)
+            break
     # KV is computed for the last token and the kept proposals before the newest token
     req.num_computed = at + len(new) - 1
     sched.counters.generated_tokens_total += len(new)
@@ -147,7 +153,10 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
     ids = [t.token_id for t in new]
     if reason is None:
         roll_back(sched.pages, req, sched.in_flight)
-        return delta(req, ids, logprobs)
+        d = delta(req, ids, logprobs)
+        if jumps:
+            sched.jumps.append((req, d))
+        return d
     error = grammar_error(req, sched.vocab_size) if reason == "error" else None
     d = sched.retire(req, reason, error=error)
     if error is None:

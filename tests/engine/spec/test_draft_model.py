@@ -6,6 +6,8 @@ requests speculate too, their output the plain constrained output."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from streamer import LLM, SamplingParams
@@ -158,6 +160,42 @@ def test_sampled_grammar_requests_with_a_draft_stay_valid_and_reproduce_their_se
     jsonschema.validate(json.loads(a[0].text), SCHEMA)
     assert a[1].text in ("yes.", "no.")
     settle(own)
+
+
+def test_a_kept_run_ends_where_the_grammar_forces_text_as_plain_decoding_jumps_there(tmp_path, default_model):
+    """Plain decoding jumps forward over text the grammar forces (`", "bb": "` in the
+    tokenizer's own tokenization); a verify run reaching such a point ends there, and the
+    jump follows as it would without speculation: the output is the same. (Dummy SmolLM2
+    weights: the masked argmax of random weights spells forced text in other tokens than the
+    tokenizer's, so a run kept past the point parts from plain decoding.)"""
+    import json
+    import shutil
+
+    from streamer.messages import GrammarSpec
+
+    folder = tmp_path / "smollm2-dummy"
+    folder.mkdir()
+    shutil.copy(Path(__file__).parents[3] / "benchmarks/configs/smollm2-135m/config.json", folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model / f, folder)
+    keys = {"type": "object", "properties": {k: {"type": "string", "maxLength": 6} for k in ("a", "bb", "ccc")},
+            "required": ["a", "bb", "ccc"]}
+    items = {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 6, "maxItems": 6}
+    gs = [SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(sc)))
+          for sc in (keys, items)]
+    prompts = ["Give a person as JSON:", "Say something:"]
+    kw = dict(load_format="dummy", num_pages=256)
+    with LLM(str(folder), **kw) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, gs)]
+        plain.wait_idle()
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4}):
+        with LLM(str(folder), speculative_config=spec, **kw) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, gs)]
+            s = llm.stats()
+            settle(llm)
+        assert got == want, spec["method"]
+        assert s.jump_forward_tokens > 0 and s.spec_verifies > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
