@@ -11,10 +11,12 @@ import torch
 from streamer.config import EngineConfig
 from streamer.errors import ConfigError
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-"""The Llama decoder family (model/llama.py, qwen.py): the layers distributed/layers.py
-shards. The others override embeddings, fused checkpoint tensors or experts in ways not
-sharded yet."""
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+"""The decoders built of model/layers.py's Attention and MLP, which model/tp_layers.py shards
+(Gemma's extra norms act on the whole hidden state, its scaled embedding and capped logits
+on the all-reduced and gathered ones; Phi-3's fused checkpoint tensors are read in parts).
+Mixtures of experts are not sharded yet."""
 
 
 def check_model(config: EngineConfig, hf_config: Any, source: Path) -> None:

@@ -97,7 +97,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tensor_parallel()
-        if self.tp is not None:  # this rank's heads (distributed/layers.py)
+        if self.tp is not None:  # this rank's heads (model/tp_layers.py)
             heads, kv_heads, _, _ = self.tp.heads(heads, kv_heads)
         self.layer = layer
         self.window, self.softcap = window, softcap

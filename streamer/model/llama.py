@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if self.tp is not None:  # this rank's slice alone is read (distributed/layers.py)
+            if self.tp is not None:  # this rank's slice alone is read (model/tp_layers.py)
                 tensor = checkpoint_slice(self.tp, self, name, tensor)
             expert_names = self.load_expert(name, tensor, f"{source}: tensor {hf_name!r}")
             if expert_names is not None:

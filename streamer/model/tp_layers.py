@@ -14,7 +14,8 @@
                    need only the token ids that the next step may read on the device.
 
 Each rank reads only its slices of the checkpoint (checkpoint_slice, on safetensors'
-lazy slices): no rank holds a whole copy of a sharded weight.
+lazy slices): no rank holds a whole copy of a sharded weight. A fused checkpoint tensor
+(Phi-3's qkv_proj and gate_up_proj) is read as its parts' slices, concatenated.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
     cfg = model.config
     hd = model.head_dim
     q, kv, q0, kv0 = group.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    if ".self_attn.qkv_proj." in name:  # a fused checkpoint tensor (Phi-3): [q | k | v] rows
+        q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        return torch.cat([_take(t, 0, q0 * hd, q * hd), _take(t, 0, q_rows + kv0 * hd, kv * hd),
+                          _take(t, 0, q_rows + kv_rows + kv0 * hd, kv * hd)])
+    if ".mlp.gate_up_proj." in name:  # [gate | up] rows (Phi-3)
+        first, n = group.split(cfg.intermediate_size)
+        return torch.cat([_take(t, 0, first, n), _take(t, 0, cfg.intermediate_size + first, n)])
     if ".self_attn.q_proj." in name:
         return _take(t, 0, q0 * hd, q * hd)
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:

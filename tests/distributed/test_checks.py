@@ -17,9 +17,10 @@ def test_heads_that_do_not_divide_are_refused(default_model):
 
 
 def test_other_architectures_and_float8_are_refused(tmp_path, default_model):
-    gemma = make_tiny_model(tmp_path / "gemma2", "Gemma2ForCausalLM", None)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not implemented for Gemma2ForCausalLM"):
-        LLM(str(gemma), tensor_parallel_size=2)
+    moe = make_tiny_model(tmp_path / "mixtral", "MixtralForCausalLM", None, num_local_experts=4,
+                          num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not implemented for MixtralForCausalLM"):
+        LLM(str(moe), tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 is not implemented with float8"):
         LLM(str(default_model), tensor_parallel_size=3, quantization="fp8")
 
