@@ -35,6 +35,7 @@ from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
 from streamer.model.llama import LlamaForCausalLM
+from streamer.model.tp_group import current as tensor_parallel
 
 FUSED_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 """Config activation -> kernels.ops.fused_moe's activation."""
@@ -77,6 +78,9 @@ class SparseMoE(nn.Module):
         weights_in_hidden_dtype: bool, act: str,
     ) -> None:
         super().__init__()
+        self.tp = tensor_parallel()
+        if self.tp is not None:  # this rank's share of every expert (model/tp_layers.py)
+            intermediate = self.tp.split(intermediate)[1]
         self.gate = Router(hidden, experts)
         self.experts = Experts(hidden, intermediate, experts)
         self.top_k = top_k
@@ -90,8 +94,9 @@ class SparseMoE(nn.Module):
             logits, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
         ex = self.experts
-        return ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
-                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale)
+        out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
+                            w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -114,6 +119,10 @@ class MoEForCausalLM(LlamaForCausalLM):
     def num_experts(self) -> int:
         return int(getattr(self.config, self.experts_field))
 
+    def expert_intermediate(self) -> int:
+        """Each expert's intermediate size (tensor parallelism splits it)."""
+        return int(getattr(self.config, self.intermediate_field))
+
     def is_sparse(self, i: int) -> bool:
         return True
 
@@ -125,7 +134,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         cfg = self.config
         return SparseMoE(
-            cfg.hidden_size, int(getattr(cfg, self.intermediate_field)), self.num_experts(),
+            cfg.hidden_size, self.expert_intermediate(), self.num_experts(),
             int(cfg.num_experts_per_tok), self.renormalize(), self.weights_in_hidden_dtype, self.act,
         )
 

@@ -5,6 +5,9 @@
   o, down          row-parallel: each rank holds the input columns matching the above and
                    produces a partial sum; one all-reduce (the layers call TPGroup.all_reduce);
                    a bias is held by rank 0 alone (zeros elsewhere), so it is added once.
+  experts          each expert's gate/up column-parallel and down row-parallel over its
+                   intermediate size (the router is whole on every rank); one all-reduce
+                   of the combined output.
   embedding        vocab-parallel: each rank holds ceil(vocab / size) rows; a token outside
                    its rows embeds to zeros there; one all-reduce.
   LM head          vocab-parallel rows (the embedding's, when tied); the logits are
@@ -20,6 +23,7 @@ lazy slices): no rank holds a whole copy of a sharded weight. A fused checkpoint
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -69,12 +73,29 @@ def _take(t: Any, dim: int, first: int, n: int) -> torch.Tensor:
     return t[first : first + n] if dim == 0 else t[:, first : first + n]
 
 
+_EXPERT = re.compile(r"\.experts\.(?:\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+"""A mixture of experts' tensors: per expert (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down
+projections) or stacked over the experts (transformers' fused experts)."""
+
+
 def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` (transformers' name without "model."),
     of the shape of its parameter here. `t`: a tensor or a safetensors slice."""
     cfg = model.config
     hd = model.head_dim
     q, kv, q0, kv0 = group.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    expert = _EXPERT.search(name)
+    if expert is not None:  # a mixture of experts: every expert's intermediate size is split
+        inter = model.expert_intermediate()
+        first, n = group.split(inter)
+        one, stacked = expert[1], expert[2]
+        if one in ("w1", "w3", "gate_proj", "up_proj"):  # one expert's [I, H]
+            return _take(t, 0, first, n)
+        if one is not None:  # w2, down_proj: one expert's [H, I]
+            return _take(t, 1, first, n)
+        if stacked == "gate_up_proj":  # [E, gate | up, H]
+            return torch.cat([t[:, first : first + n], t[:, inter + first : inter + first + n]], dim=1)
+        return t[:, :, first : first + n]  # down_proj [E, H, I]
     if ".self_attn.qkv_proj." in name:  # a fused checkpoint tensor (Phi-3): [q | k | v] rows
         q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         return torch.cat([_take(t, 0, q0 * hd, q * hd), _take(t, 0, q_rows + kv0 * hd, kv * hd),

@@ -16,11 +16,11 @@ def test_heads_that_do_not_divide_are_refused(default_model):
         LLM(str(default_model), tensor_parallel_size=2)
 
 
-def test_other_architectures_and_float8_are_refused(tmp_path, default_model):
-    moe = make_tiny_model(tmp_path / "mixtral", "MixtralForCausalLM", None, num_local_experts=4,
-                          num_experts_per_tok=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not implemented for MixtralForCausalLM"):
-        LLM(str(moe), tensor_parallel_size=2)
+def test_an_expert_size_that_does_not_divide_and_float8_are_refused(tmp_path, default_model):
+    moe = make_tiny_model(tmp_path / "qwen3-moe", "Qwen3MoeForCausalLM", None, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide the MLP's moe_intermediate_size \(30\)"):
+        LLM(str(moe), tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 is not implemented with float8"):
         LLM(str(default_model), tensor_parallel_size=3, quantization="fp8")
 
