@@ -55,11 +55,13 @@ FP8_MAX = 448.0
 FP8_TINY = 1e-12  # the scale of an all-zero row: any positive value keeps it zero
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8 e4m3 [M, K], fp32 scales [M, 1]) with x ~ q * scale, row by row:
-    scale = max |x[m, :]| / 448, so each row uses the whole e4m3 range."""
+    scale = max |x[m, :]| / 448, so each row uses the whole e4m3 range. row_max [M, 1]: the
+    rows' max |x| where x holds slices of longer rows (the max over every slice)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_TINY)
+    amax = xf.abs().amax(dim=-1, keepdim=True) if row_max is None else row_max.float()
+    scale = (amax / FP8_MAX).clamp_min(FP8_TINY)
     # multiplied by the reciprocal (one division per row, as the kernel); the product can
     # land a hair past 448 (fp32 rounding): saturate rather than get NaN
     q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

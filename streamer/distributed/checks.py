@@ -26,9 +26,9 @@ def check_model(config: EngineConfig, hf_config: Any, source: Path) -> None:
     if not any(a in SUPPORTED for a in archs):
         raise ConfigError(f"tensor_parallel_size={n} is not implemented for {', '.join(archs) or 'this model'} "
                           f"({source}); supported: {', '.join(SUPPORTED)}")
-    if getattr(hf_config, "quantization_config", None) is not None or config.quantization is not None:
-        raise ConfigError(f"tensor_parallel_size={n} is not implemented with float8 weights "
-                          "(--quantization fp8 or a float8 checkpoint); load the model unquantized")
+    if getattr(hf_config, "quantization_config", None) is not None:
+        raise ConfigError(f"tensor_parallel_size={n} is not implemented for float8 checkpoints (their block "
+                          "scales are not sliced yet); load the unquantized model, with --quantization fp8 if wanted")
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % n:
         raise ConfigError(f"tensor_parallel_size={n} must divide the number of attention heads ({heads})")

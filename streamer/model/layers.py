@@ -12,6 +12,7 @@ from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
 from streamer.model import quant
 from streamer.model.context import get_context
+from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
 
@@ -34,12 +35,16 @@ class Linear(nn.Linear):
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
 
-    def quantize_fp8(self) -> bool:
+    def quantize_fp8(self, split_rows: TPGroup | None = None) -> bool:
         """Replace the weight with its float8 rows and their scales; False (and no change)
-        where cuBLAS's float8 GEMM cannot take the shape."""
+        where cuBLAS's float8 GEMM cannot take the shape. split_rows: the group over whose
+        ranks each row is split (a row-parallel layer): a row's scale is that of the whole
+        row, as with one rank."""
         if not quant.fp8_shapes_ok(self.weight):
             return False
-        q, scale = quant.quantize_rows_fp8(self.weight.data)
+        w = self.weight.data
+        row_max = None if split_rows is None else split_rows.all_reduce_max(w.float().abs().amax(-1, keepdim=True))
+        q, scale = quant.quantize_rows_fp8(w, row_max)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale.view(-1), persistent=False)
         return True

@@ -166,12 +166,15 @@ def load_model(
         if scheme is not None:
             fp8_checkpoint.finish(model)
         elif quantization == "fp8":
+            tp = tensor_parallel()
             for name, m in model.named_modules():
                 # the LM head stays in the model's dtype (as in the usual fp8 checkpoints)
                 if isinstance(m, Linear) and name != "lm_head":
-                    m.quantize_fp8()
+                    # (every rank walks the same modules: the row-parallel ones' collectives pair up)
+                    row_parallel = tp is not None and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
+                    m.quantize_fp8(tp if row_parallel else None)
                 elif isinstance(m, Experts):
-                    m.quantize_fp8()
+                    m.quantize_fp8(tp)
         if (scheme is not None or quantization == "fp8") and device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory
     return model.eval(), hf_config

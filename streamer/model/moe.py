@@ -35,6 +35,7 @@ from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
 from streamer.model.llama import LlamaForCausalLM
+from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
 FUSED_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -58,15 +59,19 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_proj_scale", None, persistent=False)
         self.register_buffer("down_proj_scale", None, persistent=False)
 
-    def quantize_fp8(self) -> None:
+    def quantize_fp8(self, split_rows: TPGroup | None = None) -> None:
         """Each expert's rows to float8 with their scales, as Linear.quantize_fp8 (quantization
-        "fp8"); one expert at a time, so the extra memory is one expert's float32 copy."""
+        "fp8"); one expert at a time, so the extra memory is one expert's float32 copy.
+        split_rows: the tensor-parallel group (down_proj's rows are split over its ranks)."""
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name).data
             q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
             scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
             for e in range(w.shape[0]):
-                q[e], s = quantize_rows_fp8(w[e])
+                row_max = None
+                if split_rows is not None and name == "down_proj":
+                    row_max = split_rows.all_reduce_max(w[e].float().abs().amax(-1, keepdim=True))
+                q[e], s = quantize_rows_fp8(w[e], row_max)
                 scale[e] = s.view(-1)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             self.register_buffer(f"{name}_scale", scale, persistent=False)

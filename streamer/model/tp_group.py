@@ -81,6 +81,12 @@ class TPGroup:
         dist.all_reduce(x, group=self.data)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max over ranks, in place (load time: float8 scales of split rows)."""
+        COUNTS["all_reduce_max"] += 1
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.data)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., n * size], rank 0's columns first."""
         COUNTS["all_gather"] += 1

@@ -11,8 +11,9 @@ family's tests."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from streamer import LLM
+from streamer import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 from tests.distributed.workload import ENGINE, assert_same, run
 from tests.model.test_architectures import ARCHS as DENSE
@@ -53,3 +54,42 @@ def test_two_ranks_answer_as_one(tmp_path, default_model, name):
         llm.check()
     assert_same(two, one)
     assert s.running == 0 and s.pages_used == s.pages_cached
+
+
+def test_float8_rows_split_over_ranks_take_the_scales_of_whole_rows(tmp_path, default_model):
+    """--quantization fp8 with 2 ranks: a row-parallel layer's rows (o_proj, the experts'
+    down_proj) are split over the ranks, and each row's scale is its whole row's max (an
+    all-reduce at load), so rank 0's float8 weights and scales are exactly one rank's."""
+    arch, kw = ARCHS["mixtral"]
+    path = make_tiny_model(tmp_path / "mixtral", arch, default_model, **kw)
+    with LLM(str(path), quantization="fp8") as llm:
+        layer = llm.engine.runner.model.layers[1]
+        o, moe = layer.self_attn.o_proj, layer.mlp.experts
+        want = [o.weight[:, : o.in_features // 2].float(), o.weight_scale.clone(),
+                moe.down_proj[:, :, : moe.down_proj.shape[2] // 2].float(), moe.down_proj_scale.clone()]
+    with LLM(str(path), quantization="fp8", tensor_parallel_size=2) as llm:
+        layer = llm.engine.runner.model.layers[1]
+        o, moe = layer.self_attn.o_proj, layer.mlp.experts
+        got = [o.weight.float(), o.weight_scale, moe.down_proj.float(), moe.down_proj_scale]
+    for name, a, b in zip(["o_proj", "its scales", "experts' down_proj", "their scales"], got, want):
+        assert a.shape == b.shape and torch.equal(a, b), name
+
+
+def test_float8_answers_of_two_ranks_stay_within_the_error_of_float8_itself(tmp_path, default_model):
+    """The activations entering a row-parallel layer are quantized per token on each rank's
+    slice of the row (as vLLM's per-token scales are), so two ranks' answers are not one
+    rank's bit for bit: their prompt logprobs stay closer to one rank's float8 answers than
+    those are to the unquantized model's."""
+    path = make_tiny_model(tmp_path / "llama", "LlamaForCausalLM", default_model, initializer_range=0.05)
+    prompts = [[5, 17, 99, 5, 17, 300, 41] * 3, list(range(100, 140))]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1)
+    lps = {}
+    for name, kw in [("full", {}), ("one", {"quantization": "fp8"}),
+                     ("two", {"quantization": "fp8", "tensor_parallel_size": 2})]:
+        with LLM(str(path), **kw) as llm:
+            lps[name] = [o.prompt_logprobs for o in llm.generate(prompts, params)]
+
+    def gap(a: str, b: str) -> float:
+        return max(abs(x - y) for p, q in zip(lps[a], lps[b]) for x, y in zip(p, q))
+
+    assert 0 < gap("two", "one") < gap("one", "full") < 0.1
