@@ -306,7 +306,11 @@ def bench(args: argparse.Namespace, name: str) -> Result:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="W1,W2,W3", help="comma-separated: W1, W2, W3, W4")
+    p.add_argument("--workload", default="W1,W2,W3",
+                   help="comma-separated: W1 (Qwen3-0.6B shape, 256 requests, in/out 100-1024), W2 (Llama-3.1-8B "
+                        "shape, batch 1, 128 in / 256 out), W3 (8B, 1,000 x 1,000 in / 1,000 out), W4 (8B, 32 groups "
+                        "of 16 sharing a 2,000-token prefix), W5 (8B, 64 x 512 in / 128 out), W8 (Qwen3-30B-A3B "
+                        "shape under W1's traffic); W6 is `bench select`, W7 and W9 are scripts in benchmarks/")
     p.add_argument("--model-dir", default=None, help="override the workload's config folder (a folder or a .gguf file)")
     p.add_argument("--num-requests", type=int, default=None, help="override the request count (W4: groups)")
     p.add_argument("--dtype", default="auto", help="weights and activations (auto: bfloat16 on CUDA)")
