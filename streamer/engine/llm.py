@@ -121,17 +121,7 @@ class LLM:
             self.call(self.engine.stop(), stop_timeout)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-        # drop the model and the KV pool now, not at garbage collection (GPU memory)
-        import torch
-
-        self.engine.runner.graphs = self.engine.runner.extend_graphs = None
-        pool = self.engine.runner.pool
-        if pool is not None:  # other actors still reference the pool: empty its tensors
-            pool.k = pool.v = torch.empty(0)
-        self.engine.runner.pool = None  # type: ignore[assignment]
-        self.engine.runner.model = None  # type: ignore[assignment]
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.engine.runner.release()  # the model and the KV pool go now, not at garbage collection
 
     def __enter__(self) -> LLM:
         return self

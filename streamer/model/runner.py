@@ -330,6 +330,25 @@ class ModelRunner:
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))
 
+    def release(self) -> None:
+        """Drop the model, its graphs, the KV pool and the draft's now (the engine stopped),
+        not at garbage collection: a second engine in the process sizes its pool from the
+        device memory left. Other actors still reference the pool: its tensors are emptied."""
+        self.graphs = self.extend_graphs = None
+        pools = [self.pool] + ([self.draft.pool] if self.draft is not None else [])
+        for pool in pools:
+            if pool is not None:
+                pool.k = pool.v = pool.k_bytes = pool.v_bytes = torch.empty(0)
+        if self.draft is not None:
+            self.draft.graphs = self.draft.pool = None
+            self.draft.model = None  # type: ignore[assignment]
+        self.draft = None
+        self.pool = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self.last_tokens = torch.zeros(0, dtype=torch.long)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
 
 @dataclass(slots=True)
 class Launched:
