@@ -188,14 +188,15 @@ def test_a_kept_run_ends_where_the_grammar_forces_text_as_plain_decoding_jumps_t
     with LLM(str(folder), **kw) as plain:
         want = [o.token_ids for o in plain.generate(prompts, gs)]
         plain.wait_idle()
-    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
-                 {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4}):
-        with LLM(str(folder), speculative_config=spec, **kw) as llm:
-            got = [o.token_ids for o in llm.generate(prompts, gs)]
-            s = llm.stats()
-            settle(llm)
-        assert got == want, spec["method"]
-        assert s.jump_forward_tokens > 0 and s.spec_verifies > 0
+    # (ngram: its proposals copy the model's own runs, so kept runs reach forced text; the
+    # draft_model path ends its runs in the same results.verified)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(str(folder), speculative_config=spec, **kw) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, gs)]
+        s = llm.stats()
+        settle(llm)
+    assert got == want
+    assert s.jump_forward_tokens > 0 and s.spec_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
