@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from streamer.messages import Abort, Batch, EngineStats, GenerateRequest, RequestOutput
+from streamer.engine_stats import EngineStats
+from streamer.messages import Abort, Batch, GenerateRequest, RequestOutput
 
 # ---- between the server process and the engine process (engine/remote.py) ----------
 # Length-prefixed msgpack frames over one socket pair. Tagged, so that each direction

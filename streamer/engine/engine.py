@@ -33,9 +33,9 @@ from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
 from streamer.engine.scheduler import Scheduler
 from streamer.engine.tokenizer import load_tokenizer
+from streamer.engine_stats import EngineStats
 from streamer.messages import (
     Abort,
-    EngineStats,
     GenerateRequest,
     Register,
     RequestOutput,

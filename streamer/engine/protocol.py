@@ -27,7 +27,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from streamer.messages import EngineStats, GenerateRequest, RequestOutput
+from streamer.engine_stats import EngineStats
+from streamer.messages import GenerateRequest, RequestOutput
 
 
 @dataclass(frozen=True, slots=True)

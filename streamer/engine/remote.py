@@ -46,8 +46,9 @@ from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
 from streamer.engine.remote_engine import LENGTH, engine_main, frame, read_frame, recv_exactly
 from streamer.engine.tokenizer import load_tokenizer
+from streamer.engine_stats import EngineStats
 from streamer.frames import Failed, FromEngine, Outputs, Ready, Stats, Stop, Submit, ToEngine
-from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, Abort, EngineStats, GenerateRequest, RequestOutput
+from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, Abort, GenerateRequest, RequestOutput
 from streamer.model.source import model_name
 
 log = logging.getLogger("streamer.engine.remote")

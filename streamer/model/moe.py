@@ -67,11 +67,12 @@ class Experts(nn.Module):
             w = getattr(self, name).data
             q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
             scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            row_max = None
+            if split_rows is not None and name == "down_proj":  # (one collective for all experts)
+                row_max = torch.stack([w[e].abs().amax(-1, keepdim=True).float() for e in range(w.shape[0])])
+                split_rows.all_reduce_max(row_max)
             for e in range(w.shape[0]):
-                row_max = None
-                if split_rows is not None and name == "down_proj":
-                    row_max = split_rows.all_reduce_max(w[e].float().abs().amax(-1, keepdim=True))
-                q[e], s = quantize_rows_fp8(w[e], row_max)
+                q[e], s = quantize_rows_fp8(w[e], None if row_max is None else row_max[e])
                 scale[e] = s.view(-1)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             self.register_buffer(f"{name}_scale", scale, persistent=False)

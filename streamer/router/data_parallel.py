@@ -30,7 +30,8 @@ from streamer.config import EngineConfig
 from streamer.engine.outputs import engine_failed
 from streamer.engine.protocol import Engine, ModelInfo
 from streamer.engine.remote import EngineProcess
-from streamer.messages import EngineStats, GenerateRequest, RequestOutput
+from streamer.engine_stats import EngineStats
+from streamer.messages import GenerateRequest, RequestOutput
 from streamer.router.devices import replica_environments
 from streamer.router.keys import request_key, session_of
 from streamer.router.metrics import RouterCollector

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from streamer.messages import EngineStats
+from streamer.engine_stats import EngineStats
 
 _WEIGHTED = {"mean_batch_size": "steps", "kv_efficiency": "pages_used"}
 

@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from streamer.messages import EngineStats, RequestOutput
+from streamer.engine_stats import EngineStats
+from streamer.messages import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 

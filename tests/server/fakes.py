@@ -6,7 +6,8 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from streamer.engine.protocol import Engine, ModelInfo
-from streamer.messages import EngineStats, GenerateRequest, RequestOutput
+from streamer.engine_stats import EngineStats
+from streamer.messages import GenerateRequest, RequestOutput
 
 
 class NoTokenizer:

@@ -20,8 +20,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from streamer.config import EngineConfig, ServerConfig
+from streamer.engine_stats import EngineStats
 from streamer.errors import ConfigError, ModelLoadError
-from streamer.messages import ENGINE_DOWN, EngineStats, GenerateRequest, RequestOutput, SamplingParams
+from streamer.messages import ENGINE_DOWN, GenerateRequest, RequestOutput, SamplingParams
 from streamer.router.data_parallel import DataParallelEngine
 from streamer.server.app import create_app
 from tests.conftest import serve_in_thread

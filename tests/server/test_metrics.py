@@ -82,7 +82,7 @@ def test_the_event_loop_histogram_renders_as_prometheus_client_does():
 def test_the_host_tier_is_in_metrics_when_it_is_on():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from streamer.messages import EngineStats, HostStats
+    from streamer.engine_stats import EngineStats, HostStats
     from streamer.server.metrics import EngineCollector
 
     def render(host):

@@ -34,9 +34,10 @@ from streamer.engine.scheduler.loads import Loads, check_holds, host_tier
 from streamer.engine.scheduler.pages import Pages
 from streamer.engine.scheduler.stats import Counters
 from streamer.engine.spec.rollback import ahead_budget, proposals
+from streamer.engine_stats import EngineStats
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
-from streamer.messages import Batch, EngineStats, MaskFill, StepOutput, TokenDelta, TokenizedRequest
+from streamer.messages import Batch, MaskFill, StepOutput, TokenDelta, TokenizedRequest
 from streamer.speculative_config import SpeculativeConfig
 
 

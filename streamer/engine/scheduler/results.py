@@ -96,7 +96,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         if reason is None:
             d = delta(req, new, logprobs)
             deltas.append(d)
-            if req.grammar is not None and sched.jump_forward and req.params.logprobs is None:
+            if may_jump(sched, req):
                 sched.jumps.append((req, d))
         else:
             error = grammar_error(req, sched.vocab_size) if reason == "error" else None
@@ -129,7 +129,7 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
     at = seq.start + 1  # (the PLACEHOLDER of the first token)
     new: list[SampledToken] = []
     reason = None
-    jumps = req.grammar is not None and sched.jump_forward and req.params.logprobs is None
+    jumps = may_jump(sched, req)
     for t in toks[: kept + 1]:
         if new:
             req.tokens.append(t.token_id)
@@ -164,6 +164,12 @@ def verified(sched: Scheduler, req: Request, seq: SeqChunk, toks: list[SampledTo
     else:  # a token the grammar refused is not output
         d.token_ids, d.logprobs = ids[:-1], None if logprobs is None else logprobs[:-1]
     return d
+
+
+def may_jump(sched: Scheduler, req: Request) -> bool:
+    """Whether req's grammar may jump forward after a step (not with logprobs: a forced token
+    has no sampled distribution to report)."""
+    return req.grammar is not None and sched.jump_forward and req.params.logprobs is None
 
 
 def stop_reason(req: Request, token: int, length: int, max_model_len: int) -> str | None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamer.engine.scheduler.clock import AheadClock
+from streamer.engine_stats import EngineStats, HostStats
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import RadixCache
-from streamer.messages import EngineStats, HostStats
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 
 from streamer.bench.serve_report import server_view
 from streamer.engine.spec.report import spec_delta, spec_summary
-from streamer.messages import EngineStats
+from streamer.engine_stats import EngineStats
 from streamer.server.metrics import Metrics
 
 
