@@ -3,6 +3,7 @@ against the few-token GEMV (kernels/moe_gemv.py), and the router's top-k, each r
 a CUDA graph (launch gaps as in a decode step), with the bytes each call must read.
 
     python3 benchmarks/moe_layer.py [--hidden 2048 --inter 768 --experts 128 --top-k 8]
+    python3 benchmarks/moe_layer.py --sweep     # the grouped GEMM's tiles by token count (default_config)
 """
 
 # ruff: noqa: B023  (each lambda is timed before the loop moves on)
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--tokens", default="1,2,4,8,16,32")
+    p.add_argument("--sweep", action="store_true", help="time fused_moe's tile configs at decode and prefill sizes")
     a = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
@@ -59,6 +61,9 @@ def main() -> None:
     router = (torch.randn(e, h, device=dev) * h**-0.5).to(dt)
     per_expert = 3 * h * i * 2
     print(f"H {h} I {i} E {e} k {k}: {per_expert / 1e6:.2f} MB per expert")
+    if a.sweep:
+        sweep(w_gu, w_d, router, k)
+        return
     print(f"{'T':>4} {'experts hit':>11} {'floor us':>9} {'grouped us':>10} {'gemv us':>8} {'route us':>9} {'torch route us':>14}")
     for t in [int(x) for x in a.tokens.split(",")]:
         x = torch.randn(t, h, device=dev).to(dt)
@@ -74,6 +79,41 @@ def main() -> None:
         for bn, bk, un in ((4, 256, 1), (4, 256, 2), (4, 256, 4), (2, 256, 2), (4, 512, 1), (8, 256, 2)):
             us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
             print(f"      gemv block_n {bn:3d} block_k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
+
+
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
+    (64, 128, 256): [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
+                     (16, 64, 256, 4, 3), (16, 256, 64, 8, 3), (16, 32, 128, 4, 4), (16, 64, 128, 4, 5)],
+    (512, 1024): [(32, 64, 64, 4, 3), (32, 128, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 8, 3),
+                  (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (16, 64, 128, 4, 3)],
+    (4096, 16384): [(64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
+                    (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3)],
+}
+
+
+def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int) -> None:
+    """fused_moe (align, both GEMMs, combine) per tile config: us per call, the weights' bytes
+    rate (experts hit) and the GEMMs' TFLOP/s; '*' marks default_config's choice."""
+    e, two_i, h = w_gu.shape
+    i = two_i // 2
+    for sizes, configs in SWEEP.items():
+        for t in sizes:
+            x = torch.randn(t, h, device=w_gu.device).to(w_gu.dtype)
+            weights, ids = reference.route_topk(torch.nn.functional.linear(x, router), k, True, x.dtype)
+            hit = torch.unique(ids).numel()
+            flops = 2 * t * k * 3 * h * i
+            chosen = moe.default_config(t * k, e, h, i)
+            print(f"T {t}: {hit} experts hit, {hit * 3 * h * i * 2 / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP; default {chosen}")
+            for bm, bn, bk, nw, ns in configs:
+                cfg = moe.MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                try:
+                    us = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids, config=cfg), iters=5)
+                except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"   {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {type(ex).__name__}")
+                    continue
+                mark = "*" if cfg == chosen else " "
+                print(f" {mark} {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {us:9.1f} us  {hit * 3 * h * i * 2 / us / 1e6:6.2f} TB/s"
+                      f"  {flops / us / 1e6:6.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

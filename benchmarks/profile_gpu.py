@@ -840,7 +840,7 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
     from streamer.messages import SamplingParams
 
     cases = [("llama-3.1-8b", 1, 384, 24), ("llama-3.1-8b", 128, 1500, 8), ("qwen3-0.6b", 136, 840, 8),
-             ("llama-3.1-8b", 256, 1500, 8), ("llama-3.1-8b", 480, 1500, 6), ("qwen3-30b-a3b", 1, 384, 24)]
+             ("llama-3.1-8b", 256, 1500, 8), ("llama-3.1-8b", 480, 1500, 6), ("qwen3-30b-a3b", 1, 384, 24), ("qwen3-30b-a3b", 128, 600, 8)]
     for model, bs, ctx, steps in cases if only is None else [cases[only]]:
         llm = LLM(str(CONFIGS / model), load_format="dummy", cuda_graphs=graphs, max_model_len=2048 if bs == 1 else 4096,
                   max_num_seqs=bs, max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype,
@@ -855,7 +855,7 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, sp)  # prompts cached: one short prefill, then decodes
             torch.cuda.synchronize()
-        _device_table(prof, steps, f"{model} bs={bs} ctx={ctx}: decode steps (incl. one prefill)")
+        _device_table(prof, steps, f"{model} bs={bs} ctx={ctx}: decode steps (incl. one prefill)", top=26)
         llm.close()
         del llm
         torch.cuda.empty_cache()
@@ -1059,7 +1059,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
     p.add_argument("--rows", default=None, help="gemm-rows: comma-separated row counts")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480, "
-                        "5: Qwen3-30B-A3B batch 1)")
+                        "5: Qwen3-30B-A3B batch 1, 6: Qwen3-30B-A3B batch 128)")
     a = p.parse_args()
     plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-b1": bench_attn_b1, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "attn-one": bench_attn_one, "power": bench_power, "small-ops": bench_small_ops,

@@ -5,7 +5,7 @@ and kernels.reference.route_topk.
 Why apart from kernels/moe.py: at batch 1 a Qwen3-30B-A3B layer routes 8 (token, slot)
 pairs to 8 experts. The grouped GEMM there first aligns the pairs by expert (about a
 dozen small torch ops per layer) and runs M-blocks of 16 rows holding one valid row each;
-at 48 layers those launches alone cost more than streaming the active weights. Here each
+at 48 layers those launches (a dozen torch ops per layer then; three kernels now) cost more than streaming the active weights. Here each
 (token, slot) pair p reads its expert's rows straight from topk_ids (no alignment), as the
 dense GEMV (kernels/gemv) does:
 

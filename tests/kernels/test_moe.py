@@ -136,6 +136,38 @@ def test_align_groups_pairs_by_expert(block_m):
     assert 5 not in used.tolist()
 
 
+def _stable_layout(ids: torch.Tensor, e: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout _align must produce, in torch: a stable sort of the pairs by expert, each
+    group padded to block_m with the sentinel, and the expert of each M-block."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    padded_len = -(-(pairs + min(e, pairs) * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=e)
+    ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    starts = ends - (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs) - (counts.cumsum(0) - counts)[expert_of]
+    sorted_ids = torch.full((padded_len,), pairs, dtype=torch.int64)
+    sorted_ids[starts[expert_of] + rank] = order
+    return sorted_ids, torch.searchsorted(ends, torch.arange(0, padded_len, block_m), right=True)
+
+
+@pytest.mark.parametrize(
+    "t,k,e,block_m",
+    [(1, 8, 128, 16), (23, 3, 8, 64), (300, 2, 8, 64), (200, 8, 128, 32), (7, 1, 60, 32), (1, 1, 4, 16)],
+)
+def test_align_is_a_stable_sort_by_expert(t, k, e, block_m):
+    """Pairs of one expert keep their order (several chunks of ALIGN_CHUNK pairs, expert counts
+    that are not powers of two, one pair): the same layout, so the same rows, on every run."""
+    gen = torch.Generator().manual_seed(t * e)
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[ids == 1] = 0  # an empty expert
+    got = M._align(ids.to(DEVICE), e, block_m)
+    want = _stable_layout(ids, e, block_m)
+    assert torch.equal(got[0].cpu().long(), want[0]) and torch.equal(got[1].cpu().long(), want[1])
+
+
 @cuda
 @pytest.mark.parametrize("t", [1, 7, 300])
 def test_fused_moe_model_sized(t):
