@@ -76,9 +76,13 @@ def main() -> None:
         route = time_us(lambda: moe_gemv.route_topk(logits, k, True, dt))
         torch_route = time_us(lambda: reference.route_topk(logits, k, True, dt))
         print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
-        for bn, bk, un in ((4, 256, 1), (4, 256, 2), (4, 256, 4), (2, 256, 2), (4, 512, 1), (8, 256, 2)):
+        for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2)):
             us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
-            print(f"      gemv block_n {bn:3d} block_k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
+            print(f"      gemv gate_up n {bn:3d} k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
+        for down in ((4, 256, 1, 8), (4, 256, 3, 8), (2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 3, 8),
+                     (4, 128, 2, 8), (1, 256, 3, 4)):
+            us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, down=down))
+            print(f"      gemv down (n, k, unroll, warps) {down}: {us:7.1f} us ({floor / us:5.1%} of floor)")
 
 
 SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)

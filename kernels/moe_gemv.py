@@ -12,7 +12,7 @@ dense GEMV (kernels/gemv) does:
     GEMM 1: program (p, n-block):  inter[p, n] = act(x[p // k] . Wg_e[n]) * (x[p // k] . Wu_e[n])
     GEMM 2: program (t, n-block):  out[t, n] = sum_j w[t, j] * (inter[t*k + j] . Wd_e[n]),  e = ids[t, j]
 
-GEMM 2 walks the k slots of a token itself, so the weighted sum over slots (float32) and
+GEMM 2 holds the k slots of a token in one tile (rows (slot, n)), so the weighted sum over slots (float32) and
 the cast to x's dtype happen in its epilogue: two kernels per layer instead of ~16. Two
 tokens routed to one expert each stream its rows (the grouped GEMM shares them): that is
 why this path is for a few tokens only (`use_gemv`).
@@ -44,6 +44,11 @@ UNROLL = 2
 """4 rows x 256 columns per chunk with 4 warps (a warp per row, 16 bytes per thread and load, as
 the dense GEMV): 4 rows beat 8 and 16 by 1.4-2x at 1-16 tokens on the H200 (more programs in
 flight); UNROLL chunks are loaded per iteration."""
+
+
+DOWN = (4, 256, 1, 8)
+"""GEMM 2's (block_n, block_k, unroll, num_warps): 4 output rows x the k slots per program
+(32 W rows at top-8), 8 warps."""
 
 
 def use_gemv(tokens: int) -> bool:
@@ -130,6 +135,7 @@ def _down_kernel(
     stride_o,
     stride_se,
     TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -137,29 +143,36 @@ def _down_kernel(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """out[t, n] for BLOCK_N rows n: the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N
+    + i, so the k slots' W rows (k experts) stream at once rather than one slot after the other
+    (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s)."""
     t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, H - 1)
+    n0 = tl.program_id(1) * BLOCK_N
+    r = tl.arange(0, TOPK_PAD * BLOCK_N)
+    slot = r // BLOCK_N
+    n = tl.minimum(n0 + r % BLOCK_N, H - 1)  # tail rows re-read row H-1; the store masks them
+    p = t * TOPK + tl.minimum(slot, TOPK - 1)  # padding slots re-read the last one, weighted 0
+    expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOPK):  # (unrolled: the slots' loads may overlap)
-        p = t * TOPK + j
-        expert = tl.load(ids_ptr + p).to(tl.int64)
-        w_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        h_row = h_ptr + p * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K * UNROLL):
-            for u in tl.static_range(UNROLL):
-                k = k0 + u * BLOCK_K
-                mask_k = offs_k < INTER - k
-                hv = _tile_row(h_row + k, offs_n, offs_k, mask_k)
-                wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
-                acc += wv * hv
-        d = tl.sum(acc, axis=1)
-        if SCALED:
-            d = d * tl.load(sh_ptr + p) * tl.load(sw_ptr + expert * stride_se + rows)
-        d = _round_to(d, DTYPE, INTERP).to(tl.float32)
-        y += d * tl.load(weight_ptr + p)
+    w_ptrs = w_ptr + expert[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    h_ptrs = h_ptr + p[:, None] * stride_h + offs_k[None, :]  # (a slot's rows share h: L1 hits)
+    acc = tl.zeros([TOPK_PAD * BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k = k0 + u * BLOCK_K
+            mask_k = (offs_k < INTER - k)[None, :]
+            hv = tl.load(h_ptrs + k, mask=mask_k, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptrs + k, mask=mask_k, other=0.0).to(tl.float32)
+            acc += wv * hv
+    d = tl.sum(acc, axis=1)
+    if SCALED:
+        d = d * tl.load(sh_ptr + p) * tl.load(sw_ptr + expert * stride_se + n)
+    d = _round_to(d, DTYPE, INTERP).to(tl.float32)  # each slot's product in x's dtype
+    d = tl.where(slot < TOPK, d * tl.load(weight_ptr + p), 0.0)
+    # y[i] = sum over the slots of d[j * BLOCK_N + i] (float32)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    pick = (r % BLOCK_N)[None, :] == tl.arange(0, BLOCK_N)[:, None]
+    y = tl.sum(tl.where(pick, d[None, :], 0.0), axis=1)
     tl.store(out_ptr + t * stride_o + offs_n, _round_to(y, DTYPE, INTERP), mask=offs_n < H)
 
 
@@ -173,13 +186,16 @@ def moe_gemv(
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     unroll: int = UNROLL,
+    down: tuple[int, int, int, int] | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
     Two kernels, no host synchronisation (CUDA-graph capturable). With the scales (float8
-    experts): x and the activation quantized per row first (two more kernels)."""
+    experts): x and the activation quantized per row first (two more kernels).
+    block_n, block_k, unroll: GEMM 1's tiles; down: GEMM 2's (block_n, block_k, unroll,
+    num_warps), default DOWN."""
     assert activation in ("silu", "gelu_tanh"), activation
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -210,36 +226,23 @@ def moe_gemv(
     sh = h
     if scaled:
         h, sh = quantize_rows(h)
-    _down_kernel[(t, triton.cdiv(hidden, block_n))](
+    d_n, d_k, d_unroll, d_warps = down or DOWN
+    _down_kernel[(t, triton.cdiv(hidden, d_n))](
         h, w_down, ids, weights, out, sh, sw_d,
         hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), hidden,
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, SCALED=scaled, DTYPE=dtype,
-        INTERP=interp, num_warps=4, num_stages=1,
+        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
+        SCALED=scaled, DTYPE=dtype, INTERP=interp, num_warps=d_warps, num_stages=1,
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,
-    weight_ptr,
-    ids_ptr,
-    E,
-    stride_l,
-    TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORM: tl.constexpr,
-    ROUND: tl.constexpr,
-    DTYPE: tl.constexpr,
-    INTERP: tl.constexpr,
-):
-    """One token: softmax (fp32) over its E logits, the top k (of equal probabilities the lower
-    expert id first; torch.topk leaves their order unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    valid = offs < E
-    z = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+def _topk_store(z, offs, valid, weight_ptr, ids_ptr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+                RENORM: tl.constexpr, ROUND: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Softmax (fp32) over one token's logits z [BLOCK_E] (valid: the E real ones), the top k
+    (of equal probabilities the lower expert id first; torch.topk leaves their order
+    unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND), stored in order."""
     z = z - tl.max(z, axis=0)
     num = tl.where(valid, tl.exp(z), 0.0)
     probs = num / tl.sum(num, axis=0)
@@ -263,9 +266,79 @@ def _route_kernel(
         w = best / total if RENORM else best
         if ROUND:
             w = _round_to(w, DTYPE, INTERP).to(tl.float32)
-        tl.store(weight_ptr + t * TOPK + j, w)
-        tl.store(ids_ptr + t * TOPK + j, idx.to(tl.int32))
+        tl.store(weight_ptr + j, w)
+        tl.store(ids_ptr + j, idx.to(tl.int32))
         left = tl.where(offs == idx, -2.0, left)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weight_ptr,
+    ids_ptr,
+    E,
+    stride_l,
+    TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One token's routing from its logits (`_topk_store`)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    z = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    _topk_store(z, offs, valid, weight_ptr + t * TOPK, ids_ptr + t * TOPK, TOPK, BLOCK_E, RENORM, ROUND, DTYPE, INTERP)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,
+    w_ptr,
+    logits_ptr,
+    count_ptr,
+    weight_ptr,
+    ids_ptr,
+    E,
+    H,
+    stride_x,
+    stride_w,
+    TOPK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
+    DTYPE: tl.constexpr,
+    LOGIT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
+    F.linear's output), into the workspace; the last of the token's programs to finish (an
+    atomic count, reset by that program for the next call) routes the token (`_topk_store`)."""
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    clamped = tl.minimum(rows, E - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + clamped[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k
+        xv = _tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
+        acc += tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32) * xv
+    z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
+    tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
+    tl.debug_barrier()  # every thread's logits stored before the count says so
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        tl.store(count_ptr + t, 0)
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        zs = tl.load(logits_ptr + t * BLOCK_E + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        _topk_store(zs, offs, valid, weight_ptr + t * TOPK, ids_ptr + t * TOPK, TOPK, BLOCK_E, RENORM, ROUND, DTYPE,
+                    INTERP)
 
 
 def route_topk(
@@ -284,5 +357,39 @@ def route_topk(
         TOPK=top_k, BLOCK_E=triton.next_power_of_2(experts), RENORM=renormalize,
         ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32], INTERP=_interpreting(),
         num_warps=1,
+    )  # fmt: skip
+    return weights, ids
+
+
+ROUTER_ROWS = 4
+"""Router rows per program of `route` (a warp per row, 256-column chunks, as GEMM 1)."""
+
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_topk(F.linear(x, weight), ...) for a few tokens (use_gemv) in one kernel: the
+    router's GEMV and the top-k, the last program of each token doing its top-k. Its counts
+    live in one zeroed buffer per device, left zeroed by every call, so calls on one device
+    must not run concurrently (the engine runs its model on one stream)."""
+    t, hidden = x.shape
+    experts = weight.shape[0]
+    assert use_gemv(t) and weight.shape == (experts, hidden)
+    counts = _counts.get(x.device)
+    if counts is None:
+        counts = _counts[x.device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=x.device)
+    block_e = triton.next_power_of_2(experts)
+    logits = torch.empty((t, block_e), dtype=torch.float32, device=x.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    x = x.contiguous()
+    weight = weight.contiguous()
+    _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
+        x, weight, logits, counts, weights, ids, experts, hidden, x.stride(0), weight.stride(0),
+        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(256, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
+        RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
+        LOGIT_DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), num_warps=4,
     )  # fmt: skip
     return weights, ids

@@ -86,13 +86,19 @@ def rotary_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """rotary(q, k), then store_kv of the rotated k and v; returns the rotated q (one Triton
-    launch on the GPU, for caches in q's dtype or in float8)."""
+    launch on the GPU, for caches in q's dtype or in float8). qk_norm: (q weight, k weight,
+    eps, offset): q and k RMS-normalized per head first."""
     if _triton(q) and k_cache.dtype in (q.dtype, torch.float8_e4m3fn):
         from kernels import rope
 
-        return rope.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return rope.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm)
+    if qk_norm is not None:
+        qn, kn, eps, offset = qk_norm
+        q = rms_norm(q.reshape(-1, q.shape[-1]), qn, eps, offset).view(q.shape)
+        k = rms_norm(k.reshape(-1, k.shape[-1]), kn, eps, offset).view(k.shape)
     q, k = rotary(q, k, positions, cos_sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
@@ -167,6 +173,18 @@ def fused_moe(
             return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
         return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
     return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router: route_topk(F.linear(x, weight), ...); a few tokens on the GPU in one kernel."""
+    if _triton(x):
+        from kernels import moe_gemv
+
+        if moe_gemv.use_gemv(x.shape[0]):
+            return moe_gemv.route(x, weight, top_k, renormalize, round_to)
+    return route_topk(torch.nn.functional.linear(x, weight), top_k, renormalize, round_to)
 
 
 def route_topk(

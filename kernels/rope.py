@@ -40,16 +40,31 @@ def _rotate(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    norm_ptr=None,
+    eps=0.0,
+    NORM: tl.constexpr = False,
+    NORM_OFFSET: tl.constexpr = 0.0,
 ):
     """Rotate the NH heads of token t of x into o (o row t); nothing is stored if sel < 0.
     OUT_DTYPE: o's dtype; the rotated values are rounded to DTYPE first, as `rotary` then
-    `kv_store.store_kv` would store them."""
+    `kv_store.store_kv` would store them. NORM: each head RMS-normalized first with the
+    weight at norm_ptr (Qwen3's and Gemma 3's q/k norms, rounded as kernels.reference.rms_norm)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NH) & (offs_d[None, :] < HALF)
     base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        if NORM_OFFSET == 0.0:  # weight * normed, the normed rounded first
+            x1 = _round_to(w1 * _round_to(x1 * inv, DTYPE, INTERP).to(tl.float32), DTYPE, INTERP).to(tl.float32)
+            x2 = _round_to(w2 * _round_to(x2 * inv, DTYPE, INTERP).to(tl.float32), DTYPE, INTERP).to(tl.float32)
+        else:  # normed * (offset + weight) in float32, rounded once
+            x1 = _round_to(x1 * inv * (NORM_OFFSET + w1), DTYPE, INTERP).to(tl.float32)
+            x2 = _round_to(x2 * inv * (NORM_OFFSET + w2), DTYPE, INTERP).to(tl.float32)
     a1 = _round_to(x1 * cos, DTYPE, INTERP).to(tl.float32)
     b1 = _round_to(-x2 * sin, DTYPE, INTERP).to(tl.float32)
     a2 = _round_to(x2 * cos, DTYPE, INTERP).to(tl.float32)
@@ -227,6 +242,9 @@ def _rotary_store_kernel(
     stride_vch,
     stride_vcd,
     stride_cos,
+    qn_ptr,
+    kn_ptr,
+    eps,
     H: tl.constexpr,
     KVH: tl.constexpr,
     HALF: tl.constexpr,
@@ -238,19 +256,21 @@ def _rotary_store_kernel(
     CACHE_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
 ):
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
-            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE)
+            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE, qn_ptr, eps, NORM, NORM_OFFSET)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     safe = tl.maximum(slot, 0)
     page = safe // PAGE_SIZE
     off = safe % PAGE_SIZE
     _rotate(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs, 0, 0, stride_kh, 0, stride_kch,
-            cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE)
+            cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE, kn_ptr, eps, NORM, NORM_OFFSET)
     offs_h = tl.arange(0, BLOCK_KVH)
     offs_f = tl.arange(0, 2 * BLOCK_HALF)
     ok = (offs_h * 0 + slot) >= 0
@@ -271,12 +291,15 @@ def rotary_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """`rotary` then `kv_store.store_kv` of the rotated k and of v, in one launch: returns
     the rotated q; k and v go only to their cache slots (a decode step is a chain of
     small launches, so one fewer per layer is time saved). Caches in q's dtype or in
     float8 e4m3 (values rounded as `store_kv` rounds them), of any strides with a unit
-    stride over K's head_dim (a float8 PagePool's V is token-major)."""
+    stride over K's head_dim (a float8 PagePool's V is token-major).
+    qk_norm: (q weight, k weight, eps, offset): each q and k head RMS-normalized first
+    (kernels.reference.rms_norm over head_dim), two launches fewer per layer."""
     t, h, d = q.shape
     kvh = k.shape[1]
     assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and k.dtype == q.dtype == v.dtype
@@ -288,6 +311,8 @@ def rotary_store(
         cos_sin = cos_sin.contiguous()
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     half = d // 2
+    qn, kn, eps, offset = qk_norm if qk_norm is not None else (q, q, 0.0, 0.0)
+    assert qk_norm is None or qn.shape == kn.shape == (d,)
     if t > 0:
         pdl = _pdl_enabled(q)
         _rotary_store_kernel[(t,)](
@@ -297,6 +322,9 @@ def rotary_store(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             cos_sin.stride(0),
+            qn,
+            kn,
+            float(eps),
             H=h,
             KVH=kvh,
             HALF=half,
@@ -308,6 +336,8 @@ def rotary_store(
             CACHE_DTYPE=_TL_DTYPES[k_cache.dtype],
             INTERP=_interpreting(),
             PDL=pdl,
+            NORM=qk_norm is not None,
+            NORM_OFFSET=float(offset),
             num_warps=4,
             launch_pdl=pdl,
         )

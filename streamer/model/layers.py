@@ -121,11 +121,11 @@ class Attention(nn.Module):
         q = q.reshape(t, self.heads, self.head_dim)
         k = k.reshape(t, self.kv_heads, self.head_dim)
         v = v.reshape(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_heads, self.head_dim)
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:  # (in rotary_store's launch)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
-        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping)
+        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm)
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,

@@ -28,7 +28,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
@@ -95,9 +94,8 @@ class SparseMoE(nn.Module):
         self.activation = FUSED_ACTIVATION[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight)
-        weights, ids = ops.route_topk(
-            logits, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
+        weights, ids = ops.route(
+            x, self.gate.weight, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
         ex = self.experts
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,

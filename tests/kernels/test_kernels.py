@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from kernels import activation, attention, kv_store, norm, reference, rope
+from kernels import activation, attention, kv_store, norm, ops, reference, rope
 from tests.kernels.device import CUDA, DEVICE, cuda
 
 ATTN_TOL = {torch.float32: 1e-4 if CUDA else 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -334,6 +334,30 @@ def test_rotary_store_equals_rotary_then_store_kv(page_size, d, kvh, dtype):
     _close(q_out, q_ref, ELEM_TOL[dtype])
     _close(caches[0], ref_k, ELEM_TOL[dtype])
     assert torch.equal(caches[1], ref_v)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_with_qk_norm_equals_rms_norm_then_rotary_store(offset, dtype):
+    """q/k RMSNorm per head fused into the launch (Qwen3, Gemma 3's offset 1): the same q and
+    cache as rms_norm over head_dim with each weight, then rotary and store."""
+    gen = torch.Generator().manual_seed(3)
+    t, h, kvh, d, page_size = 6, 4, 2, 64, 16
+    q, k, v, positions, cs, slots, pages = _rotary_store_inputs(gen, t, h, kvh, d, page_size, dtype, [2])
+    qw, kw = ((1 + 0.2 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE) for _ in range(2))
+    caches = [torch.zeros(pages, page_size, kvh, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    qn = reference.rms_norm(q.reshape(-1, d), qw, 1e-6, offset).view(t, h, d)
+    kn = reference.rms_norm(k.reshape(-1, d), kw, 1e-6, offset).view(t, kvh, d)
+    q_ref, k_rot = reference.rotary(qn, kn, positions, cs)
+    reference.store_kv(k_rot, v, ref_k, ref_v, slots)
+    q_out = rope.rotary_store(q, k, v, positions, cs, caches[0], caches[1], slots, (qw, kw, 1e-6, offset))
+    _close(q_out, q_ref, ELEM_TOL[dtype])
+    _close(caches[0], ref_k, ELEM_TOL[dtype])
+    assert torch.equal(caches[1], ref_v)
+    via_ops = ops.rotary_store(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), cs.cpu(), ref_k.cpu() * 0,
+                               ref_v.cpu() * 0, slots.cpu(), (qw.cpu(), kw.cpu(), 1e-6, offset))
+    _close(via_ops.to(DEVICE), q_ref, ELEM_TOL[dtype])  # the torch path (CPU engines) applies the same norms
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

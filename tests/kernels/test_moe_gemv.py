@@ -32,7 +32,9 @@ def _check(args, activation="silu", **tiles):
 
 @DTYPES
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("t,e,k", [(1, 16, 8), (3, 4, 2), (8, 128, 8), (2, 4, 1)], ids=["one", "e4k2", "e128k8", "k1"])
+@pytest.mark.parametrize(
+    "t,e,k", [(1, 16, 8), (3, 4, 2), (8, 128, 8), (2, 4, 1), (2, 16, 6)], ids=["one", "e4k2", "e128k8", "k1", "k6"]
+)
 def test_moe_gemv_matches_reference(dtype, activation, t, e, k):
     """H 40 and I 24 against 16-wide chunks and 8-row blocks: ragged K chunks and N blocks."""
     args = _problem(t, 40, 24, e, k, dtype, seed=t * e + k)
@@ -72,6 +74,20 @@ def test_route_topk_matches_reference(renormalize, round_to, e, k):
     _same_routing(w, ids, rw, rids, tol)
     if renormalize and round_to is None:
         torch.testing.assert_close(w.sum(-1), torch.ones(7, device=DEVICE), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,h,e,k", [(1, 40, 8, 2), (5, 300, 60, 4), (3, 64, 128, 8), (16, 24, 4, 1)])
+def test_route_is_the_router_linear_then_route_topk(dtype, t, h, e, k):
+    """The fused router (GEMV + top-k by the last program of each token) equals F.linear in
+    x's dtype followed by route_topk; called again it routes the same (its counts reset)."""
+    gen = torch.Generator().manual_seed(t * e)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(e, h, generator=gen).to(dtype).to(DEVICE)
+    rw, rids = R.route_topk(torch.nn.functional.linear(x, w), k, True, dtype)
+    for _ in range(2):
+        got_w, got_ids = G.route(x, w, k, True, dtype)
+        _same_routing(got_w, got_ids, rw, rids, 1e-6 if dtype == torch.float32 else 2**-7)
 
 
 def _same_routing(w, ids, rw, rids, tol):
