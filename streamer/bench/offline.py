@@ -1,4 +1,7 @@
-"""Offline benchmarks: the engine in-process, the transformers peer in the same run.
+"""Offline benchmarks: the engine in-process, a peer in the same run: transformers (the
+default), or vLLM (--peer vllm) through the team's peer tool (../shared/peer: its
+peer_bench.py and the site it unpacks), in a process of its own after the engine has
+released the GPU.
 
   W1  Qwen3-0.6B shape, 256 requests, input and output lengths uniform in [100, 1024] (seed 0)
   W2  Llama-3.1-8B shape, batch 1, 128 prompt tokens, 256 new tokens (ms per output token)
@@ -232,6 +235,41 @@ def run_peer(model_dir: Path, w: Workload, dtype: str) -> dict[str, Any]:
     return res
 
 
+def run_vllm_peer(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """vLLM on the same workload, through the peer tool (a process of its own: vLLM takes 90% of
+    the GPU's memory, the engine's is released by then). The tool replays this checkout's
+    make_workload, so both engines see the same prompts; its result dict comes back."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool, site = Path(args.vllm_tool), Path(args.vllm_site)
+    if not tool.is_file() or not site.is_dir():
+        raise FileNotFoundError(
+            f"--peer vllm needs the peer tool at --vllm-tool ({tool}) and its unpacked site at --vllm-site ({site}): "
+            "copy ../shared/peer to .peer and run `bash .peer/vllm/run.sh install` on the GPU machine"
+        )
+    if args.model_dir:
+        raise ValueError("--peer vllm replays the workload's own model shape: drop --model-dir or use --no-peer")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "vllm.json"
+        cmd = [sys.executable, str(tool), "--proj", str(CONFIGS.parents[1]), "--site", str(site),
+               "--workload", name, "--json", str(out), "--kv-cache-dtype", args.kv_cache_dtype]
+        if args.num_requests is not None:
+            cmd += ["--num-requests", str(args.num_requests)]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OUT": tmp}, check=False)
+        if not out.is_file():
+            raise RuntimeError(f"the vLLM peer wrote no result (exit {proc.returncode}): {proc.stdout[-400:]}{proc.stderr[-400:]}")
+        res = json.loads(out.read_text())[0]
+    if "error" in res:
+        raise RuntimeError(f"the vLLM peer failed: {str(res['error'])[:400]}")
+    keep = ("engine", "vllm_version", "requests", "output_tokens", "seconds", "output_tokens_per_s",
+            "ms_per_output_token", "ttft_ms", "ms_per_output_token_all", "mode", "init_seconds")
+    return {k: res[k] for k in keep if k in res}
+
+
 def bench(args: argparse.Namespace, name: str) -> Result:
     from streamer import LLM
     from streamer.engine.spec.report import spec_delta
@@ -293,9 +331,12 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         optimal = groups * 15 * 2000 / sum(len(p) for p in w.prompts)
         res.extra.update(cache_off_seconds=dt_off, speedup_vs_cache_off=dt_off / dt,
                          optimal_hit_rate=optimal, hit_rate_fraction_of_optimal=(res.cache_hit_rate or 0) / optimal)
-    if args.peer and w.peer_requests:
+    if args.peer == "vllm" or (args.peer and w.peer_requests):
         try:
-            res.peer = run_peer(model_dir, w, "bfloat16" if args.dtype == "auto" else args.dtype)
+            if args.peer == "vllm":
+                res.peer = run_vllm_peer(args, name)
+            else:
+                res.peer = run_peer(model_dir, w, "bfloat16" if args.dtype == "auto" else args.dtype)
             if name == "W2" and res.ms_per_output_token:
                 res.ratio_vs_peer = res.peer["ms_per_output_token"] / res.ms_per_output_token
             else:
@@ -318,7 +359,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: float8 KV pages")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="float8 linear layers (W8A8)")
     p.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="random weights")
-    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run transformers too")
+    p.add_argument("--peer", nargs="?", const="transformers", default="transformers", choices=["transformers", "vllm"],
+                   help="the peer run after the engine, on the same workload (vllm: through --vllm-tool)")
+    p.add_argument("--no-peer", dest="peer", action="store_const", const=None, help="no peer")
+    p.add_argument("--vllm-tool", default=".peer/vllm/peer_bench.py", help="--peer vllm: the peer tool's runner")
+    p.add_argument("--vllm-site", default=".peer/site", help="--peer vllm: where the tool unpacked vLLM")
     p.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
