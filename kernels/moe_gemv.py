@@ -38,17 +38,18 @@ MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
 Qwen3-30B-A3B layer, benchmarks/moe_layer.py: faster up to 16 tokens, slower at 32)."""
 
-BLOCK_N = 4
+BLOCK_N = 2
 BLOCK_K = 256
 UNROLL = 2
-"""4 rows x 256 columns per chunk with 4 warps (a warp per row, 16 bytes per thread and load, as
-the dense GEMV): 4 rows beat 8 and 16 by 1.4-2x at 1-16 tokens on the H200 (more programs in
-flight); UNROLL chunks are loaded per iteration."""
+"""GEMM 1: 2 gate rows (and their 2 up rows) x 256 columns per chunk with 4 warps, UNROLL chunks
+loaded per iteration. On the H200 (benchmarks/moe_layer.py, Qwen3-30B-A3B layer, 2026-12-03)
+2 rows beat 4 and 8 at 1 and 4 tokens (25.1 against 26.7 us for the whole layer at 1): more
+programs in flight."""
 
-
-DOWN = (4, 256, 1, 8)
+DOWN = (4, 128, 2, 8)
 """GEMM 2's (block_n, block_k, unroll, num_warps): 4 output rows x the k slots per program
-(32 W rows at top-8), 8 warps."""
+(32 W rows at top-8), 128-column chunks two at a time, 8 warps: the fastest of eight
+variants at 1 and 4 tokens (25.1 and 75.9 us for the layer, against 26.7 and 81.2 for 256 x 1)."""
 
 
 def use_gemv(tokens: int) -> bool:
@@ -242,33 +243,36 @@ def _topk_store(z, offs, valid, weight_ptr, ids_ptr, TOPK: tl.constexpr, BLOCK_E
                 RENORM: tl.constexpr, ROUND: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """Softmax (fp32) over one token's logits z [BLOCK_E] (valid: the E real ones), the top k
     (of equal probabilities the lower expert id first; torch.topk leaves their order
-    unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND), stored in order."""
+    unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND), stored in order.
+    Each pick is one max over int64 keys (the probability's bits, which order as the
+    non-negative floats do, above the complement of the id), not a max and then a min."""
     z = z - tl.max(z, axis=0)
     num = tl.where(valid, tl.exp(z), 0.0)
     probs = num / tl.sum(num, axis=0)
-    # a row of NaN or infinite logits (hidden states gone non-finite) has no probability that
-    # equals the maximum: its ids would be BLOCK_E, past the experts, and the GEMMs' index
-    # ops would assert on the device, which ends the whole process. Such a row routes to the
-    # lowest experts instead (its output is non-finite anyway).
+    # a row of NaN or infinite logits (hidden states gone non-finite) would pick no real
+    # expert, and an id past the experts makes the GEMMs' index ops assert on the device,
+    # which ends the whole process. Such a row routes to the lowest experts instead (its
+    # output is non-finite anyway).
     probs = tl.where(probs == probs, probs, 0.0)
-    left = tl.where(valid, probs, -1.0)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - offs), -1)
+    slots = offs  # (k <= E <= BLOCK_E: the picks kept in a vector of the logits' shape)
+    picked = tl.zeros([BLOCK_E], dtype=tl.float32)
+    picked_ids = tl.zeros([BLOCK_E], dtype=tl.int32)
     total = 0.0
-    for _ in range(TOPK):
-        best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+    for j in tl.static_range(TOPK):
+        key = tl.max(keys, axis=0)
+        idx = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+        best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         total += best
-        left = tl.where(offs == idx, -2.0, left)
-    # second pass: the chosen slots in order, each weight divided by their sum
-    left = tl.where(valid, probs, -1.0)
-    for j in range(TOPK):
-        best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
-        w = best / total if RENORM else best
-        if ROUND:
-            w = _round_to(w, DTYPE, INTERP).to(tl.float32)
-        tl.store(weight_ptr + j, w)
-        tl.store(ids_ptr + j, idx.to(tl.int32))
-        left = tl.where(offs == idx, -2.0, left)
+        picked = tl.where(slots == j, best, picked)
+        picked_ids = tl.where(slots == j, idx, picked_ids)
+        keys = tl.where(offs == idx, -1, keys)
+    w = picked / total if RENORM else picked
+    if ROUND:
+        w = _round_to(w, DTYPE, INTERP).to(tl.float32)
+    tl.store(weight_ptr + slots, w, mask=slots < TOPK)
+    tl.store(ids_ptr + slots, picked_ids, mask=slots < TOPK)
 
 
 @triton.jit
@@ -361,8 +365,11 @@ def route_topk(
     return weights, ids
 
 
-ROUTER_ROWS = 4
-"""Router rows per program of `route` (a warp per row, 256-column chunks, as GEMM 1)."""
+ROUTER_ROWS = 1
+ROUTER_K = 2048
+"""`route`: one router row per program, up to 2,048 columns per load (Qwen3-30B-A3B's whole
+row: 128 programs with one load each). 4 rows x 256-column chunks took 10.2 us per layer on
+the H200, more than cuBLAS + the top-k kernel (8.0): 8 dependent loads per program."""
 
 _counts: dict[torch.device, torch.Tensor] = {}
 
@@ -388,7 +395,7 @@ def route(
     weight = weight.contiguous()
     _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
         x, weight, logits, counts, weights, ids, experts, hidden, x.stride(0), weight.stride(0),
-        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(256, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
+        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(ROUTER_K, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
         RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
         LOGIT_DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), num_warps=4,
     )  # fmt: skip
