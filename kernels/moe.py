@@ -25,7 +25,7 @@ routing weight and the sum over slots are float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -68,8 +68,7 @@ def default_config(pairs: int, experts: int, hidden: int, inter: int) -> MoeConf
     else:
         cfg = MoeConfig(block_m=64, block_n=256, block_k=64, num_warps=8)
     cap = max(16, triton.next_power_of_2(min(hidden, inter)))
-    return MoeConfig(block_m=cfg.block_m, block_n=min(cfg.block_n, cap), block_k=min(cfg.block_k, cap),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return replace(cfg, block_n=min(cfg.block_n, cap), block_k=min(cfg.block_k, cap))
 
 
 @triton.jit

@@ -22,6 +22,16 @@ from kernels.common import round_to as _round_to
 
 
 @triton.jit
+def _scale_normed(x, inv, w, OFFSET: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """x * inv (its RMS) times the norm weight, rounded as kernels.reference.rms_norm: offset 0,
+    weight * normed with the normed rounded first; else normed * (offset + weight) in float32,
+    rounded once (Gemma)."""
+    if OFFSET == 0.0:
+        return _round_to(w * _round_to(x * inv, DTYPE, INTERP).to(tl.float32), DTYPE, INTERP).to(tl.float32)
+    return _round_to(x * inv * (OFFSET + w), DTYPE, INTERP).to(tl.float32)
+
+
+@triton.jit
 def _rotate(
     x_ptr,
     o_ptr,
@@ -59,12 +69,8 @@ def _rotate(
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(norm_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(norm_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        if NORM_OFFSET == 0.0:  # weight * normed, the normed rounded first
-            x1 = _round_to(w1 * _round_to(x1 * inv, DTYPE, INTERP).to(tl.float32), DTYPE, INTERP).to(tl.float32)
-            x2 = _round_to(w2 * _round_to(x2 * inv, DTYPE, INTERP).to(tl.float32), DTYPE, INTERP).to(tl.float32)
-        else:  # normed * (offset + weight) in float32, rounded once
-            x1 = _round_to(x1 * inv * (NORM_OFFSET + w1), DTYPE, INTERP).to(tl.float32)
-            x2 = _round_to(x2 * inv * (NORM_OFFSET + w2), DTYPE, INTERP).to(tl.float32)
+        x1 = _scale_normed(x1, inv, w1, NORM_OFFSET, DTYPE, INTERP)
+        x2 = _scale_normed(x2, inv, w2, NORM_OFFSET, DTYPE, INTERP)
     a1 = _round_to(x1 * cos, DTYPE, INTERP).to(tl.float32)
     b1 = _round_to(-x2 * sin, DTYPE, INTERP).to(tl.float32)
     a2 = _round_to(x2 * cos, DTYPE, INTERP).to(tl.float32)
