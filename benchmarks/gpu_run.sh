@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
-#                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb)
+#                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -29,7 +29,17 @@
 # first: PEER_PROJ=. bash .peer/vllm/run.sh install).
 # moesweep: the MoE layer's tiles (moe_layer.py: batch-1 GEMV variants, grouped-GEMM tiles by token
 # count) and W8 with a step trace (prefill against decode time).
+# w5peer: issue 32's online peer: W5 (the w5 part's bench serve points) against vLLM's OpenAI server
+# (api_server, dummy weights, the same model folder and limits), then the w5 part for streamer, in one call
+# (~8 min). Carry .peer, .whl and .gpu_assets (about 63 MB). vLLM's server needs wheels beyond the peer
+# archive and the image; fetch them here into .whl once (pure Python but watchfiles):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#       prometheus-fastapi-instrumentator model-hosting-container-standards watchfiles python-multipart \
+#       jmespath supervisor
+# (uvicorn is there already, for streamer).
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
+# The server needs httptools (streamer's transport subclasses uvicorn's httptools protocol), which the
+# image lacks: fetch the wheels with bash ../shared/gpu/fetch-wheels.sh gguf httptools.
 # assets: model folders for the GPU machine, which cannot fetch anything: a benchmark config plus a
 # real tokenizer (weights are dummy), in ./.gpu_assets (git-ignored):
 #   smollm2-dummy      SmolLM2-135M shape + the default model's tokenizer (W6, grammar bench)
@@ -60,6 +70,16 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
+# W5's online points against the server on port $1 (results $OUT/$2_serve*.json), extra options after
+w5serve() {
+  local port=$1 name=$2; shift 2
+  serve() { python3 -m streamer bench serve --base-url "http://127.0.0.1:$port" --workload random --input-len 512 \
+      --output-len 128 "$@"; }
+  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/${name}_serve.json" "$@" 2>&1 | grep -v "^rate "
+  # saturation: enough requests that the ramp (all prefills at once) does not dominate
+  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/${name}_serve_sat.json" "$@" 2>&1 \
+      | grep -v "^rate "
+}
 part=${1:-check}
 if [ "$part" = check ] || [ "$part" = all ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels 2>&1 | tail -6
@@ -98,16 +118,12 @@ if [ "$part" = w5 ]; then
       --max-model-len 4096 --max-num-batched-tokens 8192 --port 8100 > "$OUT/w5_server.log" 2>&1 &
   unset STREAMER_STEP_TRACE
   srv=$!
-  for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
-  serve() { python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 512 \
-      --output-len 128 "$@"; }
-  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/w5_serve.json" 2>&1 | grep -v "^rate "
-  # saturation: enough requests that the ramp (all prefills at once) does not dominate
-  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/w5_serve_sat.json" 2>&1 | grep -v "^rate "
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; kill -0 $srv 2>/dev/null || break; sleep 1; done
+  w5serve 8100 w5
   kill -TERM $srv; wait $srv
   [ -n "${TRACE:-}" ] && python3 -m streamer bench steps "$OUT/w5_steps.jsonl" --last 150 | head -12
-  bench --workload W5 --num-requests "${W5_SAT_N:-256}" --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer \
-      --json "$OUT/w5_offline.json"
+  [ -n "${W5_ONLINE_ONLY:-}" ] || bench --workload W5 --num-requests "${W5_SAT_N:-256}" \
+      --model-dir .gpu_assets/llama-3.1-8b-dummy --no-peer --json "$OUT/w5_offline.json"
 fi
 if [ "$part" = gemv ]; then
   python3 -m streamer bench gemv 2>&1 | tee "$OUT/gemv.txt" | tail -40
@@ -189,6 +205,23 @@ if [ "$part" = sweepa ] || [ "$part" = sweepb ]; then
   for b in $sizes; do
     bench --workload W3 --num-requests "$b" --max-num-seqs "$b" --peer vllm --json "$OUT/sweep_$b.json" | tail -1
   done
+fi
+if [ "$part" = w5peer ]; then
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  # the peer tool's environment (peer_bench.py peer_env): no network, no flashinfer sampler
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 PYTHONPATH=$PWD/.peer/site:$PYTHONPATH python3 -m vllm.entrypoints.openai.api_server \
+      --model .gpu_assets/llama-3.1-8b-dummy --served-model-name llama8b --load-format dummy --max-model-len 4096 \
+      --max-num-batched-tokens 8192 --attention-backend FLASH_ATTN --port 8200 > "$OUT/vllm_server.log" 2>&1 &
+  vsrv=$!
+  for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health >/dev/null && break; kill -0 $vsrv 2>/dev/null || break; sleep 1; done
+  if curl -sf http://127.0.0.1:8200/health >/dev/null; then
+    w5serve 8200 vllm_w5 --model llama8b
+  else
+    echo "vLLM's server did not come up:"; grep -v " INFO \| DEBUG \|Warning" "$OUT/vllm_server.log" | tail -30
+  fi
+  kill -TERM $vsrv; wait $vsrv
+  bash "$0" w5
 fi
 if [ "$part" = moesweep ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tail -30

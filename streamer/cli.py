@@ -153,6 +153,17 @@ def cmd_router(args: argparse.Namespace) -> None:
     run_router(args)
 
 
+def _unavailable(sub: argparse.ArgumentParser, error: ImportError) -> None:
+    """A subcommand whose module cannot be imported (a broken or partial install) fails with the
+    import error, not with argparse's 'unrecognized arguments' about its own flags (main lets
+    unknown arguments through for it)."""
+
+    def fail(_args: argparse.Namespace) -> None:
+        raise StreamerError(f"this install cannot run `streamer {sub.prog.split()[-1]}`: {error}")
+
+    sub.set_defaults(func=fail, unavailable=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamer", description="An async streaming LLM inference server.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -179,22 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hosts a tensor-parallel engine spans (each runs serve with the same flags; "
                         "MASTER_ADDR/MASTER_PORT: node 0)")
     s.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes (0 serves)")
+    s.set_defaults(func=cmd_serve)
     try:
         from streamer.server.serve import add_server_args
 
         add_server_args(s)
-    except ImportError:
-        pass
-    s.set_defaults(func=cmd_serve)
+    except ImportError as e:
+        _unavailable(s, e)
 
     b = sub.add_parser("bench", help="benchmarks (offline / serve)")
+    b.set_defaults(func=cmd_bench)
     try:
         from streamer.bench import add_bench_args
 
         add_bench_args(b)
-    except ImportError:
-        pass
-    b.set_defaults(func=cmd_bench)
+    except ImportError as e:
+        _unavailable(b, e)
 
     r = sub.add_parser("router", help="route OpenAI requests across `streamer serve` hosts (cache-aware)")
     from streamer.router.http import add_router_args
@@ -205,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
     except StreamerError as e:

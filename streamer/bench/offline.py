@@ -385,7 +385,7 @@ def print_table(results: list[Result]) -> None:
         print(
             f"{r.workload:8} {r.requests:5d} {r.output_tokens_per_s:10.0f} "
             f"{(r.ms_per_output_token or 0):7.2f} {100 * (r.floor_fraction or 0):6.1f}% "
-            f"{(peer or 0):10.0f} {(r.ratio_vs_peer or 0):6.1f}"
+            f"{(peer or 0):10.0f} {(r.ratio_vs_peer or 0):6.2f}"
         )
         if "spec_acceptance_rate" in r.extra:
             print(f"{'':8} speculation: acceptance rate {r.extra['spec_acceptance_rate']:.2f}, "

@@ -30,6 +30,29 @@ def serve_parser() -> argparse.ArgumentParser:
     return sub.choices["serve"]
 
 
+
+def test_a_server_module_that_cannot_be_imported_is_named_not_its_flags(monkeypatch, capsys):
+    """A broken install (a dependency of the server missing) says which import failed; it does not
+    report the server's own flags (--port ...) as unrecognized arguments."""
+    import builtins
+
+    from streamer import cli
+
+    real_import = builtins.__import__
+
+    def no_server(name, *args, **kwargs):
+        if name == "streamer.server.serve":
+            raise ImportError("No module named 'uvicorn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_server)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", "m", "--port", "8100"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot run `streamer serve`" in err and "uvicorn" in err
+    assert "unrecognized arguments" not in err
+
 def test_every_serve_flag_has_help():
     p = serve_parser()
     flags = {s for a in p._actions for s in a.option_strings}
