@@ -2,7 +2,8 @@
 # One GPU session: correctness first, then the benchmarks. Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
-#                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer)
+#                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
+#                                        | tp2a | tp2b | dp2 | tp70)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -37,6 +38,16 @@
 #       prometheus-fastapi-instrumentator model-hosting-container-standards watchfiles python-multipart \
 #       jmespath supervisor
 # (uvicorn is there already, for streamer).
+# tp2a, tp2b, dp2, tp70: issue 33 on a kind with several GPUs (carry .peer and .whl; dp2 also
+# .gpu_assets/llama-3.1-8b-dummy). vLLM beside streamer through bench offline --peer vllm, which runs the
+# peer tool through benchmarks/peer_vllm.py for tensor parallelism and the 70B shape.
+#   tp2a (nvidia-h200-x2, ~6 min): tests/gpu/test_gpu_tensor_parallel.py on NCCL; W2 at TP=1, then TP=2
+#        with vLLM at TP=2 (goal: TP=2 <= 0.6x TP=1's ms/token)
+#   tp2b (x2, ~8 min): W3 (1,000 requests, float8 KV, 512 at once) at TP=1, then TP=2 with vLLM at TP=2
+#        (goal: TP=2 >= 1.6x one GPU)
+#   dp2 (x2, ~6 min): the server with --data-parallel-size 2, then 1, each under bench serve with W3's
+#        lengths (1,000 requests of 1,000 in / 1,000 out, all at once) (goal: DP=2 >= 1.9x one GPU)
+#   tp70 (x4 or x8, TP=${TP:-4}, ~9 min): the Llama-3.1-70B shape, W2 and W3 (float8 KV), vLLM beside
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
 # The server needs httptools (streamer's transport subclasses uvicorn's httptools protocol), which the
 # image lacks: fetch the wheels with bash ../shared/gpu/fetch-wheels.sh gguf httptools.
@@ -222,6 +233,36 @@ if [ "$part" = w5peer ]; then
   fi
   kill -TERM $vsrv; wait $vsrv
   bash "$0" w5
+fi
+if [ "$part" = tp2a ] || [ "$part" = tp2b ] || [ "$part" = tp70 ]; then
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  nvidia-smi --query-gpu=index,name --format=csv,noheader | wc -l
+fi
+w3big="--workload W3 --num-requests 1000 --kv-cache-dtype fp8 --max-num-seqs 512"
+if [ "$part" = tp2a ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -4
+  bench --workload W2 --max-num-seqs 8 --no-peer --json "$OUT/tp1_w2.json" | tail -1
+  bench --workload W2 --max-num-seqs 8 --tensor-parallel-size 2 --peer vllm --json "$OUT/tp2_w2.json" | tail -1
+fi
+if [ "$part" = tp2b ]; then
+  bench $w3big --no-peer --json "$OUT/tp1_w3.json" | tail -1
+  bench $w3big --tensor-parallel-size 2 --peer vllm --json "$OUT/tp2_w3.json" | tail -1
+fi
+if [ "$part" = dp2 ]; then
+  for dp in 2 1; do
+    python3 -m streamer serve --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-model-len 4096 \
+        --kv-cache-dtype fp8 --max-num-seqs 512 --data-parallel-size $dp --port 8100 > "$OUT/dp${dp}_server.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; kill -0 $srv 2>/dev/null || break; sleep 1; done
+    python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 1000 \
+        --output-len 1000 --num-prompts 1000 --request-rate inf --json "$OUT/dp${dp}_w3.json" 2>&1 | grep -v "^rate "
+    kill -TERM $srv; wait $srv
+  done
+fi
+if [ "$part" = tp70 ]; then
+  m70="--model-dir benchmarks/configs/llama-3.1-70b --tensor-parallel-size ${TP:-4}"
+  bench --workload W2 --max-num-seqs 8 $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w2.json" | tail -1
+  bench $w3big $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w3.json" | tail -1
 fi
 if [ "$part" = moesweep ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tail -30

@@ -31,6 +31,7 @@ from typing import Any
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on the H200
 FLOPS = 800e12
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -249,14 +250,25 @@ def run_vllm_peer(args: argparse.Namespace, name: str) -> dict[str, Any]:
             f"--peer vllm needs the peer tool at --vllm-tool ({tool}) and its unpacked site at --vllm-site ({site}): "
             "copy ../shared/peer to .peer and run `bash .peer/vllm/run.sh install` on the GPU machine"
         )
-    if args.model_dir:
-        raise ValueError("--peer vllm replays the workload's own model shape: drop --model-dir or use --no-peer")
+    cmd = [sys.executable, str(tool)]
+    if args.model_dir or args.tensor_parallel_size > 1:
+        # what the tool lacks (another shape, tensor parallelism): benchmarks/peer_vllm.py runs it with them
+        cmd = [sys.executable, str(CONFIGS.parent / "peer_vllm.py"), "--tool", str(tool),
+               "--tensor-parallel-size", str(args.tensor_parallel_size)]
+        if args.model_dir:
+            shape = Path(args.model_dir).resolve()
+            if shape.parent != CONFIGS or not (shape / "config.json").is_file():
+                raise ValueError(f"--peer vllm with --model-dir takes a shape of {CONFIGS} (vLLM runs it with dummy "
+                                 f"weights), not {args.model_dir}: use --no-peer for other folders")
+            cmd += ["--model", shape.name]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "vllm.json"
-        cmd = [sys.executable, str(tool), "--proj", str(CONFIGS.parents[1]), "--site", str(site),
-               "--workload", name, "--json", str(out), "--kv-cache-dtype", args.kv_cache_dtype]
+        cmd += ["--proj", str(CONFIGS.parents[1]), "--site", str(site),
+                "--workload", name, "--json", str(out), "--kv-cache-dtype", args.kv_cache_dtype]
         if args.num_requests is not None:
             cmd += ["--num-requests", str(args.num_requests)]
+        if args.max_num_seqs is not None:  # only when given: otherwise each engine takes its own default
+            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.quantization:
             cmd += ["--quantization", args.quantization]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OUT": tmp}, check=False)
@@ -266,7 +278,7 @@ def run_vllm_peer(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if "error" in res:
         raise RuntimeError(f"the vLLM peer failed: {str(res['error'])[:400]}")
     keep = ("engine", "vllm_version", "requests", "output_tokens", "seconds", "output_tokens_per_s",
-            "ms_per_output_token", "ttft_ms", "ms_per_output_token_all", "mode", "init_seconds")
+            "ms_per_output_token", "ttft_ms", "ms_per_output_token_all", "mode", "init_seconds", "model", "engine_args")
     return {k: res[k] for k in keep if k in res}
 
 
@@ -280,13 +292,14 @@ def bench(args: argparse.Namespace, name: str) -> Result:
     cfg = json.loads((model_dir / "config.json").read_text())
     w = make_workload(name, cfg["vocab_size"], args.num_requests, seed=0)
     longest = max(len(p) + o for p, o in zip(w.prompts, w.outputs))
+    max_num_seqs = args.max_num_seqs or MAX_NUM_SEQS
     common = dict(
         load_format="dummy" if args.dummy else "auto",
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         max_model_len=max(longest + 16, 2048),
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs,
@@ -307,7 +320,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         if name == "W2":
             res.ms_per_output_token = 1e3 * (last[0] - first[0]) / (w.outputs[0] - 1)
             res.extra["ttft_ms"] = 1e3 * (dt - (last[0] - first[0]))
-        res.floor_seconds = floor_seconds(llm, w, args.max_num_seqs)
+        res.floor_seconds = floor_seconds(llm, w, max_num_seqs)
         res.floor_fraction = res.floor_seconds / dt
         if name == "W2" and res.ms_per_output_token:
             res.extra["floor_ms_per_token"] = 1e3 * batch1_bytes(llm) / BANDWIDTH
@@ -364,7 +377,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", dest="peer", action="store_const", const=None, help="no peer")
     p.add_argument("--vllm-tool", default=".peer/vllm/peer_bench.py", help="--peer vllm: the peer tool's runner")
     p.add_argument("--vllm-site", default=".peer/site", help="--peer vllm: where the tool unpacked vLLM")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"cap on running requests (default {MAX_NUM_SEQS}; the vLLM peer gets it only when given)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--no-cuda-graphs", action="store_true", help="every step eager")

@@ -1,6 +1,8 @@
 """`bench offline --peer vllm`: the vLLM peer through the team's peer tool, in a process of its
-own; its result is the peer figure and a missing tool is a clear error. A stand-in tool (a
-script with the tool's command line and result file) replaces vLLM, which CI cannot run."""
+own; its result is the peer figure and a missing tool is a clear error. With tensor parallelism
+or another benchmark shape, benchmarks/peer_vllm.py runs the tool with them. Stand-in tools (a
+script with the tool's command line and result file; a module with its functions and its
+child process) replace vLLM, which CI cannot run."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from streamer.bench import offline
 FAKE_TOOL = '''
 import argparse, json
 p = argparse.ArgumentParser()
-for a in ("--proj", "--site", "--workload", "--json", "--kv-cache-dtype", "--num-requests", "--quantization"):
+for a in ("--proj", "--site", "--workload", "--json", "--kv-cache-dtype", "--num-requests", "--quantization",
+          "--max-num-seqs"):
     p.add_argument(a)
 a = p.parse_args()
 res = {"workload": a.workload, "engine": "vllm", "requests": int(a.num_requests or 1), "output_tokens": 256,
        "seconds": 2.0, "output_tokens_per_s": 128.0, "ms_per_output_token": 4.0, "kv": a.kv_cache_dtype,
        "proj": a.proj}
+if a.max_num_seqs:
+    res["engine_args"] = {"max_num_seqs": int(a.max_num_seqs)}
 json.dump([res], open(a.json, "w"))
 '''
 
@@ -63,3 +68,74 @@ def test_vllm_peer_failure_is_reported(tmp_path):
     args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path))
     with pytest.raises(RuntimeError, match="engine init failed"):
         offline.run_vllm_peer(args, "W1")
+
+
+def test_max_num_seqs_reaches_the_peer_only_when_given(tmp_path):
+    tool = tmp_path / "peer_bench.py"
+    tool.write_text(FAKE_TOOL)
+    (tmp_path / "site").mkdir()
+    common = ("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path / "site"))
+    assert "engine_args" not in offline.run_vllm_peer(_args(*common), "W3")
+    assert offline.run_vllm_peer(_args(*common, "--max-num-seqs", "32"), "W3")["engine_args"] == {"max_num_seqs": 32}
+
+
+# The tool's structure as benchmarks/peer_vllm.py relies on it: engine_kwargs and load_offline at
+# module level, and main() running each workload in a child process of its own __file__.
+FAKE_PEER_BENCH = '''
+import argparse, json, subprocess, sys
+from pathlib import Path
+
+def engine_kwargs(args, model_dir, max_model_len, mode):
+    return {"model": str(model_dir), "max_model_len": max_model_len}
+
+def load_offline(proj):
+    sys.path.insert(0, str(proj))
+    from streamer.bench import offline
+    return offline
+
+def child(a):
+    w = load_offline(Path(a.proj)).make_workload(a.child, 1000, None)
+    kw = engine_kwargs(a, Path("/models") / w.model, 2048, "default")
+    return {"workload": a.child, "engine": "vllm", "requests": 1, "output_tokens": 256, "seconds": 2.0,
+            "output_tokens_per_s": 128.0, "model": w.model, "engine_args": {k: v for k, v in kw.items() if k != "model"}}
+
+def main():
+    p = argparse.ArgumentParser()
+    for a in ("--proj", "--site", "--workload", "--json", "--kv-cache-dtype", "--num-requests", "--max-num-seqs",
+              "--quantization", "--child", "--result"):
+        p.add_argument(a)
+    a = p.parse_args()
+    if a.child:
+        Path(a.result).write_text(json.dumps(child(a)))
+        return
+    out = Path(a.json + ".child")
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", a.workload, "--result", str(out),
+                    "--proj", a.proj], check=True)
+    Path(a.json).write_text(json.dumps([json.loads(out.read_text())]))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_tensor_parallelism_and_another_shape_reach_the_tools_child(tmp_path):
+    tool = tmp_path / "peer_bench.py"
+    tool.write_text(FAKE_PEER_BENCH)
+    (tmp_path / "site").mkdir()
+    args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path / "site"),
+                 "--tensor-parallel-size", "2", "--model-dir", str(offline.CONFIGS / "llama-3.1-70b"))
+    res = offline.run_vllm_peer(args, "W2")
+    assert res["model"] == "llama-3.1-70b", "the workload's model, replaced in the child"
+    assert res["engine_args"] == {"max_model_len": 2048, "tensor_parallel_size": 2}
+
+
+def test_the_peer_takes_only_benchmark_shapes(tmp_path):
+    tool = tmp_path / "peer_bench.py"
+    tool.write_text(FAKE_PEER_BENCH)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path),
+                 "--model-dir", str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="shape of"):
+        offline.run_vllm_peer(args, "W2")
+

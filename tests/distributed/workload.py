@@ -62,3 +62,27 @@ def collectives_of_one_step(llm: LLM) -> dict[str, int]:
     (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0))
     assert out.error is None
     return {k: v - before.get(k, 0) for k, v in COUNTS.items() if v - before.get(k, 0)}
+
+
+def assert_follows_until_near_tie(got: list, ref: list, bound: float = 5e-2, min_agreed: float = 0.5) -> int:
+    """bf16 outputs (RequestOutputs with logprobs=5) of two engines whose sums run in another
+    order (an all-reduce over ranks, another GEMM split): greedy tokens agree until the
+    reference's top tokens are within `bound` of each other, where the other engine may take a
+    runner-up (then the continuations part, and comparing stops); wherever they agree, the
+    logprobs of the tokens in both top-5s are within `bound`. Returns the positions compared,
+    which must be at least `min_agreed` of all (random models fall into exact ties early)."""
+    compared = total = 0
+    for a, b in zip(got, ref, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        total += len(b.token_ids)
+        for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            mine, theirs = dict(a.logprobs[i].top_logprobs), dict(b.logprobs[i].top_logprobs)
+            if s != t:
+                assert s in theirs and theirs[t] - theirs[s] <= bound, (a.request_id, i, s, t, theirs)
+                break
+            for tok in mine.keys() & theirs.keys():
+                assert abs(mine[tok] - theirs[tok]) <= bound, (a.request_id, i, tok, mine[tok], theirs[tok])
+            compared += 1
+    assert compared >= min_agreed * total, (compared, total)
+    return compared
+
