@@ -19,6 +19,13 @@ SCRAPED = (
     "streamer_spec_decode_verifies_total",
 )
 
+# vLLM's counters of the same quantities (its prefix cache counts tokens looked up and found), summed over
+# their label sets (one per engine and model), so that the hit rate of a vLLM server is reported too
+PEER_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "streamer_prompt_tokens_total",
+    "vllm:prefix_cache_hits_total": "streamer_cached_prompt_tokens_total",
+}
+
 
 async def scrape(client: Any) -> dict[str, float] | None:
     """The server's counters: cache hit rate, steps, and its own view of TTFT and queueing
@@ -28,11 +35,16 @@ async def scrape(client: Any) -> dict[str, float] | None:
         r.raise_for_status()
     except Exception:  # noqa: BLE001 - the hit rate is then reported as unknown
         return None
-    out = {}
+    out: dict[str, float] = {}
+    peer: dict[str, float] = {}
     for line in r.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in SCRAPED:
+        name, _, value = line.rpartition(" ")
+        if name in SCRAPED:  # streamer's unlabeled totals (data-parallel replicas add labeled parts)
             out[name] = float(value)
+        elif (ours := PEER_COUNTERS.get(name.split("{", 1)[0])) is not None:
+            peer[ours] = peer.get(ours, 0.0) + float(value)
+    if "streamer_prompt_tokens_total" not in out:
+        out = peer
     return out if "streamer_prompt_tokens_total" in out else None
 
 
