@@ -119,8 +119,10 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
-    """max_q_len is known on the host; 1 selects the split-KV decode kernel. tiles and
+    """max_q_len is known on the host; 1 selects the split-KV decode kernel (split_batch: see
+    `kernels.attention.paged_decode`). tiles and
     block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid.
     num_decodes: the first sequences have one query each and go through the decode kernel,
     the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
@@ -143,7 +145,7 @@ def paged_attention(
 
         if max_q_len == 1:
             return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, out=out,
-                                          window=window, softcap=softcap)
+                                          window=window, softcap=softcap, split_batch=split_batch)
         return attention.paged_extend(
             q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len,
             block_m=block_m or None, tiles=tiles, out=out, window=window, softcap=softcap,

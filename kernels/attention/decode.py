@@ -275,6 +275,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride over D).
@@ -293,6 +294,9 @@ def paged_decode(
     subtile: address whole key blocks as 16-token sub-tiles of pages (default: float8
     pages; needs a page size and block that are multiples of 16 and a power-of-2 head_dim).
     v_cache may be token-major (stride 1 over the page's tokens, see `PagePool`).
+    split_batch: choose the split count as for a batch of this size (1: the rows of a verify
+    step, each split as a lone decode of its length is, so that their outputs are that
+    decode's bit for bit; the key ranges of a split depend on the row's own length only).
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -344,7 +348,7 @@ def paged_decode(
         # the one-warp float8 kernel fits 8 programs per SM: batch 64 x 1,000-2,000 tokens
         # took 87 us in 2 splits against 97 in 1 (profile_gpu.py attn-subtile)
         per_sm = 8 if fp8_pages and num_warps == 1 else 4
-        num_splits = _choose_splits(batch, kvh, max_seq_len, block_n, q.device, per_sm)
+        num_splits = _choose_splits(split_batch or batch, kvh, max_seq_len, block_n, q.device, per_sm)
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
         part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)

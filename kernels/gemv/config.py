@@ -89,7 +89,11 @@ def glu_config(n: int, k: int, w_bytes: int = 2) -> GemvConfig:
     return GemvConfig(block_n=8, num_warps=8)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+MAX_ROWS_PER_ROW = 16
+"""Most rows `use_gemv(..., per_row=True)` takes: a verify step's num_speculative_tokens + 1."""
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, per_row: bool = False) -> bool:
     """True when `gemv` (or, for a fused gate_up weight, `gemv_glu`) should replace F.linear for these tensors:
     CUDA, M = 1, bf16/fp16 x, W of x's dtype or float8 (quantization "fp8", through
     streamer/model/quant.py's fp8_gemv), an nn.Linear weight contiguous along K.
@@ -98,7 +102,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     qkv 14.0 against 15.5, down 29.0 against 31.0) but not at M = 2 or 4, where cuBLAS
     already streams W near its bandwidth and the GEMV's registers per row of x cost it.
     cuBLAS's float8 GEMM at M = 1 made Llama-3.1-8B's decode step slower than the bf16 GEMV
-    (4.84 against 4.17 ms): the float8 GEMV streams half the bytes of the bf16 one."""
+    (4.84 against 4.17 ms): the float8 GEMV streams half the bytes of the bf16 one.
+    per_row: up to MAX_ROWS_PER_ROW rows, for gemv(..., per_row=True)."""
     if not (x.is_cuda and weight.is_cuda) or x.dim() < 1 or weight.dim() != 2:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, torch.float8_e4m3fn):
@@ -108,4 +113,6 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.stride(-1) != 1:
         return False
+    if per_row:  # a verify step's rows, each computed as decode's one row (gemv's per_row)
+        return x.numel() <= MAX_ROWS_PER_ROW * x.shape[-1]
     return x.numel() == x.shape[-1]

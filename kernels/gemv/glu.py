@@ -1,4 +1,4 @@
-"""`gemv_glu`: silu_and_mul(F.linear(x, W)) for one row, the activation in the epilogue."""
+"""`gemv_glu`: silu_and_mul(F.linear(x, W)) for a row or a few, the activation in the epilogue."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _gemv_glu_kernel(
     sw_ptr,
     N,
     K,
+    stride_xm,
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -34,13 +35,19 @@ def _gemv_glu_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[n] = silu(x . W[n]) * (x . W[N + n]) for one row x: W holds [gate; up] ([2N, K]).
+    """out[m, n] = silu(x[m] . W[n]) * (x[m] . W[N + n]): W holds [gate; up] ([2N, K]); a row of x
+    per program_id(1), each computed exactly as a lone row is (speculation's verify rows equal
+    decode's bit for bit).
 
     Each program streams BLOCK_N gate rows and the BLOCK_N up rows that pair with them,
     so the activation is applied in the epilogue, on values already in registers.
     Rounding follows the unfused path (gate_up output, silu, product: each to the
     activation dtype), so the result is what silu_and_mul(gemv(x, W)) gives."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
+    x_ptr += m * stride_xm
+    out_ptr += m * N
+    sx_ptr += m
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
     g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -80,13 +87,14 @@ def gemv_glu(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] with one row, weight [2I, K]
-    holding the gate rows then the up rows (a fused gate_up_proj) -> [..., I] in out_dtype
-    (default x.dtype). `scales` as in `gemv` (float8 x and W).
+    """silu_and_mul(F.linear(x, weight)) for a few rows: x [..., K], weight [2I, K] holding the
+    gate rows then the up rows (a fused gate_up_proj) -> [..., I] in out_dtype (default
+    x.dtype). `scales` as in `gemv` (float8 x and W: sx [M]). Each row is computed as if it were
+    alone (one program per row and column block, each streaming its W tiles: meant for the one
+    row of a decode step and the few rows of a verify step that must equal it).
 
     At decode this saves the activation kernel's launch and its round trip through memory."""
     k = x.shape[-1]
-    assert x.numel() == k, "gemv_glu: one row of x"
     assert weight.dim() == 2 and weight.shape[1] == k and weight.shape[0] % 2 == 0, (
         tuple(x.shape),
         tuple(weight.shape),
@@ -95,25 +103,29 @@ def gemv_glu(
     fp8 = scales is not None
     assert fp8 == (x.dtype == torch.float8_e4m3fn) and (out_dtype is not None or not fp8), "float8 x: scales, out_dtype"
     n = weight.shape[0] // 2
-    x1 = x.reshape(k).contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out_dtype = out_dtype or x.dtype
-    out = torch.empty(n, dtype=out_dtype, device=x.device)
-    if n == 0 or k == 0:
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if n == 0 or k == 0 or m == 0:
         return (out.zero_() if n else out).view(*x.shape[:-1], n)
-    sx, sw = _scale_args(scales, 1, 2 * n, out)
+    sx, sw = _scale_args(scales, m, 2 * n, out)
     cfg = config or glu_config(n, k, weight.element_size())
     dtype = _TL_DTYPES[out_dtype]
     pdl = _pdl_enabled(x)
-    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x1,
+    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n), m)](
+        x2,
         weight,
         out,
         sx,
         sw,
         n,
         k,
+        x2.stride(0),
         weight.stride(0),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

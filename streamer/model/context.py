@@ -6,6 +6,8 @@ every forward signature.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +36,31 @@ class ForwardContext:
     num_decodes: int = 0
     """Eager mixed steps: the first num_decodes sequences have one query token each, and
     attention runs them through the decode kernel (kernels.ops.paged_attention)."""
+    rows_as_decode: bool = False
+    """A verify step run as decode rows (packing.verify_rows, DecodeGraphs with rows_as_decode):
+    attention splits each row as a lone decode (split_batch 1)."""
 
 
 _current: ForwardContext | None = None
+_rows_as_decode = False
+
+
+def rows_as_decode() -> bool:
+    """Whether the linear layers now compute each row as decode computes its one row (the GEMV
+    with M = 1's config, row by row). Set around the model and its LM head by DecodeGraphs built
+    with rows_as_decode: the rows of a speculative verify step at batch 1, whose logits must
+    equal plain decoding's bit for bit, so that greedy output is the same with speculation."""
+    return _rows_as_decode
+
+
+@contextmanager
+def computing_rows_as_decode(on: bool = True) -> Iterator[None]:
+    global _rows_as_decode
+    before, _rows_as_decode = _rows_as_decode, on
+    try:
+        yield
+    finally:
+        _rows_as_decode = before
 
 
 def set_context(ctx: ForwardContext | None) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from streamer.model.context import ForwardContext, set_context
+from streamer.model.context import ForwardContext, computing_rows_as_decode, set_context
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -70,11 +70,18 @@ def ladder(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_bs: int, max_pages: int) -> None:
+    """rows_as_decode: graphs whose every row computes as a lone decode row does (the GEMVs with
+    M = 1's config, row by row; attention split as at batch 1), for the rows of a speculative
+    verify step at batch 1 (packing.verify_rows), from 2 rows up to max_bs: the verified tokens'
+    logits are then plain decoding's bit for bit, and so is greedy output."""
+
+    def __init__(self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_bs: int, max_pages: int,
+                 rows_as_decode: bool = False) -> None:
         dev = k_cache.device
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.sizes = ladder(max_bs)
+        self.rows_as_decode = rows_as_decode
+        self.sizes = [s for s in (2, 4, 8) if s < max_bs] + [max_bs] if rows_as_decode else ladder(max_bs)
         self.max_bs = self.sizes[-1]
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -99,10 +106,12 @@ class DecodeGraphs:
             max_q_len=1,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
+            rows_as_decode=self.rows_as_decode,
         )
         set_context(ctx)
         try:
-            return self.model(self.input_ids[:bs], self.positions[:bs])
+            with computing_rows_as_decode(self.rows_as_decode):
+                return self.model(self.input_ids[:bs], self.positions[:bs])
         finally:
             set_context(None)
 
@@ -122,7 +131,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(x["seq_lens"], non_blocking=True)
         self.seq_lens[b:bs].fill_(1)
         self.graphs[bs].replay()
-        return self.model.compute_logits(self.hidden[bs][:b])
+        with computing_rows_as_decode(self.rows_as_decode):
+            return self.model.compute_logits(self.hidden[bs][:b])
 
 
 class ExtendGraphs:

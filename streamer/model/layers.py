@@ -11,7 +11,7 @@ from torch import nn
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
 from streamer.model import quant
-from streamer.model.context import get_context
+from streamer.model.context import get_context, rows_as_decode
 from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -52,14 +52,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return quant.block_fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.cublas_scale)
+        per_row = rows_as_decode()
         if self.weight_scale is not None:
             # (one row: a per-tensor input scale is its per-token scale)
-            if self.decode_gemv and use_gemv(x, self.weight):
-                y = quant.fp8_gemv(x, self.weight, self.weight_scale)
+            if self.decode_gemv and use_gemv(x, self.weight, per_row):
+                y = quant.fp8_gemv(x, self.weight, self.weight_scale, per_row)
                 return y if self.bias is None else y + self.bias
             return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.act)
-        if self.decode_gemv and use_gemv(x, self.weight):
-            y = gemv(x, self.weight)
+        if self.decode_gemv and use_gemv(x, self.weight, per_row):
+            y = gemv(x, self.weight, per_row=per_row)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
 
@@ -129,6 +130,7 @@ class Attention(nn.Module):
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
+            split_batch=1 if ctx.rows_as_decode else None,
         )
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -153,9 +155,10 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj
         # (the fused GEMV epilogue is SiLU only: GeGLU takes the gate_up GEMV, then its kernel;
         # block-scaled float8 layers have no GEMV path)
-        if self.act == "silu" and gate_up.decode_gemv and gate_up.block is None and use_gemv(x, gate_up.weight):
-            # one token: the activation runs in the gate_up GEMV's epilogue (one launch and
-            # one round trip through memory fewer per layer)
+        if (self.act == "silu" and gate_up.decode_gemv and gate_up.block is None
+                and use_gemv(x, gate_up.weight, rows_as_decode())):
+            # one token (or a verify step's rows, each as one): the activation runs in the gate_up
+            # GEMV's epilogue (one launch and one round trip through memory fewer per layer)
             if gate_up.weight_scale is not None:
                 h = quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale)
             else:

@@ -146,16 +146,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, block_scale: torch.T
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """`fp8_linear` without its bias for a row or a few (x [..., K]) through the GEMV."""
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """`fp8_linear` without its bias for a row or a few (x [..., K]) through the GEMV (per_row:
+    each row as if alone, see `gemv`)."""
     k = x.shape[-1]
     q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))
-    y = gemv(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype)
+    y = gemv(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype, per_row=per_row)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_gemv_glu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(fp8_linear(x, gate_up)) for one row, the activation in the GEMV's epilogue
+    """silu_and_mul(fp8_linear(x, gate_up)) for a row or a few, the activation in the GEMV's epilogue
     (each product rounded to x.dtype first, as the unfused path does)."""
     k = x.shape[-1]
     q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))

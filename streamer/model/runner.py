@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 import kernels.common
+from kernels.gemv.config import MAX_ROWS_PER_ROW
 from streamer.config import EngineConfig, use_pdl
 from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
@@ -30,7 +31,7 @@ from streamer.model.draft import DraftModel, Proposed
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
-from streamer.model.packing import prepare
+from streamer.model.packing import prepare, verify_rows
 from streamer.model.tp_group import current as tensor_parallel
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
@@ -93,6 +94,8 @@ class ModelRunner:
         self.step_start: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
+        self.row_graphs: DecodeGraphs | None = None
+        """ngram speculation: the verify steps of a lone request, as decode rows (packing.verify_rows)."""
         self.split_decode_tokens = 65536
         """Mixed steps whose leading decodes hold at least this many context tokens run
         their attention split (see prepare)."""
@@ -109,6 +112,21 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
         with torch.inference_mode():
             self.graphs.capture()
+        spec, cfg = c.speculative_config, self.hf_config
+        # Greedy output with speculation equals plain decoding's where the verify rows compute as
+        # decode rows: at batch 1 (decode's GEMVs, M = 1), for ngram proposals (a draft model's
+        # KV mirror runs on the extend step), one rank, dense layers (the MoE kernels choose their
+        # path by token count)
+        if (spec is not None and spec.method == "ngram" and self.draft is None and c.decode_gemv
+                and tensor_parallel() is None
+                and not (getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0))):
+            rows = spec.num_speculative_tokens + 1
+            if rows <= MAX_ROWS_PER_ROW:
+                self.row_graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, rows, max_pages,
+                                               rows_as_decode=True)
+                self.row_graphs.pool = self.graphs.pool
+                with torch.inference_mode():
+                    self.row_graphs.capture()
         tokens = min(c.cuda_graph_max_tokens, c.max_num_batched_tokens)
         if tokens > 1:
             block_m = extend_block_m(self.dtype, self.model.head_dim)
@@ -144,6 +162,13 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (packing.prepare)."""
+        rows = verify_rows(batch, self.row_graphs.max_bs) if self.row_graphs is not None else None
+        if rows is not None and self.row_graphs is not None and self.row_graphs.fits(len(rows.seqs), len(rows.seqs[0].page_table)):
+            return prepare(
+                rows, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging,
+                graphs=self.row_graphs, extend_graphs=None, split_decode_tokens=self.split_decode_tokens,
+                last_tokens=self.last_tokens, last_rows=self.last_rows,
+            )
         return prepare(
             batch,
             page_size=self.pool.page_size,

@@ -281,3 +281,45 @@ def test_cuda_float8_gemv_matches_the_float8_gemm(n, k):
     _close(quant.fp8_gemv(x, qw, sw), gemm, 2**-6)
     _close(quant.fp8_gemv_glu(x, qw, sw), activation.silu_and_mul(gemm), 2**-5)
     assert G.use_gemv(x, qw) and not G.use_gemv(x.expand(2, k), qw) and not G.use_gemv(x.float(), qw)
+
+
+# ---------------------------------------------------------------- rows as decode (speculation's verify)
+
+
+@pytest.mark.parametrize("m", [2, 5, 9])
+@pytest.mark.parametrize("n,k", [(37, 2048), (40, 200)], ids=["split_k", "ragged_k"])
+def test_per_row_gemv_gives_each_row_the_bits_of_a_lone_row(m, n, k):
+    """A verify step's rows through gemv(per_row=True) equal the one-row decode GEMV of each row
+    bit for bit: the same config (M = 1's, split-K included) and one row per program."""
+    gen = torch.Generator().manual_seed(m + n)
+    x = _rand(m, k, dtype=torch.bfloat16, gen=gen)
+    w = _rand(n, k, dtype=torch.bfloat16, gen=gen, scale=k**-0.5)
+    rows = G.gemv(x, w, per_row=True)
+    for i in range(m):
+        assert torch.equal(rows[i], G.gemv(x[i : i + 1], w)[0]), i
+    _close(rows, linear(x, w), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_gemv_glu_of_several_rows_gives_each_the_bits_of_a_lone_row(m):
+    gen = torch.Generator().manual_seed(m)
+    k, inter = 200, 37
+    x = _rand(m, k, dtype=torch.bfloat16, gen=gen)
+    w = _rand(2 * inter, k, dtype=torch.bfloat16, gen=gen, scale=2 * k**-0.5)
+    rows = G.gemv_glu(x, w)
+    assert rows.shape == (m, inter)
+    for i in range(m):
+        assert torch.equal(rows[i], G.gemv_glu(x[i], w)), i
+    _close(rows, glu(x, w), 2 * TOL[torch.bfloat16])
+
+
+def test_float8_gemv_glu_of_several_rows_takes_each_rows_scale():
+    from streamer.model import quant
+
+    gen = torch.Generator().manual_seed(5)
+    k, inter = 256, 24
+    x = _rand(4, k, dtype=torch.bfloat16, gen=gen) * torch.tensor([[1.0], [10.0], [0.1], [3.0]], device=DEVICE)
+    w, sw = quant.quantize_rows_fp8(_rand(2 * inter, k, dtype=torch.bfloat16, gen=gen, scale=k**-0.5))
+    rows = quant.fp8_gemv_glu(x.to(torch.bfloat16), w, sw.view(-1))
+    for i in range(4):
+        assert torch.equal(rows[i], quant.fp8_gemv_glu(x[i : i + 1].to(torch.bfloat16), w, sw.view(-1))[0]), i

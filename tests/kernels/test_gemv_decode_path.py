@@ -49,7 +49,7 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
 
     ref = run()
     calls = count_calls(monkeypatch, layers, "gemv", "gemv_glu")
-    monkeypatch.setattr(layers, "use_gemv", lambda x, w: x.numel() == x.shape[-1])
+    monkeypatch.setattr(layers, "use_gemv", lambda x, w, per_row=False: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
     # 5 decode steps of one token, 2 layers: qkv, o and down per layer and the LM head, gate_up
@@ -76,7 +76,7 @@ def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeyp
 
     ref = run()
     calls = count_calls(monkeypatch, quant, "fp8_gemv", "fp8_gemv_glu")
-    one_row = lambda x, w: x.numel() == x.shape[-1] and w.dtype == torch.float8_e4m3fn  # noqa: E731
+    one_row = lambda x, w, per_row=False: x.numel() == x.shape[-1] and w.dtype == torch.float8_e4m3fn  # noqa: E731
     monkeypatch.setattr(layers, "use_gemv", one_row)
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()

@@ -608,3 +608,21 @@ def test_attention_kernels_write_into_a_given_output_view():
     assert got.data_ptr() == whole[2].data_ptr()
     _close(whole[2:], attention.paged_extend(q, kc, vc, pt, lens, cu, 0.125, 12), 1e-6)
     assert (whole[:2] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_rows_split_as_batch_one_give_each_the_bits_of_a_lone_decode(dtype):
+    """A verify step's rows as decode rows (one sequence at lengths L+1 .. L+9, one page table):
+    with split_batch=1 each row is split as a lone decode of its length is, so its output has
+    that decode's bits (the split count of a 9-row batch would be another)."""
+    q, kc, vc, pt, lens = _decode_case([300], 16, 4, 64, dtype, kvh=1, seed=4)
+    rows = 9
+    qs = torch.randn(rows, *q.shape[1:], generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    pts = pt.expand(rows, -1).contiguous()
+    row_lens = torch.arange(292, 292 + rows, dtype=torch.int32, device=DEVICE)
+    scale = 1 / math.sqrt(64)
+    out = attention.paged_decode(qs, kc, vc, pts, row_lens, scale, split_batch=1)
+    for i in range(rows):
+        alone = attention.paged_decode(qs[i : i + 1], kc, vc, pt, row_lens[i : i + 1], scale)
+        assert torch.equal(out[i], alone[0]), i
+    _close(out, _decode_ref(qs, kc, vc, pts, row_lens, scale), ATTN_TOL[dtype])

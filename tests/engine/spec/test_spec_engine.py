@@ -201,3 +201,29 @@ def test_overlap_scheduling_with_speculation_gives_the_plain_output(default_mode
         json.loads(outs[-1].text)
     assert s.spec_accepted_tokens > 0 and s.steps_ahead > 0
 
+
+
+class EagerRows:
+    """In place of the GPU's rows-as-decode graphs (runner.row_graphs, CUDA only): the verify
+    steps of a lone request go through packing.verify_rows as decode rows, run eagerly here."""
+
+    def __init__(self, max_bs: int) -> None:
+        self.max_bs, self.steps = max_bs, 0
+
+    def fits(self, batch_size: int, width: int) -> bool:
+        self.steps += 1
+        return batch_size <= self.max_bs
+
+
+def test_verify_steps_as_decode_rows_give_the_plain_output(default_model, prompts, expected):
+    """The path that makes bf16 greedy output with speculation equal plain decoding's on the GPU
+    (each verify row computed as a lone decode row): one sequence's proposals as that many decode
+    rows, each attending to its own prefix, give the verify step's tokens here too."""
+    with LLM(str(default_model), speculative_config=SPEC) as llm:
+        rows = llm.engine.runner.row_graphs = EagerRows(SPEC["num_speculative_tokens"] + 1)
+        got = [gen(llm, [p], GREEDY)[0].token_ids for p in prompts]  # one at a time: batch 1
+        s = llm.stats()
+        assert rows.steps > 0, "verify steps went through the decode rows"
+        assert got == expected
+        assert s.spec_accepted_tokens > 0
+        settle(llm)
