@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
-#                                        | tp2a | tp2b | dp2 | tp70)
+#                                        | tp2a | tp2b | dp2 | tp70 | rows)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -48,6 +48,9 @@
 #   dp2 (x2, ~6 min): the server with --data-parallel-size 2, then 1, each under bench serve with W3's
 #        lengths (1,000 requests of 1,000 in / 1,000 out, all at once) (goal: DP=2 >= 1.9x one GPU)
 #   tp70 (x4 or x8, TP=${TP:-4}, ~9 min): the Llama-3.1-70B shape, W2 and W3 (float8 KV), vLLM beside
+# rows: issue 28's verify steps as decode rows, compiled (~2 min): the per-row GEMV, multi-row gemv_glu
+# and split_batch=1 decode tests bit for bit, and bf16 greedy with ngram = plain greedy at batch 1
+# (tests/gpu/test_gpu_speculation.py); then gguf1 + w7 for W7's identical outputs on the real weights.
 # w5, w6, grammar and probe need .gpu_assets (the assets part, run here; then carry it with .whl).
 # The server needs httptools (streamer's transport subclasses uvicorn's httptools protocol), which the
 # image lacks: fetch the wheels with bash ../shared/gpu/fetch-wheels.sh gguf httptools.
@@ -263,6 +266,10 @@ if [ "$part" = tp70 ]; then
   m70="--model-dir benchmarks/configs/llama-3.1-70b --tensor-parallel-size ${TP:-4}"
   bench --workload W2 --max-num-seqs 8 $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w2.json" | tail -1
   bench $w3big $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w3.json" | tail -1
+fi
+if [ "$part" = rows ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py tests/kernels/test_gemv.py \
+      tests/kernels/test_kernels.py -k "lone_row or several_rows or lone_decode or speculation" 2>&1 | tail -6
 fi
 if [ "$part" = moesweep ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tail -30
