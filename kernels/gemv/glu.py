@@ -11,8 +11,25 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
-from kernels.gemv.config import GemvConfig, glu_config
+from kernels.gemv.config import MAX_M, GemvConfig, glu_config
 from kernels.gemv.linear import _scale_args, _x_chunk
+
+
+@triton.jit
+def _glu_store(acc_g, acc_u, m, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr,
+               SCALED: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Row m's epilogue: the two dot products, their scales, silu(gate) * up; stored if m < M."""
+    g = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SCALED:  # float8 operands: the scales of x, of the gate rows and of the up rows
+        sx = tl.load(sx_ptr + tl.minimum(m, M - 1))
+        g = g * sx * tl.load(sw_ptr + rows)
+        up = up * sx * tl.load(sw_ptr + N + rows)
+    g = _round_to(g, OUT_DTYPE, INTERP).to(tl.float32)
+    up = _round_to(up, OUT_DTYPE, INTERP).to(tl.float32)
+    s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
+    mask = offs_n < tl.where(m < M, N, 0)  # (scalar & vector masks upset the interpreter)
+    tl.store(out_ptr + m.to(tl.int64) * N + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=mask)
 
 
 @triton.jit
@@ -22,10 +39,12 @@ def _gemv_glu_kernel(
     out_ptr,
     sx_ptr,
     sw_ptr,
+    M,
     N,
     K,
     stride_xm,
     stride_wn,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -35,26 +54,28 @@ def _gemv_glu_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[m, n] = silu(x[m] . W[n]) * (x[m] . W[N + n]): W holds [gate; up] ([2N, K]); a row of x
-    per program_id(1), each computed exactly as a lone row is (speculation's verify rows equal
-    decode's bit for bit).
+    """out[m, n] = silu(x[m] . W[n]) * (x[m] . W[N + n]): W holds [gate; up] ([2N, K]); BLOCK_M
+    (<= 4) rows of x per program (program_id(1)), each accumulated exactly as a lone row is, on
+    the same W tiles (speculation's verify rows equal decode's bit for bit).
 
     Each program streams BLOCK_N gate rows and the BLOCK_N up rows that pair with them,
     so the activation is applied in the epilogue, on values already in registers.
     Rounding follows the unfused path (gate_up output, silu, product: each to the
     activation dtype), so the result is what silu_and_mul(gemv(x, W)) gives."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1).to(tl.int64)
-    x_ptr += m * stride_xm
-    out_ptr += m * N
-    sx_ptr += m
+    m0 = tl.program_id(1) * BLOCK_M
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
     g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
+    x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm
+    x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm
+    x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm
+    x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm
     _pdl_enter(PDL)
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    g1, u1, g2, u2, g3, u3 = g0, u0, g0, u0, g0, u0
     for k in range(0, K, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             kk = k + u * BLOCK_K
@@ -65,19 +86,30 @@ def _gemv_glu_kernel(
                 kmask = (offs_k < K - kk)[None, :]
                 wg = tl.load(g_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
                 wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
-            xv = _x_chunk(x_ptr + kk, offs_n, offs_k, K - kk, EVEN_K)
-            acc_g += wg.to(tl.float32) * xv
-            acc_u += wu.to(tl.float32) * xv
-    g = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    if SCALED:  # float8 operands: the scales of x, of the gate rows and of the up rows
-        sx = tl.load(sx_ptr)
-        g = g * sx * tl.load(sw_ptr + rows)
-        up = up * sx * tl.load(sw_ptr + N + rows)
-    g = _round_to(g, OUT_DTYPE, INTERP).to(tl.float32)
-    up = _round_to(up, OUT_DTYPE, INTERP).to(tl.float32)
-    s = _round_to(g / (1.0 + tl.exp(-g)), OUT_DTYPE, INTERP).to(tl.float32)
-    tl.store(out_ptr + offs_n, _round_to(s * up, OUT_DTYPE, INTERP), mask=offs_n < N)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+            xv = _x_chunk(x0 + kk, offs_n, offs_k, K - kk, EVEN_K)
+            g0 += wg * xv
+            u0 += wu * xv
+            if BLOCK_M > 1:
+                xv = _x_chunk(x1 + kk, offs_n, offs_k, K - kk, EVEN_K)
+                g1 += wg * xv
+                u1 += wu * xv
+            if BLOCK_M > 2:
+                xv = _x_chunk(x2 + kk, offs_n, offs_k, K - kk, EVEN_K)
+                g2 += wg * xv
+                u2 += wu * xv
+            if BLOCK_M > 3:
+                xv = _x_chunk(x3 + kk, offs_n, offs_k, K - kk, EVEN_K)
+                g3 += wg * xv
+                u3 += wu * xv
+    _glu_store(g0, u0, m0, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
+    if BLOCK_M > 1:
+        _glu_store(g1, u1, m0 + 1, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
+    if BLOCK_M > 2:
+        _glu_store(g2, u2, m0 + 2, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
+    if BLOCK_M > 3:
+        _glu_store(g3, u3, m0 + 3, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
 
 
 def gemv_glu(
@@ -90,8 +122,8 @@ def gemv_glu(
     """silu_and_mul(F.linear(x, weight)) for a few rows: x [..., K], weight [2I, K] holding the
     gate rows then the up rows (a fused gate_up_proj) -> [..., I] in out_dtype (default
     x.dtype). `scales` as in `gemv` (float8 x and W: sx [M]). Each row is computed as if it were
-    alone (one program per row and column block, each streaming its W tiles: meant for the one
-    row of a decode step and the few rows of a verify step that must equal it).
+    alone (up to 4 rows per program share its W tiles, each with its own accumulators: meant for
+    the one row of a decode step and the few rows of a verify step that must equal it).
 
     At decode this saves the activation kernel's launch and its round trip through memory."""
     k = x.shape[-1]
@@ -117,16 +149,19 @@ def gemv_glu(
     cfg = config or glu_config(n, k, weight.element_size())
     dtype = _TL_DTYPES[out_dtype]
     pdl = _pdl_enabled(x)
-    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n), m)](
+    block_m = min(m, MAX_M)
+    _gemv_glu_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
         x2,
         weight,
         out,
         sx,
         sw,
+        m,
         n,
         k,
         x2.stride(0),
         weight.stride(0),
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll,

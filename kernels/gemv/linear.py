@@ -196,9 +196,9 @@ def gemv(
     """F.linear(x, weight) for a few rows: x [..., K], weight [N, K] -> [..., N] in out_dtype
     (default x.dtype).
 
-    per_row: every row as if it were alone, bit for bit: one row per program with the config
-    of M = 1 (the rows of a speculative verify step that must equal decode's; W is re-read
-    per row, from L2 for a few rows).
+    per_row: every row as if it were alone, bit for bit: the config of M = 1 for any M (the rows
+    of a speculative verify step that must equal decode's). A program's rows (up to 4) share
+    its W tiles, each with its own accumulator and the same sequence of operations.
 
     x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32. With
     `scales` = (sx [M] or [M, 1], sw [N]), both operands are float8 (x quantized row by
@@ -228,7 +228,7 @@ def gemv(
         return out.zero_().view(*x.shape[:-1], n)
     sx, sw = _scale_args(scales, m, n, out)
     cfg = config or gemv_config(1 if per_row else m, n, k, _num_sms(x.device), weight.element_size())
-    block_m = 1 if per_row else min(m, MAX_M)
+    block_m = min(m, MAX_M)
     step = cfg.block_k * cfg.unroll
     k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
     splits = triton.cdiv(k, k_split)
