@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
-#                                        | tp2a | tp2b | dp2 | tp70 | rows)
+#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -48,6 +48,11 @@
 #   dp2 (x2, ~6 min): the server with --data-parallel-size 2, then 1, each under bench serve with W3's
 #        lengths (1,000 requests of 1,000 in / 1,000 out, all at once) (goal: DP=2 >= 1.9x one GPU)
 #   tp70 (x4 or x8, TP=${TP:-4}, ~9 min): the Llama-3.1-70B shape, W2 and W3 (float8 KV), vLLM beside
+# moeso, moepeer: issue 30's figures beside vLLM on the Qwen3-30B-A3B shape, two calls back to back on one
+# warm machine: moeso carries .moeso alone (vLLM's _moe_C_stable_libtorch.abi3.so, unzipped from the
+# vllm==0.26.0 wheel: the peer archive leaves it out) into /tmp/moeso; moepeer (carry .peer and .whl,
+# ~9 min) installs the peer with it, then W2 (--model-dir benchmarks/configs/qwen3-30b-a3b, vLLM through
+# benchmarks/peer_vllm.py) and W8 (its own model), each with vLLM beside it (MOE_QUANT=fp8: float8 experts).
 # rows: issue 28's verify steps as decode rows, compiled (~2 min): the per-row GEMV, multi-row gemv_glu
 # and split_batch=1 decode tests bit for bit, and bf16 greedy with ngram = plain greedy at batch 1
 # (tests/gpu/test_gpu_speculation.py); then gguf1 + w7 for W7's identical outputs on the real weights.
@@ -266,6 +271,16 @@ if [ "$part" = tp70 ]; then
   m70="--model-dir benchmarks/configs/llama-3.1-70b --tensor-parallel-size ${TP:-4}"
   bench --workload W2 --max-num-seqs 8 $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w2.json" | tail -1
   bench $w3big $m70 --peer vllm --json "$OUT/tp${TP:-4}_70b_w3.json" | tail -1
+fi
+if [ "$part" = moeso ]; then
+  mkdir -p /tmp/moeso && cp .moeso/*.so /tmp/moeso/ && ls -la /tmp/moeso
+fi
+if [ "$part" = moepeer ]; then
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  cp /tmp/moeso/*.so .peer/site/vllm/ || { echo "no /tmp/moeso: run the moeso part first, on this machine"; exit 3; }
+  q=${MOE_QUANT:+--quantization $MOE_QUANT}
+  bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b $q --peer vllm --json "$OUT/moe_w2_peer.json" | tail -1
+  bench --workload W8 --num-requests "${W8_N:-256}" $q --peer vllm --json "$OUT/moe_w8_peer.json" | tail -1
 fi
 if [ "$part" = rows ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py tests/kernels/test_gemv.py \
