@@ -49,7 +49,7 @@
 #        lengths (1,000 requests of 1,000 in / 1,000 out, all at once) (goal: DP=2 >= 1.9x one GPU)
 #   tp70 (x4 or x8, TP=${TP:-4}, ~9 min): the Llama-3.1-70B shape, W2 and W3 (float8 KV), vLLM beside
 # moeso, moepeer: issue 30's figures beside vLLM on the Qwen3-30B-A3B shape, two calls back to back on one
-# warm machine: moeso carries .moeso alone (vLLM's _moe_C_stable_libtorch.abi3.so, unzipped from the
+# warm machine: moeso carries .moeso/_moe_C_stable_libtorch.abi3.so alone (47 MB, unzipped from the
 # vllm==0.26.0 wheel: the peer archive leaves it out) into /tmp/moeso; moepeer (carry .peer and .whl,
 # ~9 min) installs the peer with it, then W2 (--model-dir benchmarks/configs/qwen3-30b-a3b, vLLM through
 # benchmarks/peer_vllm.py) and W8 (its own model), each with vLLM beside it (MOE_QUANT=fp8: float8 experts).
