@@ -16,6 +16,13 @@ from kernels.gemv.linear import _scale_args, _x_chunk
 
 
 @triton.jit
+def _glu_fma(g, u, wg, wu, x_ptr, offs_n, offs_k, k_left, EVEN_K: tl.constexpr):
+    """One chunk of one row: its gate and up accumulators plus the chunk's products."""
+    xv = _x_chunk(x_ptr, offs_n, offs_k, k_left, EVEN_K)
+    return g + wg * xv, u + wu * xv
+
+
+@triton.jit
 def _glu_store(acc_g, acc_u, m, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr,
                SCALED: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """Row m's epilogue: the two dot products, their scales, silu(gate) * up; stored if m < M."""
@@ -88,21 +95,13 @@ def _gemv_glu_kernel(
                 wu = tl.load(u_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
-            xv = _x_chunk(x0 + kk, offs_n, offs_k, K - kk, EVEN_K)
-            g0 += wg * xv
-            u0 += wu * xv
+            g0, u0 = _glu_fma(g0, u0, wg, wu, x0 + kk, offs_n, offs_k, K - kk, EVEN_K)
             if BLOCK_M > 1:
-                xv = _x_chunk(x1 + kk, offs_n, offs_k, K - kk, EVEN_K)
-                g1 += wg * xv
-                u1 += wu * xv
+                g1, u1 = _glu_fma(g1, u1, wg, wu, x1 + kk, offs_n, offs_k, K - kk, EVEN_K)
             if BLOCK_M > 2:
-                xv = _x_chunk(x2 + kk, offs_n, offs_k, K - kk, EVEN_K)
-                g2 += wg * xv
-                u2 += wu * xv
+                g2, u2 = _glu_fma(g2, u2, wg, wu, x2 + kk, offs_n, offs_k, K - kk, EVEN_K)
             if BLOCK_M > 3:
-                xv = _x_chunk(x3 + kk, offs_n, offs_k, K - kk, EVEN_K)
-                g3 += wg * xv
-                u3 += wu * xv
+                g3, u3 = _glu_fma(g3, u3, wg, wu, x3 + kk, offs_n, offs_k, K - kk, EVEN_K)
     _glu_store(g0, u0, m0, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
     if BLOCK_M > 1:
         _glu_store(g1, u1, m0 + 1, M, N, offs_n, rows, out_ptr, sx_ptr, sw_ptr, SCALED, OUT_DTYPE, INTERP)
