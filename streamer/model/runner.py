@@ -162,11 +162,12 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (packing.prepare)."""
-        rows = verify_rows(batch, self.row_graphs.max_bs) if self.row_graphs is not None else None
-        if rows is not None and self.row_graphs is not None and self.row_graphs.fits(len(rows.seqs), len(rows.seqs[0].page_table)):
+        g = self.row_graphs
+        rows = verify_rows(batch, g.max_bs) if g is not None else None
+        if g is not None and rows is not None and g.fits(len(rows.seqs), len(rows.seqs[0].page_table)):
             return prepare(
                 rows, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging,
-                graphs=self.row_graphs, extend_graphs=None, split_decode_tokens=self.split_decode_tokens,
+                graphs=g, extend_graphs=None, split_decode_tokens=self.split_decode_tokens,
                 last_tokens=self.last_tokens, last_rows=self.last_rows,
             )
         return prepare(
