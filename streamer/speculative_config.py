@@ -18,7 +18,7 @@ METHODS = ("ngram", "draft_model")
 """ngram: prompt lookup (engine/spec/ngram.py); draft_model: a smaller model with the same
 vocabulary proposes (model/draft.py)."""
 _KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "exact_verify"),
     "draft_model": ("method", "model", "num_speculative_tokens"),
 }
 
@@ -34,6 +34,17 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     """draft_model: what `--model` would name (a folder, a GGUF file or "default"); its
     vocabulary must be the target's."""
+    exact_verify: bool | None = None
+    """ngram on CUDA: a lone request's verify step runs as decode rows that compute as plain
+    batch-1 decoding does (model/packing.verify_rows), so bf16 greedy output is plain greedy
+    output also at ties; its GEMVs read the weights once per 4 verified rows (the extend step's
+    GEMMs once). None: where it applies (up to MAX_EXACT_PROPOSALS proposals, one rank, a dense
+    model, the decode GEMV and CUDA graphs on); True: required (refused where it cannot apply);
+    False: never (one extend step). On CPU every verify is exact already (float32)."""
+
+
+MAX_EXACT_PROPOSALS = 15
+"""exact_verify: most proposals (a verify of 1 + k rows, kernels.gemv.config.MAX_ROWS_PER_ROW)."""
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -61,6 +72,9 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config num_speculative_tokens must be in [1, 64], not {cfg.num_speculative_tokens}")
     if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
         raise ConfigError("speculative_config method 'draft_model' needs 'model': the draft model's folder or file")
+    if cfg.exact_verify and cfg.num_speculative_tokens > MAX_EXACT_PROPOSALS:
+        raise ConfigError(f"speculative_config exact_verify takes at most {MAX_EXACT_PROPOSALS} "
+                          f"num_speculative_tokens, not {cfg.num_speculative_tokens}")
     if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
         raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, not "
                           f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}")

@@ -102,6 +102,10 @@ class ModelRunner:
         self.diagnostics = diagnostics if diagnostics is not None else Diagnostics.from_env()
         if self.device.type == "cuda" and config.cuda_graphs and getattr(self.model, "cuda_graphs_ok", True):
             self._capture_graphs()
+        spec = config.speculative_config
+        if self.device.type == "cuda" and spec is not None and spec.exact_verify and self.row_graphs is None:
+            raise ConfigError("speculative_config exact_verify needs CUDA graphs (cuda_graphs on, and a model "
+                              "whose steps can be captured)")
 
     def _capture_graphs(self) -> None:
         from kernels.attention import extend_block_m
@@ -112,21 +116,17 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
         with torch.inference_mode():
             self.graphs.capture()
-        spec, cfg = c.speculative_config, self.hf_config
-        # Greedy output with speculation equals plain decoding's where the verify rows compute as
-        # decode rows: at batch 1 (decode's GEMVs, M = 1), for ngram proposals (a draft model's
-        # KV mirror runs on the extend step), one rank, dense layers (the MoE kernels choose their
-        # path by token count)
-        if (spec is not None and spec.method == "ngram" and self.draft is None and c.decode_gemv
-                and tensor_parallel() is None
-                and not (getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0))):
-            rows = spec.num_speculative_tokens + 1
-            if rows <= MAX_ROWS_PER_ROW:
-                self.row_graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, rows, max_pages,
-                                               rows_as_decode=True)
+        spec = c.speculative_config
+        if spec is not None and spec.method == "ngram" and spec.exact_verify is not False:
+            why_not = self._exact_verify_unavailable()
+            if why_not is None:
+                self.row_graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, spec.num_speculative_tokens + 1,
+                                               max_pages, rows_as_decode=True)
                 self.row_graphs.pool = self.graphs.pool
                 with torch.inference_mode():
                     self.row_graphs.capture()
+            elif spec.exact_verify:
+                raise ConfigError(f"speculative_config exact_verify: {why_not}")
         tokens = min(c.cuda_graph_max_tokens, c.max_num_batched_tokens)
         if tokens > 1:
             block_m = extend_block_m(self.dtype, self.model.head_dim)
@@ -135,6 +135,21 @@ class ModelRunner:
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
+
+    def _exact_verify_unavailable(self) -> str | None:
+        """Why verify steps cannot run as decode rows here (None: they can). Each condition is
+        where plain batch-1 decoding's arithmetic is not that of decode rows."""
+        c, cfg = self.config, self.hf_config
+        assert c.speculative_config is not None
+        if not c.decode_gemv:
+            return "plain decoding runs cuBLAS at one row (decode_gemv is off), whose rounding rows cannot repeat"
+        if tensor_parallel() is not None:
+            return "not with tensor parallelism (each rank's all-reduce)"
+        if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
+            return "not for a mixture of experts (its kernels choose their path by token count)"
+        if c.speculative_config.num_speculative_tokens + 1 > MAX_ROWS_PER_ROW:
+            return f"at most {MAX_ROWS_PER_ROW - 1} num_speculative_tokens"
+        return None
 
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config

@@ -38,6 +38,10 @@ def test_the_cli_flag_reaches_the_engine_config():
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 64]"),
         ({"num_speculative_tokens": "4"}, "Expected `int`"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+        ({"exact_verify": True, "num_speculative_tokens": 16}, "exact_verify takes at most 15 num_speculative_tokens"),
+        ({"exact_verify": "yes"}, "Expected `bool | null`"),
+        ({"method": "draft_model", "model": "x", "exact_verify": True},
+         "unknown speculative_config key(s) for method 'draft_model': exact_verify"),
         ("{not json", "not JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
@@ -46,6 +50,12 @@ def test_bad_configs_are_refused_by_name(value, words):
     with pytest.raises(ConfigError) as e:
         EngineConfig(speculative_config=value)
     assert words in str(e.value)
+
+
+def test_exact_verify_is_auto_unless_given():
+    assert EngineConfig(speculative_config={"method": "ngram"}).speculative_config.exact_verify is None
+    off = EngineConfig(speculative_config={"method": "ngram", "exact_verify": False, "num_speculative_tokens": 32})
+    assert off.speculative_config.exact_verify is False
 
 
 def test_a_request_whose_proposals_keep_failing_is_scheduled_ahead_for_longer_and_longer():
@@ -75,3 +85,21 @@ def test_a_draft_model_refuses_what_would_not_move_its_pages():
         EngineConfig(speculative_config=draft, host_kv_cache_gb=1)
     with pytest.raises(ConfigError, match="'draft_model' does not run with tensor_parallel_size 2"):
         EngineConfig(speculative_config=draft, tensor_parallel_size=2)
+
+
+def test_where_exact_verify_cannot_apply_the_runner_says_why(tmp_path, default_model):
+    """The conditions of the decode-row verify (checked on CUDA at start: refused when
+    exact_verify is true, skipped when it is left to the engine), read here on CPU."""
+    from streamer import LLM
+    from tests.conftest import make_tiny_model
+    from tests.model.test_moe import ARCHS as MOE
+
+    spec = {"method": "ngram", "num_speculative_tokens": 15}
+    with LLM(str(default_model), speculative_config=spec) as llm:
+        assert llm.engine.runner._exact_verify_unavailable() is None
+    with LLM(str(default_model), speculative_config=spec, decode_gemv=False) as llm:
+        assert "decode_gemv is off" in llm.engine.runner._exact_verify_unavailable()
+    arch, kw = MOE["qwen3_moe"]
+    moe = make_tiny_model(tmp_path / "moe", arch, default_model, **kw)
+    with LLM(str(moe), speculative_config=spec) as llm:
+        assert "mixture of experts" in llm.engine.runner._exact_verify_unavailable()
