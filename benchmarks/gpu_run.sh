@@ -89,6 +89,15 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
+# until the server on port $1 answers /health (true), or its process $2 is gone or 5 minutes passed (false)
+wait_up() {
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
 # W5's online points against the server on port $1 (results $OUT/$2_serve*.json), extra options after
 w5serve() {
   local port=$1 name=$2; shift 2
@@ -137,7 +146,7 @@ if [ "$part" = w5 ]; then
       --max-model-len 4096 --max-num-batched-tokens 8192 --port 8100 > "$OUT/w5_server.log" 2>&1 &
   unset STREAMER_STEP_TRACE
   srv=$!
-  for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; kill -0 $srv 2>/dev/null || break; sleep 1; done
+  wait_up 8100 $srv
   w5serve 8100 w5
   kill -TERM $srv; wait $srv
   [ -n "${TRACE:-}" ] && python3 -m streamer bench steps "$OUT/w5_steps.jsonl" --last 150 | head -12
@@ -233,8 +242,7 @@ if [ "$part" = w5peer ]; then
       --model .gpu_assets/llama-3.1-8b-dummy --served-model-name llama8b --load-format dummy --max-model-len 4096 \
       --max-num-batched-tokens 8192 --attention-backend FLASH_ATTN --port 8200 > "$OUT/vllm_server.log" 2>&1 &
   vsrv=$!
-  for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health >/dev/null && break; kill -0 $vsrv 2>/dev/null || break; sleep 1; done
-  if curl -sf http://127.0.0.1:8200/health >/dev/null; then
+  if wait_up 8200 $vsrv; then
     w5serve 8200 vllm_w5 --model llama8b
   else
     echo "vLLM's server did not come up:"; grep -v " INFO \| DEBUG \|Warning" "$OUT/vllm_server.log" | tail -30
@@ -261,7 +269,7 @@ if [ "$part" = dp2 ]; then
     python3 -m streamer serve --model .gpu_assets/llama-3.1-8b-dummy --load-format dummy --max-model-len 4096 \
         --kv-cache-dtype fp8 --max-num-seqs 512 --data-parallel-size $dp --port 8100 > "$OUT/dp${dp}_server.log" 2>&1 &
     srv=$!
-    for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; kill -0 $srv 2>/dev/null || break; sleep 1; done
+    wait_up 8100 $srv
     python3 -m streamer bench serve --base-url http://127.0.0.1:8100 --workload random --input-len 1000 \
         --output-len 1000 --num-prompts 1000 --request-rate inf --json "$OUT/dp${dp}_w3.json" 2>&1 | grep -v "^rate "
     kill -TERM $srv; wait $srv

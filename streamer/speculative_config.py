@@ -36,7 +36,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     vocabulary must be the target's."""
     exact_verify: bool | None = None
     """ngram on CUDA: a lone request's verify step runs as decode rows that compute as plain
-    batch-1 decoding does (model/packing.verify_rows), so bf16 greedy output is plain greedy
+    batch-1 decoding does (model/exact_verify.py), so bf16 greedy output is plain greedy
     output also at ties; its GEMVs read the weights once per 4 verified rows (the extend step's
     GEMMs once). None: where it applies (up to MAX_EXACT_PROPOSALS proposals, one rank, a dense
     model, the decode GEMV and CUDA graphs on); True: required (refused where it cannot apply);

@@ -23,7 +23,8 @@ import torch
 from streamer.distributed.step import StepChannel, for_ranks
 from streamer.frames import RankStep, RankStop
 from streamer.messages import Batch
-from streamer.model.runner import Launched, ModelRunner, PromptLogprobs
+from streamer.model.launched import Launched, PromptLogprobs
+from streamer.model.runner import ModelRunner
 from streamer.model.tp_group import TPGroup
 
 log = logging.getLogger("streamer.distributed")

@@ -29,7 +29,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from streamer.messages import Batch, DraftsDrawn, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
-from streamer.model.runner import Launched, ModelRunner
+from streamer.model.launched import Launched
+from streamer.model.runner import ModelRunner
 
 log = logging.getLogger("streamer.executor")
 

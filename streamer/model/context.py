@@ -36,9 +36,6 @@ class ForwardContext:
     num_decodes: int = 0
     """Eager mixed steps: the first num_decodes sequences have one query token each, and
     attention runs them through the decode kernel (kernels.ops.paged_attention)."""
-    rows_as_decode: bool = False
-    """A verify step run as decode rows (packing.verify_rows, DecodeGraphs with rows_as_decode):
-    attention splits each row as a lone decode (split_batch 1)."""
 
 
 _current: ForwardContext | None = None
@@ -46,8 +43,8 @@ _rows_as_decode = False
 
 
 def rows_as_decode() -> bool:
-    """Whether the linear layers now compute each row as decode computes its one row (the GEMV
-    with M = 1's config, row by row). Set around the model and its LM head by DecodeGraphs built
+    """Whether the layers now compute each row as decode computes its one row (the GEMV with
+    M = 1's config, row by row; attention split as at batch 1). Set around the model and its LM head by DecodeGraphs built
     with rows_as_decode: the rows of a speculative verify step at batch 1, whose logits must
     equal plain decoding's bit for bit, so that greedy output is the same with speculation."""
     return _rows_as_decode

@@ -72,7 +72,7 @@ def ladder(max_bs: int) -> list[int]:
 class DecodeGraphs:
     """rows_as_decode: graphs whose every row computes as a lone decode row does (the GEMVs with
     M = 1's config, row by row; attention split as at batch 1), for the rows of a speculative
-    verify step at batch 1 (packing.verify_rows), from 2 rows up to max_bs: the verified tokens'
+    verify step at batch 1 (exact_verify.verify_rows), from 2 rows up to max_bs: the verified tokens'
     logits are then plain decoding's bit for bit, and so is greedy output."""
 
     def __init__(self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_bs: int, max_pages: int,
@@ -106,7 +106,6 @@ class DecodeGraphs:
             max_q_len=1,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
-            rows_as_decode=self.rows_as_decode,
         )
         set_context(ctx)
         try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
@@ -128,24 +127,6 @@ def prepare(
         lp_targets=lp_targets,
         lp_owner=lp_owner,
     )
-
-
-def verify_rows(batch: Batch, most: int) -> Batch | None:
-    """A verify step of one sequence (its last accepted token and its proposals, nothing else) as
-    that many one-token decode rows of the same sequence, one per position: each row's attention
-    sees its own prefix, whose K/V the rows before it store in the same layer before any row
-    attends. Run through DecodeGraphs with rows_as_decode, every row computes as a lone decode
-    would, so speculation's greedy tokens are plain decoding's also in bf16 (where the extend
-    step's GEMMs and attention round a near-tie the other way). None for any other step, or
-    past `most` rows. The sampling rows are the same: one per position, in order."""
-    if not batch.spec or len(batch.seqs) != 1:
-        return None
-    s = batch.seqs[0]
-    n = len(s.token_ids)
-    if not s.sample or s.num_draft + 1 != n or n > most or s.logprob_targets:
-        return None
-    rows = [msgspec.structs.replace(s, token_ids=[t], start=s.start + j, num_draft=0) for j, t in enumerate(s.token_ids)]
-    return msgspec.structs.replace(batch, seqs=rows, spec=False)
 
 
 def upload(parts: list[np.ndarray], device: torch.device, staging: PinnedRing) -> tuple[torch.Tensor, list[int]]:

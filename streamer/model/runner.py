@@ -13,14 +13,12 @@ the event loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
 import kernels.common
-from kernels.gemv.config import MAX_ROWS_PER_ROW
 from streamer.config import EngineConfig, use_pdl
 from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
@@ -28,17 +26,15 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
+from streamer.model.exact_verify import NO_GRAPHS, row_graphs, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+from streamer.model.launched import Launched, PromptLogprobs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
-from streamer.model.packing import prepare, verify_rows
+from streamer.model.packing import prepare
 from streamer.model.tp_group import current as tensor_parallel
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
-
-PromptLogprobs = tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]]]
-"""What a step computed of its prompt logprobs, per request: the logprob of each position's
-next token, and (where asked for, SeqChunk.logprob_top) the top (id, logprob) there."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -95,7 +91,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         self.row_graphs: DecodeGraphs | None = None
-        """ngram speculation: the verify steps of a lone request, as decode rows (packing.verify_rows)."""
+        """ngram speculation: the verify steps of a lone request, as decode rows (model/exact_verify.py)."""
         self.split_decode_tokens = 65536
         """Mixed steps whose leading decodes hold at least this many context tokens run
         their attention split (see prepare)."""
@@ -104,8 +100,7 @@ class ModelRunner:
             self._capture_graphs()
         spec = config.speculative_config
         if self.device.type == "cuda" and spec is not None and spec.exact_verify and self.row_graphs is None:
-            raise ConfigError("speculative_config exact_verify needs CUDA graphs (cuda_graphs on, and a model "
-                              "whose steps can be captured)")
+            raise ConfigError(f"speculative_config exact_verify: {NO_GRAPHS}")
 
     def _capture_graphs(self) -> None:
         from kernels.attention import extend_block_m
@@ -116,17 +111,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, bs, max_pages)
         with torch.inference_mode():
             self.graphs.capture()
-        spec = c.speculative_config
-        if spec is not None and spec.method == "ngram" and spec.exact_verify is not False:
-            why_not = self._exact_verify_unavailable()
-            if why_not is None:
-                self.row_graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, spec.num_speculative_tokens + 1,
-                                               max_pages, rows_as_decode=True)
-                self.row_graphs.pool = self.graphs.pool
-                with torch.inference_mode():
-                    self.row_graphs.capture()
-            elif spec.exact_verify:
-                raise ConfigError(f"speculative_config exact_verify: {why_not}")
+        self.row_graphs = row_graphs(self.model, self.pool, c, self.hf_config, max_pages, self.graphs.pool)
         tokens = min(c.cuda_graph_max_tokens, c.max_num_batched_tokens)
         if tokens > 1:
             block_m = extend_block_m(self.dtype, self.model.head_dim)
@@ -135,21 +120,6 @@ class ModelRunner:
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
-
-    def _exact_verify_unavailable(self) -> str | None:
-        """Why verify steps cannot run as decode rows here (None: they can). Each condition is
-        where plain batch-1 decoding's arithmetic is not that of decode rows."""
-        c, cfg = self.config, self.hf_config
-        assert c.speculative_config is not None
-        if not c.decode_gemv:
-            return "plain decoding runs cuBLAS at one row (decode_gemv is off), whose rounding rows cannot repeat"
-        if tensor_parallel() is not None:
-            return "not with tensor parallelism (each rank's all-reduce)"
-        if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
-            return "not for a mixture of experts (its kernels choose their path by token count)"
-        if c.speculative_config.num_speculative_tokens + 1 > MAX_ROWS_PER_ROW:
-            return f"at most {MAX_ROWS_PER_ROW - 1} num_speculative_tokens"
-        return None
 
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
@@ -389,42 +359,6 @@ class ModelRunner:
         self.last_tokens = torch.zeros(0, dtype=torch.long)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-@dataclass(slots=True)
-class Launched:
-    step: int
-    tokens: torch.Tensor | None
-    """Sampled token ids, one per sampling sequence (a pinned host copy in flight on CUDA);
-    None while the step awaits its grammar masks."""
-    sampled: list[SampledToken] | None
-    """Already on the host (non-greedy sampling syncs), or None."""
-    prompt_logprobs: PromptLogprobs
-    done: torch.cuda.Event | None = None
-    """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
-    plan: Plan | None = None
-    """Kept while the step awaits its grammar masks (masks_deferred): its sampling so far."""
-    batch: Batch | None = None
-    start: torch.cuda.Event | None = None
-    """Recorded (with timing) once the inputs are prepared, before the step's kernels."""
-    after: torch.cuda.Event | None = None
-    """The `done` of the step launched before this one (the device's idle time between)."""
-    wall: float = 0.0
-    """Host seconds launch() took (all of the step where it computed synchronously)."""
-    paused: torch.cuda.Event | None = None
-    """masks_deferred on CUDA: recorded after the forward; the sampling follows once the masks
-    are in, behind `resumed` (the gap is the device's wait for the masks)."""
-    resumed: torch.cuda.Event | None = None
-    times: dict[str, float] = field(default_factory=dict)
-    """Host milestones (StepOutput.host_times)."""
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    """StepOutput.drafts."""
-    proposed: Proposed | None = None
-    """A step awaiting its masks: its draft proposals, decided when it is sampled."""
-
-    @property
-    def awaiting_masks(self) -> bool:
-        return self.tokens is None and self.sampled is None
 
 
 def _row_ids(batch: Batch) -> list[str]:

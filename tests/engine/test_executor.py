@@ -14,7 +14,7 @@ import torch
 
 from streamer.engine import executor
 from streamer.messages import Batch, MaskFill, SampledToken, Shutdown, StepOutput
-from streamer.model.runner import Launched
+from streamer.model.launched import Launched
 
 
 class ScriptedRunner:

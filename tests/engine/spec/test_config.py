@@ -87,6 +87,12 @@ def test_a_draft_model_refuses_what_would_not_move_its_pages():
         EngineConfig(speculative_config=draft, tensor_parallel_size=2)
 
 
+def why_not(llm) -> str | None:
+    from streamer.model.exact_verify import unavailable
+
+    return unavailable(llm.engine.runner.config, llm.engine.runner.hf_config)
+
+
 def test_where_exact_verify_cannot_apply_the_runner_says_why(tmp_path, default_model):
     """The conditions of the decode-row verify (checked on CUDA at start: refused when
     exact_verify is true, skipped when it is left to the engine), read here on CPU."""
@@ -96,10 +102,10 @@ def test_where_exact_verify_cannot_apply_the_runner_says_why(tmp_path, default_m
 
     spec = {"method": "ngram", "num_speculative_tokens": 15}
     with LLM(str(default_model), speculative_config=spec) as llm:
-        assert llm.engine.runner._exact_verify_unavailable() is None
+        assert why_not(llm) is None
     with LLM(str(default_model), speculative_config=spec, decode_gemv=False) as llm:
-        assert "decode_gemv is off" in llm.engine.runner._exact_verify_unavailable()
+        assert "decode_gemv is off" in why_not(llm)
     arch, kw = MOE["qwen3_moe"]
     moe = make_tiny_model(tmp_path / "moe", arch, default_model, **kw)
     with LLM(str(moe), speculative_config=spec) as llm:
-        assert "mixture of experts" in llm.engine.runner._exact_verify_unavailable()
+        assert "mixture of experts" in why_not(llm)

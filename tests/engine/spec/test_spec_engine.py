@@ -205,7 +205,7 @@ def test_overlap_scheduling_with_speculation_gives_the_plain_output(default_mode
 
 class EagerRows:
     """In place of the GPU's rows-as-decode graphs (runner.row_graphs, CUDA only): the verify
-    steps of a lone request go through packing.verify_rows as decode rows, run eagerly here."""
+    steps of a lone request go through exact_verify.verify_rows as decode rows, run eagerly here."""
 
     def __init__(self, max_bs: int) -> None:
         self.max_bs, self.steps = max_bs, 0
