@@ -15,7 +15,9 @@ Two formats are understood (their meaning as transformers and compressed-tensors
 The weights stay float8 in memory and run through streamer/model/quant.py: per-tensor and
 per-channel scales become the per-row scales of quantization "fp8" (a per-tensor scale
 fills its shard's rows of a fused q/k/v or gate/up layer), block scales go through
-`block_fp8_linear`. Everything else a quantization_config can say (other methods, int8,
+`block_fp8_linear`. A mixture of experts' float8 experts (per-tensor or per-channel
+scales, inputs per token) run on fused_moe's float8 path with per-row scales, loaded
+expert by expert (model/moe.py); block-scaled experts are refused. Everything else a quantization_config can say (other methods, int8,
 static input scales, weight-only float8, quantized embeddings, KV-cache scales) is refused
 by name: running such a checkpoint as if it were something else would be silently wrong.
 """
@@ -36,6 +38,7 @@ from streamer.errors import ModelLoadError
 from streamer.model import quant
 from streamer.model.layers import Linear
 from streamer.model.llama import STACKED, LlamaForCausalLM
+from streamer.model.moe import Experts, MoEForCausalLM
 
 FP8 = torch.float8_e4m3fn
 # tensor names a float8 layer's scales may have in a checkpoint, per format
@@ -236,6 +239,36 @@ def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, so
         if scheme.block is not None and device.type == "cuda":
             _check_cuda_blocks(scheme.block, device, source)
         _make_fp8(m, scheme)
+        quantized.update(names)
+    if isinstance(model, MoEForCausalLM):
+        quantized |= _prepare_experts(model, scheme, source)
+    return quantized
+
+
+def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> set[str]:
+    """Float8 experts where the checkpoint stores them so: each expert projection's scale
+    (per tensor or per channel) becomes fused_moe's per-row scales, its inputs quantized per
+    token as the scheme's dynamic activations are. The names of the experts' projections."""
+    quantized: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if not isinstance(experts, Experts):
+            continue
+        base = f"model.layers.{i}.{model.legacy_block}.experts"
+        names = [f"{base}.{e}.{p}" for e in range(model.num_experts()) for p in model.expert_names]
+        flags = {scheme.quantized(n) for n in names}
+        if len(flags) > 1:
+            raise refuse(source, f"quantizes some of the projections of {base} but not all; streamer stacks "
+                         "every expert of a layer into one tensor")
+        if not flags.pop():
+            continue
+        if scheme.block is not None:
+            raise refuse(source, f"quantizes {base} with {list(scheme.block)} block scales; float8 experts run "
+                         "with per-tensor or per-channel weight scales (the dense layers take block scales)")
+        if scheme.act != "token":
+            raise refuse(source, f"quantizes the inputs of {base} per {scheme.act}; float8 experts quantize "
+                         "their inputs per token")
+        experts.expect_fp8()
         quantized.update(names)
     return quantized
 

@@ -22,7 +22,7 @@ from streamer.model import fp8_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.moe import Experts, MoEForCausalLM
+from streamer.model.moe import Experts
 from streamer.model.registry import model_class
 from streamer.model.rope import default_dtype, longrope_note
 from streamer.model.tp_group import current as tensor_parallel
@@ -130,9 +130,6 @@ def load_model(
     hf_config = load_hf_config(path)
     scheme = fp8_checkpoint.read_scheme(hf_config, str(path / "config.json"), quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
-    if issubclass(cls, MoEForCausalLM) and scheme is not None:
-        raise ModelLoadError(f"{path}: float8 checkpoints are not implemented for {cls.__name__}'s experts; "
-                             "load the unquantized checkpoint (with --quantization fp8 for float8 experts)")
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
     check_config(hf_config, cls, max_positions, str(path / "config.json"))
@@ -160,6 +157,10 @@ def load_model(
                     p.fill_(0.02)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
+            for m in model.modules():
+                if isinstance(m, Experts) and m.gate_up_proj_scale is not None:  # float8 experts' scales
+                    m.gate_up_proj_scale.fill_(0.02)
+                    m.down_proj_scale.fill_(0.02)
         else:
             tensors = iter_safetensors(files, lazy=tensor_parallel() is not None)
             model.load_weights(tensors if scheme is None else fp8_checkpoint.checkpoint_tensors(tensors, scheme, quantized))

@@ -58,6 +58,16 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_proj_scale", None, persistent=False)
         self.register_buffer("down_proj_scale", None, persistent=False)
 
+    def expect_fp8(self) -> None:
+        """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert);
+        the scales start NaN, so one the checkpoint lacks cannot pass for a real one."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+                                             requires_grad=False))
+            self.register_buffer(f"{name}_scale", torch.full(w.shape[:2], float("nan"), device=w.device),
+                                 persistent=False)
+
     def quantize_fp8(self, split_rows: TPGroup | None = None) -> None:
         """Each expert's rows to float8 with their scales, as Linear.quantize_fp8 (quantization
         "fp8"); one expert at a time, so the extra memory is one expert's float32 copy.
@@ -161,16 +171,36 @@ class MoEForCausalLM(LlamaForCausalLM):
         elif rest == "experts.down_proj":
             target, names = down, {self._legacy(i, e, 2) for e in experts}
         else:
-            em = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", rest)
+            em = re.fullmatch(r"experts\.(\d+)\.(\w+)\.(weight|weight_scale)", rest)
             if em is None or em[2] not in self.expert_names or int(em[1]) >= len(experts):
                 raise ModelLoadError(f"{what}: unexpected tensor for {type(self).__name__}")
             e, which = int(em[1]), self.expert_names.index(em[2])
+            if em[3] == "weight_scale":  # a float8 checkpoint's (model/fp8_checkpoint.py)
+                self._load_expert_scale(block.experts, e, which, tensor, what)
+                return {self._legacy(i, e, which) + "_scale"}
             target = down[e] if which == 2 else gate_up[e].narrow(0, which * inter, inter)
             names = {self._legacy(i, e, which)}
+        if (target.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+            raise ModelLoadError(f"{what} is {tensor.dtype}; the experts of this layer are {target.dtype} "
+                                 "(the quantization_config says which layers are float8)")
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         target.copy_(tensor)
         return names
+
+    def _load_expert_scale(self, ex: Experts, e: int, which: int, tensor: torch.Tensor, what: str) -> None:
+        """One expert projection's float8 scale: per tensor ([] or [1]) or per output row
+        ([rows] or [rows, 1]); either becomes the per-row scales fused_moe multiplies in."""
+        scales = ex.down_proj_scale if which == 2 else ex.gate_up_proj_scale
+        if scales is None:
+            raise ModelLoadError(f"{what} scales a projection the quantization_config keeps unquantized")
+        inter = ex.down_proj.shape[2]
+        target = scales[e] if which == 2 else scales[e].narrow(0, which * inter, inter)
+        rows = target.shape[0]
+        if tuple(tensor.shape) not in {(), (1,), (rows,), (rows, 1)}:
+            raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}; a per-tensor or per-channel scale of "
+                                 f"this projection is [] or [{rows}]")
+        target.copy_(tensor.float().reshape(-1).expand(rows))
 
     def expected_weight_names(self) -> set[str]:
         names = super().expected_weight_names()
@@ -178,7 +208,10 @@ class MoEForCausalLM(LlamaForCausalLM):
             if self.is_sparse(i):
                 names = {n for n in names if not n.startswith(f"layers.{i}.mlp.")}
                 names.add(f"layers.{i}.{self.legacy_block}.gate.weight")
-                names |= {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
+                legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
+                names |= legacy
+                if self.layers[i].mlp.experts.gate_up_proj_scale is not None:  # a float8 checkpoint's
+                    names |= {n + "_scale" for n in legacy}
         return names
 
 
