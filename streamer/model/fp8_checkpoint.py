@@ -17,13 +17,15 @@ per-channel scales become the per-row scales of quantization "fp8" (a per-tensor
 fills its shard's rows of a fused q/k/v or gate/up layer), block scales go through
 `block_fp8_linear`. A mixture of experts' float8 experts (per-tensor or per-channel
 scales, inputs per token) run on fused_moe's float8 path with per-row scales, loaded
-expert by expert (model/moe.py); block-scaled experts are refused. Everything else a quantization_config can say (other methods, int8,
+expert by expert (model/moe.py); block-scaled experts are dequantized into the model's
+dtype as they load (fused_moe has no block-scaled path yet). Everything else a quantization_config can say (other methods, int8,
 static input scales, weight-only float8, quantized embeddings, KV-cache scales) is refused
 by name: running such a checkpoint as if it were something else would be silently wrong.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from streamer.model.layers import Linear
 from streamer.model.llama import STACKED, LlamaForCausalLM
 from streamer.model.moe import Experts, MoEForCausalLM
 
+log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 # tensor names a float8 layer's scales may have in a checkpoint, per format
 SCALE_NAMES = {"fp8": ("weight_scale_inv", "weight_scale"), "compressed-tensors": ("weight_scale",)}
@@ -248,8 +251,11 @@ def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, so
 def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> set[str]:
     """Float8 experts where the checkpoint stores them so: each expert projection's scale
     (per tensor or per channel) becomes fused_moe's per-row scales, its inputs quantized per
-    token as the scheme's dynamic activations are. The names of the experts' projections."""
+    token as the scheme's dynamic activations are; block-scaled experts are dequantized into
+    the model's dtype as they load (Experts.expect_blocks). The names of the experts'
+    projections."""
     quantized: set[str] = set()
+    dequantized: torch.dtype | None = None
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if not isinstance(experts, Experts):
@@ -263,13 +269,19 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> s
         if not flags.pop():
             continue
         if scheme.block is not None:
-            raise refuse(source, f"quantizes {base} with {list(scheme.block)} block scales; float8 experts run "
-                         "with per-tensor or per-channel weight scales (the dense layers take block scales)")
+            # (no block-scaled grouped GEMM yet: these experts run in the model's dtype)
+            experts.expect_blocks(scheme.block)
+            quantized.update(names)
+            dequantized = experts.down_proj.dtype
+            continue
         if scheme.act != "token":
             raise refuse(source, f"quantizes the inputs of {base} per {scheme.act}; float8 experts quantize "
                          "their inputs per token")
         experts.expect_fp8()
         quantized.update(names)
+    if dequantized is not None:
+        log.warning("%s: the block-scaled float8 experts are dequantized to %s at load (fused_moe has no "
+                    "block-scaled path yet): twice their float8 memory, their inputs not rounded", source, dequantized)
     return quantized
 
 

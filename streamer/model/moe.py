@@ -34,6 +34,7 @@ from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
 from streamer.model.llama import LlamaForCausalLM
+from streamer.model.quant import dequantize_blocks
 from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -57,6 +58,14 @@ class Experts(nn.Module):
         self.down_proj_scale: torch.Tensor | None
         self.register_buffer("gate_up_proj_scale", None, persistent=False)
         self.register_buffer("down_proj_scale", None, persistent=False)
+        self.block: tuple[int, int] | None = None
+        """A block-scaled float8 checkpoint's [bn, bk] (expect_blocks): its experts are
+        dequantized into the model's dtype as they load."""
+        self.pending: dict[str, tuple[str, torch.Tensor]] = {}
+        """Block-scaled projections whose weight or scale has come, waiting for the other."""
+
+    def expect_blocks(self, block: tuple[int, int]) -> None:
+        self.block = block
 
     def expect_fp8(self) -> None:
         """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert);
@@ -175,11 +184,14 @@ class MoEForCausalLM(LlamaForCausalLM):
             if em is None or em[2] not in self.expert_names or int(em[1]) >= len(experts):
                 raise ModelLoadError(f"{what}: unexpected tensor for {type(self).__name__}")
             e, which = int(em[1]), self.expert_names.index(em[2])
-            if em[3] == "weight_scale":  # a float8 checkpoint's (model/fp8_checkpoint.py)
-                self._load_expert_scale(block.experts, e, which, tensor, what)
-                return {self._legacy(i, e, which) + "_scale"}
             target = down[e] if which == 2 else gate_up[e].narrow(0, which * inter, inter)
-            names = {self._legacy(i, e, which)}
+            names = {self._legacy(i, e, which) + ("_scale" if em[3] == "weight_scale" else "")}
+            if block.experts.block is not None:  # block-scaled float8 (model/fp8_checkpoint.py)
+                self._load_block_part(block.experts, target, self._legacy(i, e, which), em[3], tensor, what)
+                return names
+            if em[3] == "weight_scale":  # a float8 checkpoint's, per tensor or per channel
+                self._load_expert_scale(block.experts, e, which, tensor, what)
+                return names
         if (target.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
             raise ModelLoadError(f"{what} is {tensor.dtype}; the experts of this layer are {target.dtype} "
                                  "(the quantization_config says which layers are float8)")
@@ -202,6 +214,29 @@ class MoEForCausalLM(LlamaForCausalLM):
                                  f"this projection is [] or [{rows}]")
         target.copy_(tensor.float().reshape(-1).expand(rows))
 
+    def _load_block_part(self, ex: Experts, target: torch.Tensor, name: str, part: str, tensor: torch.Tensor,
+                         what: str) -> None:
+        """One part (float8 weight or block scales) of a block-scaled expert projection; once
+        both are in, the fp32 weight they stand for goes into target in the model's dtype."""
+        assert ex.block is not None
+        bn, bk = ex.block
+        rows, cols = target.shape
+        if part == "weight":
+            want, ok = (rows, cols), tensor.dtype == torch.float8_e4m3fn
+            if not ok:
+                raise ModelLoadError(f"{what} is {tensor.dtype}; the quantization_config makes these experts "
+                                     "float8 e4m3")
+        else:
+            want = (-(-rows // bn), -(-cols // bk))
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {want}")
+        other = ex.pending.pop(name, None)
+        if other is None or other[0] == part:
+            ex.pending[name] = (part, tensor)
+            return
+        weight, scale = (tensor, other[1]) if part == "weight" else (other[1], tensor)
+        target.copy_(dequantize_blocks(weight, scale, ex.block))
+
     def expected_weight_names(self) -> set[str]:
         names = super().expected_weight_names()
         for i in range(len(self.layers)):
@@ -210,7 +245,8 @@ class MoEForCausalLM(LlamaForCausalLM):
                 names.add(f"layers.{i}.{self.legacy_block}.gate.weight")
                 legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
                 names |= legacy
-                if self.layers[i].mlp.experts.gate_up_proj_scale is not None:  # a float8 checkpoint's
+                ex = self.layers[i].mlp.experts
+                if ex.gate_up_proj_scale is not None or ex.block is not None:  # a float8 checkpoint's
                     names |= {n + "_scale" for n in legacy}
         return names
 

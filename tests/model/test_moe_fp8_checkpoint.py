@@ -1,8 +1,9 @@
 """Float8 checkpoints of mixtures of experts load as stored: every expert projection's
 float8 weight and its per-channel or per-tensor scale become the float8 experts'
 per-row scales (fused_moe's float8 path, inputs quantized per token). A checkpoint of
-the per-row scales quantization "fp8" computes online runs exactly as the online one;
-block-scaled experts, per-tensor input scales, partly quantized layers, missing scales
+the per-row scales quantization "fp8" computes online runs exactly as the online one.
+Block-scaled experts are dequantized as they load, so they run as transformers runs the
+dequantized checkpoint. Per-tensor input scales, partly quantized layers, missing scales
 and unquantized tensors where float8 ones belong are refused by name."""
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from streamer import LLM
+from streamer import LLM, SamplingParams
 from streamer.errors import ModelLoadError
 from streamer.model.loader import load_model
 from tests.model.test_fp8_checkpoint import PARAMS, ct_config, per_row, per_tensor, prompts
+from tests.model.test_greedy_vs_transformers import assert_matches, run_and_compare
+from tests.model.test_greedy_vs_transformers import prompts as text_prompts
 from tests.model.test_moe import ARCHS, moe_models  # noqa: F401 - the fixture
 
 FP8 = torch.float8_e4m3fn
 TOKEN_ACTS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+PARAMS_GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 ROUTER = ("mlp.gate.weight", "block_sparse_moe.gate.weight")  # routers stay in the model's dtype
 
 
@@ -31,12 +35,13 @@ def quantized(name: str, t: torch.Tensor) -> bool:
             and not name.endswith(ROUTER))
 
 
-def write(src: Path, dst: Path, qconfig: dict, quantize, scale_name: str, edit=None) -> Path:
+def write(src: Path, dst: Path, qconfig: dict, quantize, scale_name: str, edit=None, which=quantized) -> Path:
+    """src's model with the weights `which` selects replaced by quantize(W) = (float8, scale)."""
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
     out = {}
     for name, t in tensors.items():
-        if quantized(name, t):
+        if which(name, t):
             out[name], out[name.removesuffix("weight") + scale_name] = quantize(t)
         else:
             out[name] = t
@@ -116,14 +121,50 @@ def _refused(path: Path, *fragments: str) -> None:
         assert f in str(e.value), str(e.value)
 
 
-def test_block_scaled_experts_are_refused(moe_models, tmp_path):  # noqa: F811
-    folder = shutil.copytree(moe_models["mixtral"], tmp_path / "m")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"experts with \[128, 128\] block scales"):
-        load_model(folder, load_format="dummy")
+def blocks_32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style block scales ([32, 32] blocks here: the tiny experts are 32 x 64), W = q * s."""
+    n, k = w.shape
+    s = w.abs().reshape(n // 32, 32, k // 32, 32).amax(dim=(1, 3)) / 448.0
+    return (w / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).clamp(-448, 448).to(FP8), s
+
+
+def test_block_scaled_experts_run_as_transformers_runs_them_dequantized(moe_models, tmp_path):  # noqa: F811
+    """Only the experts block-scaled (quant_method "fp8", weight_block_size [32, 32]): each
+    projection is dequantized as its weight and scale come in, so the model holds the fp32
+    weights the checkpoint stands for, and greedy output equals transformers' generate over
+    those weights saved as a plain checkpoint."""
+    src = moe_models["qwen3_moe"]
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+               "modules_to_not_convert": [r".*self_attn", r"model\.layers\.0\.mlp", "mlp.gate", "lm_head"]}
+    path = write(src, tmp_path / "blocks", qconfig, blocks_32, "weight_scale_inv",
+                 which=lambda n, t: quantized(n, t) and ".experts." in n)
+    stored = load_file(str(path / "model.safetensors"))
+    plain = {n: t for n, t in stored.items() if not n.endswith("weight_scale_inv")}
+    for n, t in plain.items():
+        if t.dtype == FP8:
+            plain[n] = t.float() * stored[n + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(32, 1)
+    dequantized = shutil.copytree(src, tmp_path / "dequantized")
+    save_file(plain, str(dequantized / "model.safetensors"))
+    original = load_file(str(src / "model.safetensors"))
+
+    model, _ = load_model(path)
+    ex = model.layers[1].mlp.experts
+    assert ex.gate_up_proj.dtype == torch.float32 and ex.gate_up_proj_scale is None and not ex.pending
+    assert torch.equal(ex.down_proj[3], plain["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(ex.gate_up_proj[5, 32:], plain["model.layers.1.mlp.experts.5.up_proj.weight"])
+    assert not torch.equal(ex.down_proj[3], original["model.layers.1.mlp.experts.3.down_proj.weight"])
+    with LLM(str(path)) as llm:
+        batch = text_prompts(llm.tokenizer, 3, 20, 70, seed=5)
+        assert_matches(run_and_compare(llm, dequantized, batch, PARAMS_GREEDY), 3)
+
+
+def test_a_block_scaled_expert_without_its_scale_is_named(moe_models, tmp_path):  # noqa: F811
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight_scale_inv"
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+               "modules_to_not_convert": ["gate", "lm_head"]}
+    path = write(moe_models["mixtral"], tmp_path / "m", qconfig, blocks_32, "weight_scale_inv",
+                 edit=lambda t: t.pop(name))
+    _refused(path, "missing tensor", "layers.0.block_sparse_moe.experts.1.w2.weight_scale")
 
 
 def test_per_tensor_input_scales_of_experts_are_refused(moe_models, tmp_path):  # noqa: F811
