@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from streamer.bench import offline
+from streamer.bench import offline, peers
 
 FAKE_TOOL = '''
 import argparse, json
@@ -49,7 +49,7 @@ def test_vllm_peer_result_comes_from_the_tool(tmp_path):
     (tmp_path / "site").mkdir()
     args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path / "site"),
                  "--num-requests", "3", "--kv-cache-dtype", "fp8")
-    res = offline.run_vllm_peer(args, "W2")
+    res = peers.run_vllm_peer(args, "W2")
     assert res == {"engine": "vllm", "requests": 3, "output_tokens": 256, "seconds": 2.0,
                    "output_tokens_per_s": 128.0, "ms_per_output_token": 4.0}
 
@@ -57,7 +57,7 @@ def test_vllm_peer_result_comes_from_the_tool(tmp_path):
 def test_vllm_peer_without_the_tool_names_what_is_missing(tmp_path):
     args = _args("--peer", "vllm", "--vllm-tool", str(tmp_path / "nope.py"), "--vllm-site", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="--vllm-tool"):
-        offline.run_vllm_peer(args, "W1")
+        peers.run_vllm_peer(args, "W1")
 
 
 def test_vllm_peer_failure_is_reported(tmp_path):
@@ -67,7 +67,7 @@ def test_vllm_peer_failure_is_reported(tmp_path):
                     "open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
     args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path))
     with pytest.raises(RuntimeError, match="engine init failed"):
-        offline.run_vllm_peer(args, "W1")
+        peers.run_vllm_peer(args, "W1")
 
 
 def test_max_num_seqs_reaches_the_peer_only_when_given(tmp_path):
@@ -75,8 +75,8 @@ def test_max_num_seqs_reaches_the_peer_only_when_given(tmp_path):
     tool.write_text(FAKE_TOOL)
     (tmp_path / "site").mkdir()
     common = ("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path / "site"))
-    assert "engine_args" not in offline.run_vllm_peer(_args(*common), "W3")
-    assert offline.run_vllm_peer(_args(*common, "--max-num-seqs", "32"), "W3")["engine_args"] == {"max_num_seqs": 32}
+    assert "engine_args" not in peers.run_vllm_peer(_args(*common), "W3")
+    assert peers.run_vllm_peer(_args(*common, "--max-num-seqs", "32"), "W3")["engine_args"] == {"max_num_seqs": 32}
 
 
 # The tool's structure as benchmarks/peer_vllm.py relies on it: engine_kwargs and load_offline at
@@ -123,8 +123,8 @@ def test_tensor_parallelism_and_another_shape_reach_the_tools_child(tmp_path):
     tool.write_text(FAKE_PEER_BENCH)
     (tmp_path / "site").mkdir()
     args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path / "site"),
-                 "--tensor-parallel-size", "2", "--model-dir", str(offline.CONFIGS / "llama-3.1-70b"))
-    res = offline.run_vllm_peer(args, "W2")
+                 "--tensor-parallel-size", "2", "--model-dir", str(peers.CONFIGS / "llama-3.1-70b"))
+    res = peers.run_vllm_peer(args, "W2")
     assert res["model"] == "llama-3.1-70b", "the workload's model, replaced in the child"
     assert res["engine_args"] == {"max_model_len": 2048, "tensor_parallel_size": 2}
 
@@ -137,5 +137,5 @@ def test_the_peer_takes_only_benchmark_shapes(tmp_path):
     args = _args("--peer", "vllm", "--vllm-tool", str(tool), "--vllm-site", str(tmp_path),
                  "--model-dir", str(tmp_path / "model"))
     with pytest.raises(ValueError, match="shape of"):
-        offline.run_vllm_peer(args, "W2")
+        peers.run_vllm_peer(args, "W2")
 
