@@ -21,6 +21,7 @@ from streamer.config import EngineConfig
 from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch
+from streamer.model.context import computing_rows_as_decode
 from streamer.model.graphs import DecodeGraphs
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -45,12 +46,19 @@ def verify_rows(batch: Batch, most: int) -> Batch | None:
     return msgspec.structs.replace(batch, seqs=rows, spec=False)
 
 
-def unavailable(config: EngineConfig, hf_config: Any) -> str | None:
+def unavailable(config: EngineConfig, hf_config: Any, model: Any) -> str | None:
     """Why verify steps cannot run as decode rows here (None: they can). Each condition is
-    where plain batch-1 decoding's arithmetic is not that of decode rows."""
+    where plain batch-1 decoding's arithmetic is not that of decode rows: wherever decode's
+    one row goes through cuBLAS rather than the GEMV, rows cannot repeat its rounding."""
     assert config.speculative_config is not None
     if not config.decode_gemv:
         return "plain decoding runs cuBLAS at one row (decode_gemv is off), whose rounding rows cannot repeat"
+    dtype = model.lm_head.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"plain decoding of a {str(dtype).removeprefix('torch.')} model runs cuBLAS at one row (the GEMV " \
+               "takes bfloat16 and float16), whose rounding rows cannot repeat"
+    if any(getattr(m, "block", None) is not None for m in model.modules()):
+        return "not with block-scaled float8 layers (cuBLAS's block-wise GEMM at every batch size)"
     if tensor_parallel() is not None:
         return "not with tensor parallelism (each rank's all-reduce)"
     if getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0):
@@ -67,7 +75,7 @@ def row_graphs(model: Any, pool: PagePool, config: EngineConfig, hf_config: Any,
     spec = config.speculative_config
     if spec is None or spec.method != "ngram" or spec.exact_verify is False:
         return None
-    why_not = unavailable(config, hf_config)
+    why_not = unavailable(config, hf_config, model)
     if why_not is not None:
         if spec.exact_verify:
             raise ConfigError(f"speculative_config exact_verify: {why_not}")
@@ -76,4 +84,9 @@ def row_graphs(model: Any, pool: PagePool, config: EngineConfig, hf_config: Any,
     graphs.pool = memory
     with torch.inference_mode():
         graphs.capture()
+        # the LM head runs after the replay, on the real rows: its per-row GEMV compiled now for
+        # every row count, not at a request's first verify step
+        with computing_rows_as_decode(True):
+            for b in range(2, graphs.max_bs + 1):
+                model.compute_logits(graphs.hidden[next(s for s in graphs.sizes if s >= b)][:b])
     return graphs

@@ -26,7 +26,7 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
-from streamer.model.exact_verify import NO_GRAPHS, row_graphs, verify_rows
+from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.launched import Launched, PromptLogprobs
 from streamer.model.layers import Linear
@@ -100,7 +100,8 @@ class ModelRunner:
             self._capture_graphs()
         spec = config.speculative_config
         if self.device.type == "cuda" and spec is not None and spec.exact_verify and self.row_graphs is None:
-            raise ConfigError(f"speculative_config exact_verify: {NO_GRAPHS}")
+            why_not = unavailable(config, self.hf_config, self.model) or NO_GRAPHS
+            raise ConfigError(f"speculative_config exact_verify: {why_not}")
 
     def _capture_graphs(self) -> None:
         from kernels.attention import extend_block_m
@@ -345,7 +346,7 @@ class ModelRunner:
         """Drop the model, its graphs, the KV pool and the draft's now (the engine stopped),
         not at garbage collection: a second engine in the process sizes its pool from the
         device memory left. Other actors still reference the pool: its tensors are emptied."""
-        self.graphs = self.extend_graphs = None
+        self.graphs = self.extend_graphs = self.row_graphs = None
         pools = [self.pool] + ([self.draft.pool] if self.draft is not None else [])
         for pool in pools:
             if pool is not None:

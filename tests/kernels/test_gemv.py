@@ -287,10 +287,15 @@ def test_cuda_float8_gemv_matches_the_float8_gemm(n, k):
 
 
 @pytest.mark.parametrize("m", [2, 5, 9])
-@pytest.mark.parametrize("n,k", [(37, 2048), (40, 200)], ids=["split_k", "ragged_k"])
+@pytest.mark.parametrize("n,k", [(37, 2048), (40, 200), pytest.param(4096, 2048, marks=cuda)],
+                         ids=["split_k", "ragged_k", "m1_config"])  # (m1_config: minutes in the interpreter)
 def test_per_row_gemv_gives_each_row_the_bits_of_a_lone_row(m, n, k):
     """A verify step's rows through gemv(per_row=True) equal the one-row decode GEMV of each row
-    bit for bit: the same config (M = 1's, split-K included) and one row per program."""
+    bit for bit: the same config (M = 1's, split-K included) and one row per program. At
+    N = 4096, M = 1 has a config of its own (16-row tiles, 8 warps): on the GPU, without
+    per_row, those rows would be reduced over another thread layout."""
+    if n == 4096:
+        assert G.gemv_config(1, n, k) != G.gemv_config(m, n, k)
     gen = torch.Generator().manual_seed(m + n)
     x = _rand(m, k, dtype=torch.bfloat16, gen=gen)
     w = _rand(n, k, dtype=torch.bfloat16, gen=gen, scale=k**-0.5)

@@ -618,6 +618,11 @@ def test_decode_rows_split_as_batch_one_give_each_the_bits_of_a_lone_decode(dtyp
     q, kc, vc, pt, lens = _decode_case([300], 16, 4, 64, dtype, kvh=1, seed=4)
     rows = 9
     qs = torch.randn(rows, *q.shape[1:], generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    # a page table as wide as a graph's for 8,192 tokens: split counts follow its width, and
+    # a lone decode's (64 on the H200, 16 here) is not a 9-row batch's (58, 1)
+    pt = torch.cat([pt, pt.new_zeros(1, 512 - pt.shape[1])], dim=1)
+    assert attention.splits._choose_splits(1, 1, 512 * 16, 32, q.device) != \
+        attention.splits._choose_splits(rows, 1, 512 * 16, 32, q.device)
     pts = pt.expand(rows, -1).contiguous()
     row_lens = torch.arange(292, 292 + rows, dtype=torch.int32, device=DEVICE)
     scale = 1 / math.sqrt(64)

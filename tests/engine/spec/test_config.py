@@ -90,22 +90,29 @@ def test_a_draft_model_refuses_what_would_not_move_its_pages():
 def why_not(llm) -> str | None:
     from streamer.model.exact_verify import unavailable
 
-    return unavailable(llm.engine.runner.config, llm.engine.runner.hf_config)
+    runner = llm.engine.runner
+    return unavailable(runner.config, runner.hf_config, runner.model)
 
 
 def test_where_exact_verify_cannot_apply_the_runner_says_why(tmp_path, default_model):
     """The conditions of the decode-row verify (checked on CUDA at start: refused when
     exact_verify is true, skipped when it is left to the engine), read here on CPU."""
     from streamer import LLM
+    from streamer.model.exact_verify import unavailable
     from tests.conftest import make_tiny_model
     from tests.model.test_moe import ARCHS as MOE
 
     spec = {"method": "ngram", "num_speculative_tokens": 15}
-    with LLM(str(default_model), speculative_config=spec) as llm:
+    with LLM(str(default_model), speculative_config=spec, dtype="bfloat16") as llm:
         assert why_not(llm) is None
+        runner = llm.engine.runner
+        runner.model.layers[0].mlp.gate_up_proj.block = (128, 128)  # as a block-scaled checkpoint's layer
+        assert "block-scaled float8" in unavailable(runner.config, runner.hf_config, runner.model)
+    with LLM(str(default_model), speculative_config=spec) as llm:  # float32 on the CPU
+        assert "float32 model runs cuBLAS at one row" in why_not(llm)
     with LLM(str(default_model), speculative_config=spec, decode_gemv=False) as llm:
         assert "decode_gemv is off" in why_not(llm)
     arch, kw = MOE["qwen3_moe"]
     moe = make_tiny_model(tmp_path / "moe", arch, default_model, **kw)
-    with LLM(str(moe), speculative_config=spec) as llm:
+    with LLM(str(moe), speculative_config=spec, dtype="bfloat16") as llm:
         assert "mixture of experts" in why_not(llm)
