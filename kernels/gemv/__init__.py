@@ -47,8 +47,17 @@ Modules: `linear` (gemv: the kernel, its split-K reduction and launch), `glu` (g
 shape, `gemv_config` and `glu_config`).
 """
 
-from kernels.gemv.config import MAX_M, GemvConfig, gemv_config, glu_config, num_sms, use_gemv
+from kernels.gemv.config import (
+           MAX_M,
+           GemvConfig,
+           gemv_config,
+           glu_config,
+           num_sms,
+           rows_per_program,
+           use_gemv,
+)
 from kernels.gemv.glu import gemv_glu
 from kernels.gemv.linear import gemv
 
-__all__ = ["MAX_M", "GemvConfig", "gemv", "gemv_config", "gemv_glu", "glu_config", "num_sms", "use_gemv"]
+__all__ = ["MAX_M", "GemvConfig", "gemv", "gemv_config", "gemv_glu", "glu_config", "num_sms", "rows_per_program",
+           "use_gemv"]

@@ -89,6 +89,19 @@ def glu_config(n: int, k: int, w_bytes: int = 2) -> GemvConfig:
     return GemvConfig(block_n=8, num_warps=8)
 
 
+def rows_per_program(cfg: GemvConfig) -> int:
+    """Rows of x one program of `gemv(..., per_row=True)` takes, sharing its W tiles (each
+    row's operations are the same whatever the count, so only speed depends on it): as many
+    as fit in registers with M = 1's config. ptxas -v for sm_90a (Triton 3.9): bf16 chunks
+    (256 x 4) hold 4 rows unspilled (214 registers with 16-row tiles); float8 256 x 2 holds
+    4, 512 x 4 spills from 3 rows (140 bytes), 512 x 8 from 2 (160), 1024 x 2 already at 1
+    (88) and 468 bytes at 2."""
+    chunk = cfg.block_k * cfg.unroll
+    if chunk <= 1024:
+        return MAX_M
+    return 2 if chunk <= 2048 and cfg.block_k <= 512 else 1
+
+
 MAX_ROWS_PER_ROW = 16
 """Most rows `use_gemv(..., per_row=True)` takes: a verify step's num_speculative_tokens + 1."""
 

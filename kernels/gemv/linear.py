@@ -12,7 +12,7 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
-from kernels.gemv.config import MAX_M, GemvConfig, gemv_config
+from kernels.gemv.config import MAX_M, GemvConfig, gemv_config, rows_per_program
 from kernels.gemv.config import num_sms as _num_sms
 
 
@@ -197,8 +197,9 @@ def gemv(
     (default x.dtype).
 
     per_row: every row as if it were alone, bit for bit: the config of M = 1 for any M (the rows
-    of a speculative verify step that must equal decode's). A program's rows (up to 4) share
-    its W tiles, each with its own accumulator and the same sequence of operations.
+    of a speculative verify step that must equal decode's). A program's rows (up to 4, fewer
+    where M = 1's float8 chunks would spill: `rows_per_program`) share its W tiles, each with
+    its own accumulator and the same sequence of operations.
 
     x and weight may differ in dtype (fp32 / fp16 / bf16): both are read as fp32. With
     `scales` = (sx [M] or [M, 1], sw [N]), both operands are float8 (x quantized row by
@@ -228,7 +229,7 @@ def gemv(
         return out.zero_().view(*x.shape[:-1], n)
     sx, sw = _scale_args(scales, m, n, out)
     cfg = config or gemv_config(1 if per_row else m, n, k, _num_sms(x.device), weight.element_size())
-    block_m = min(m, MAX_M)
+    block_m = min(m, rows_per_program(cfg) if per_row else MAX_M)
     step = cfg.block_k * cfg.unroll
     k_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), step) * step
     splits = triton.cdiv(k, k_split)

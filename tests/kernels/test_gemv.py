@@ -305,6 +305,35 @@ def test_per_row_gemv_gives_each_row_the_bits_of_a_lone_row(m, n, k):
     _close(rows, linear(x, w), TOL[torch.bfloat16])
 
 
+def test_per_row_programs_take_the_rows_their_registers_hold():
+    """ptxas -v on sm_90a: bf16 chunks and small float8 ones hold 4 rows without spilling,
+    larger float8 chunks 2 or 1 (kernels/gemv/config.py rows_per_program)."""
+    cfg = G.GemvConfig
+    assert G.rows_per_program(G.gemv_config(1, 4096, 4096)) == 4
+    assert G.rows_per_program(cfg(block_k=256, unroll=2)) == 4
+    assert G.rows_per_program(cfg(block_k=512, unroll=4)) == 2
+    assert G.rows_per_program(cfg(block_k=512, unroll=8)) == 1
+    assert G.rows_per_program(cfg(block_k=1024, unroll=2)) == 1
+
+
+@pytest.mark.parametrize("m", [3, 5])
+@pytest.mark.parametrize("block_k,unroll", [(512, 4), (1024, 2)], ids=["two_per_program", "one_per_program"])
+def test_per_row_float8_gemv_gives_each_row_the_bits_of_a_lone_row(m, block_k, unroll):
+    from streamer.model import quant
+
+    gen = torch.Generator().manual_seed(m)
+    n, k = 24, 4096
+    x = _rand(m, k, dtype=torch.bfloat16, gen=gen)
+    w, sw = quant.quantize_rows_fp8(_rand(n, k, dtype=torch.bfloat16, gen=gen, scale=k**-0.5))
+    qx, sx = quant.quantize_rows_fp8(x)
+    cfg = G.GemvConfig(block_n=16, block_k=block_k, unroll=unroll, num_warps=8)
+    scales = (sx.view(-1), sw.view(-1))
+    rows = G.gemv(qx, w, cfg, scales=scales, out_dtype=torch.bfloat16, per_row=True)
+    for i in range(m):
+        alone = G.gemv(qx[i : i + 1], w, cfg, scales=(sx.view(-1)[i : i + 1], sw.view(-1)), out_dtype=torch.bfloat16)
+        assert torch.equal(rows[i], alone[0]), i
+
+
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_gemv_glu_of_several_rows_gives_each_the_bits_of_a_lone_row(m):
     gen = torch.Generator().manual_seed(m)
