@@ -1,0 +1,88 @@
+"""Registers and spills of the GEMV kernels, compiled ahead of time for sm_90a on any machine
+(no GPU needed): Triton lowers to PTX, and the ptxas Triton bundles reports what each
+variant uses. For choosing rows per program (kernels/gemv/config.py rows_per_program) and
+for checking a new config before device time is spent on it.
+
+    python3 benchmarks/ptxas_regs.py            # per-row GEMV and gemv_glu, 1-4 rows per program
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (what the GPU machine compiles with)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.gemv.glu import _gemv_glu_kernel  # noqa: E402
+from kernels.gemv.linear import _gemv_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def ptxas() -> str:
+    found = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas*")))
+    if not found:
+        raise SystemExit("no ptxas in this Triton install")
+    return found[-1]  # (ptxas-blackwell where both are bundled: the newer PTX versions)
+
+
+def usage(fn, sig: dict, consts: dict, **opts) -> tuple[int, int]:
+    """(registers per thread, bytes of spill stores) of one variant."""
+    sig = {**sig, **{c: "constexpr" for c in consts}}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET, options=opts)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return int(regs[1]) if regs else -1, int(spill[1]) if spill else 0
+
+
+def gemv(fp8: bool, block_n: int, block_k: int, unroll: int, warps: int, rows: int) -> tuple[int, int]:
+    w = "*fp8e4nv" if fp8 else "*bf16"
+    s = "*fp32" if fp8 else "*bf16"
+    sig = {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", "ws_ptr": "*fp32", "sx_ptr": s, "sw_ptr": s, "M": "i32",
+           "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+    consts = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, EVEN_K=True, SPLIT=False,
+                  ACC_1D=False, SCALED=fp8, OUT_DTYPE=tl.bfloat16, INTERP=False, PDL=True)
+    return usage(_gemv_kernel, sig, consts, num_warps=warps, num_stages=1)
+
+
+def glu(fp8: bool, rows: int) -> tuple[int, int]:
+    w = "*fp8e4nv" if fp8 else "*bf16"
+    s = "*fp32" if fp8 else "*bf16"
+    sig = {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", "sx_ptr": s, "sw_ptr": s, "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32"}
+    consts = dict(BLOCK_M=rows, BLOCK_N=8, BLOCK_K=256, UNROLL=2 if fp8 else 4, EVEN_K=False, SCALED=fp8,
+                  OUT_DTYPE=tl.bfloat16, INTERP=False, PDL=True)
+    return usage(_gemv_glu_kernel, sig, consts, num_warps=8, num_stages=1)
+
+
+def cells(f, *args) -> str:
+    return "  ".join("{}/{}".format(*f(*args, r)) for r in (1, 2, 3, 4))
+
+
+def main() -> None:
+    # M = 1's configs (kernels/gemv/config.py gemv_config, glu_config)
+    cases = [("bf16 16x256x4 w8", False, 16, 256, 4, 8), ("bf16 4x256x4 w4", False, 4, 256, 4, 4),
+             ("fp8 16x256x2 w8", True, 16, 256, 2, 8), ("fp8 16x512x4 w8", True, 16, 512, 4, 8),
+             ("fp8 16x512x8 w8", True, 16, 512, 8, 8), ("fp8 16x1024x2 w8", True, 16, 1024, 2, 8)]
+    print("kernel, config: registers / spill-store bytes at 1, 2, 3, 4 rows per program")
+    for name, fp8, bn, bk, un, warps in cases:
+        print(f"gemv {name}:", cells(gemv, fp8, bn, bk, un, warps), flush=True)
+    for fp8 in (False, True):
+        print(f"gemv_glu {'fp8' if fp8 else 'bf16'} 8x256:", cells(glu, fp8), flush=True)
+
+
+if __name__ == "__main__":
+    main()
