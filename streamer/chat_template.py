@@ -145,8 +145,11 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
 
 
 def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-           kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids; RequestError when the template refuses these messages."""
+           kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> list[int]:
+    """The prompt's token ids; RequestError when the template refuses these messages.
+    continue_final_message: the last (assistant) message is left open for the answer to
+    continue (transformers cuts the rendered text after its content)."""
     extra = check_kwargs(kwargs)
     if renders_tools(template_text(hf_tokenizer)):
         msgs, call_tools = template_messages(messages), tools or None
@@ -154,7 +157,8 @@ def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dic
         msgs, call_tools = hermes_messages(messages, tools), None
     try:
         ids = hf_tokenizer.apply_chat_template(msgs, tools=call_tools, tokenize=True,
-                                               add_generation_prompt=add_generation_prompt, **extra)
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, **extra)
     except Exception as e:  # noqa: BLE001 - template errors come from user messages
         raise RequestError(f"cannot apply the chat template to these messages: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

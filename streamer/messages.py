@@ -53,6 +53,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int = 1
     stop: list[str] = msgspec.field(default_factory=list)
+    include_stop: bool = False
+    """The stop string that ended the request stays at the end of its text (vLLM's
+    include_stop_str_in_output); by default it is cut."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -135,6 +138,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """messages end with an assistant message that the answer continues (rendered open:
+    without its end-of-turn), instead of a new turn (then add_generation_prompt is false)."""
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools, rendered into the prompt by the chat template (with messages)."""
     chat_template_kwargs: dict[str, Any] | None = None

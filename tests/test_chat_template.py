@@ -117,3 +117,23 @@ def test_the_tokenizer_actor_applies_the_defaults_under_the_requests_own(qwen3_t
     assert "get_weather" in qwen3_tok.decode(with_tools)
     with pytest.raises(RequestError, match="need messages"):
         actor.encode_prompt(GenerateRequest(request_id="d", prompt="hi", tools=TOOLS))
+
+
+def test_continue_final_message_leaves_the_assistants_message_open(smol_tok):
+    """vLLM's continue_final_message: the prompt ends with the assistant's words, not its
+    end of turn, so the answer goes on from them."""
+    from streamer.chat_template import render
+
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text = smol_tok.decode(render(smol_tok, msgs, add_generation_prompt=False, continue_final_message=True))
+    assert text.endswith("The colour is")
+    closed = smol_tok.decode(render(smol_tok, msgs, add_generation_prompt=False))
+    assert closed.startswith(text) and len(closed) > len(text)
+
+    from streamer.engine.tokenizer import Tokenizer
+    from streamer.messages import GenerateRequest
+
+    actor = Tokenizer(smol_tok, [2], 4096, len(smol_tok))
+    ids = actor.encode_prompt(GenerateRequest(request_id="a", messages=msgs, add_generation_prompt=False,
+                                              continue_final_message=True))
+    assert smol_tok.decode(ids) == text

@@ -6,8 +6,8 @@ Outbox: RequestOutput -> each request's queue (or shared sink); Finish -> schedu
         stop string matched (so its pages are freed at once).
 Invariants: a text delta never ends inside a UTF-8 character (it waits for the
 bytes that complete it); text of a matched stop string never reaches the
-caller, also when the string spans several tokens (text that could still
-become a stop string is held back); each request gets exactly one final
+caller (unless params.include_stop: then it ends the text), also when the string spans
+several tokens (text that could still become a stop string is held back); each request gets exactly one final
 output (finished=True), after which it is forgotten.
 """
 
@@ -92,6 +92,7 @@ class Stream:
     def __init__(self, hf_tokenizer: Any, params: SamplingParams, queue: asyncio.Queue) -> None:
         self.text = IncrementalText(hf_tokenizer, params.skip_special_tokens)
         self.stops = [s for s in params.stop if s]
+        self.include_stop = params.include_stop
         self.queue = queue
         self.full = ""  # the text so far, kept only to find stop strings in it
         self.sent = 0
@@ -143,9 +144,10 @@ class Stream:
         self.full += piece
         reason, stopped = d.finish_reason, False
         end = len(self.full)
-        hits = [i for i in (self.full.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.full.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            end, reason, stopped, final = min(hits), "stop", True, True
+            at, longest = min(hits)  # the first match (of two at one place, the longer string)
+            end, reason, stopped, final = at - longest if self.include_stop else at, "stop", True, True
         elif not final:
             end -= _held_back(self.full, self.stops)
         out = self._output(d, self.full[self.sent : end], final, reason)

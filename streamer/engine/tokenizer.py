@@ -95,7 +95,8 @@ class Tokenizer:
         if req.messages is not None:
             kwargs = {**self.chat_template_kwargs, **(req.chat_template_kwargs or {})}
             return render(self.hf, req.messages, tools=req.tools, kwargs=kwargs,
-                          add_generation_prompt=req.add_generation_prompt)
+                          add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message)
         if req.tools is not None or req.chat_template_kwargs is not None:
             raise RequestError("tools and chat_template_kwargs need messages (a chat request)")
         assert req.prompt is not None

@@ -7,6 +7,8 @@ request Structs in protocol.py), accepted because it has no effect on one server
 echo and logprobs, top_logprobs without logprobs, stream_options without stream) are in
 the endpoints' own checks (openai_api.py).
 
+Other servers' extensions (OTHER_SERVERS_REFUSED) follow the same rule where they would change
+the answer; vLLM's include_stop_str_in_output and continue_final_message are implemented.
 The refused fields are not Struct fields: they would appear in the OpenAPI document as
 if they worked. They are read from a second, shallow decode of the body (its top-level
 keys, values left undecoded), and only when one of their names occurs in the body's bytes
@@ -42,8 +44,45 @@ def only(allowed: tuple[Any, ...], why: str) -> Rule:
 
 DEPRECATED_FUNCTIONS = "is deprecated and not supported: use tools and tool_choice"
 
+OTHER_SERVERS_REFUSED: dict[str, Rule] = {
+    # vLLM's extensions
+    "use_beam_search": only((False,), "use_beam_search: beam search is not supported"),
+    "length_penalty": only((1.0, 1), "length_penalty (a beam-search setting) is not supported"),
+    "allowed_token_ids": unsupported("allowed_token_ids is not supported: use logit_bias or guided_choice"),
+    "bad_words": only(([],), "bad_words is not supported: use logit_bias"),
+    "truncate_prompt_tokens": unsupported("truncate_prompt_tokens is not supported: a prompt longer than the "
+                                          "context is refused"),
+    "prompt_logprobs": unsupported("prompt_logprobs is not supported: use echo with logprobs (completions)"),
+    "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),
+    "guided_whitespace_pattern": unsupported("guided_whitespace_pattern is not supported"),
+    "structural_tag": unsupported("structural_tag is not supported"),
+    "spaces_between_special_tokens": only((True,), "spaces_between_special_tokens may only be true (the "
+                                                   "tokenizer's own decoding)"),
+    "return_tokens_as_token_ids": only((False,), "return_tokens_as_token_ids is not supported"),
+    "priority": only((0,), "priority is not supported: requests are served first come, first served"),
+    "prompt_embeds": unsupported("prompt_embeds is not supported: send text or token ids"),
+    "vllm_xargs": unsupported("vllm_xargs is not supported"),
+    "kv_transfer_params": unsupported("kv_transfer_params (disaggregated prefill) is not supported"),
+    "mm_processor_kwargs": unsupported("mm_processor_kwargs: this server serves text models"),
+    # SGLang's
+    "lora_path": unsupported("lora_path: LoRA adapters are not supported"),
+    "no_stop_trim": only((False,), "no_stop_trim is not supported: use include_stop_str_in_output"),
+    "regex": unsupported("regex (SGLang's) is not supported here: use guided_regex"),
+    "ebnf": unsupported("ebnf (SGLang's) is not supported here: use guided_grammar"),
+    "json_schema": unsupported("json_schema at the top level is not supported: use response_format or "
+                               "guided_json"),
+    "custom_logit_processor": unsupported("custom_logit_processor is not supported"),
+    "return_hidden_states": only((False,), "return_hidden_states is not supported"),
+    "session_params": unsupported("session_params is not supported: WebSocket chat sessions keep a "
+                                  "conversation's KV (/v1/chat/ws)"),
+}
+"""Other servers' extensions that would change the answer: refused unless they ask for what
+this server does anyway (their default), so that a request written for vLLM or SGLang never
+gets another answer than it asked for. Their other extensions (request ids, hints) pass."""
+
 COMPLETION_REFUSED: dict[str, Rule] = {
     "suffix": only(("",), "suffix (text that follows the completion: insertion) is not supported"),
+    **OTHER_SERVERS_REFUSED,
 }
 """(best_of is checked with n by the endpoint: it is accepted when it asks for n samples.)"""
 
@@ -58,6 +97,12 @@ CHAT_REFUSED: dict[str, Rule] = {
     "verbosity": only(("medium",), "verbosity is not supported: it may only be medium (the default)"),
     "functions": unsupported(f"functions {DEPRECATED_FUNCTIONS}"),
     "function_call": unsupported(f"function_call {DEPRECATED_FUNCTIONS}"),
+    # vLLM's chat extensions
+    "echo": only((False,), "echo is not supported in chat completions (completions have it)"),
+    "chat_template": unsupported("chat_template (a template in the request) is not supported: the model's "
+                                 "own template renders, with chat_template_kwargs"),
+    "documents": unsupported("documents is not supported: put them in the messages"),
+    **OTHER_SERVERS_REFUSED,
 }
 
 MESSAGE_REFUSED: dict[str, Rule] = {

@@ -107,6 +107,13 @@ def check_chat(body: p.ChatCompletionRequest) -> None:
         raise ApiError("messages must not be empty", param="messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise ApiError("continue_final_message continues the last message: it needs add_generation_prompt: "
+                           "false", param="continue_final_message")
+        if body.messages[-1].role != "assistant":
+            raise ApiError("continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
     check_stream_options(body.stream, body.stream_options)
 
 
@@ -208,6 +215,7 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
     params = policy(msgspec.structs.replace(params, grammar=setup.grammar))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
                            tools=msgspec.to_builtins(body.tools) if body.tools else None,
                            chat_template_kwargs=body.chat_template_kwargs)
     return fan_out(base, rid, 0, body.n), setup

@@ -12,18 +12,21 @@ accepted one, why it needs no effect on one server.
 
 What is ignored, exactly:
   - keys that are neither OpenAI's nor this server's (its extensions are listed below),
-    at the top of a body or inside its objects: other servers' extensions (vLLM's
-    use_beam_search, include_stop_str_in_output, continue_final_message; SGLang's
-    no_stop_trim, lora_path) and client libraries' own keys. Clients send them freely,
-    often by default for a whole family of servers, and refusing them would break those
-    clients; the price is that a misspelt field goes unnoticed too;
+    at the top of a body or inside its objects: client libraries' own keys and other
+    servers' extensions that do not change the answer (request ids, hints). Clients send
+    them freely, often by default for a whole family of servers, and refusing them would
+    break those clients; the price is that a misspelt field goes unnoticed too. Other
+    servers' extensions that would change the answer (vLLM's use_beam_search, SGLang's
+    lora_path, ...) are refused unless they ask for the default (fields.py
+    OTHER_SERVERS_REFUSED);
   - the OpenAI fields that need no effect on one server (fields.ACCEPTED, each with why);
   - for now, the tool fields that another part of the server will implement (tools,
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, guided_json / regex /
-grammar / choice, cache_salt, timeout, and for chat add_generation_prompt.
+min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
+guided_json / regex / grammar / choice, cache_salt, timeout, and for chat
+add_generation_prompt and continue_final_message.
 
 An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
 (its generation_config.json, unless `--generation-config none`), passed to
@@ -119,6 +122,8 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """vLLM's extension: the stop string that ended a choice stays at the end of its text."""
     user: str | None = None
     response_format: ResponseFormat | str | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -216,6 +221,9 @@ class ChatCompletionRequest(ChatFields, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's extension: the answer continues the last (assistant) message, which the template
+    leaves open; needs add_generation_prompt false."""
 
 
 # ---- mapping -----------------------------------------------------------------
@@ -302,6 +310,7 @@ def to_sampling_params(
         logit_bias=bias,
         seed=body.seed,
         stop=stop,
+        include_stop=body.include_stop_str_in_output,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,

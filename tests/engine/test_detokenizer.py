@@ -24,9 +24,9 @@ def test_multibyte_text_streams_without_replacement_characters(tok, text):
     assert any(p == "" for p in pieces) or len(ids) == len(text), "some characters span tokens"
 
 
-def stream_text(tok, text, stops, chunk=1):
+def stream_text(tok, text, stops, chunk=1, include_stop=False):
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    s = Stream(tok, SamplingParams(stop=stops), asyncio.Queue())
+    s = Stream(tok, SamplingParams(stop=stops, include_stop=include_stop), asyncio.Queue())
     out, reason = [], None
     for i in range(0, len(ids), chunk):
         last = i + chunk >= len(ids)
@@ -51,6 +51,14 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(tok):
 def test_earliest_of_several_stop_strings_wins(tok):
     text, reason = stream_text(tok, "alpha beta gamma delta", ["delta", "beta"], chunk=3)
     assert text == "alpha " and reason == "stop"
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_include_stop_keeps_the_matched_stop_string_and_nothing_after_it(tok, chunk):
+    text, reason = stream_text(tok, "one two three END four five", ["END four"], chunk, include_stop=True)
+    assert text == "one two three END four" and reason == "stop"
+    text, reason = stream_text(tok, "alpha beta gamma delta", ["delta", "beta"], chunk, include_stop=True)
+    assert text == "alpha beta" and reason == "stop"
 
 
 @pytest.mark.parametrize("skip", [True, False])

@@ -54,6 +54,19 @@ REFUSED = [
      "messages[0].function_call"),
     (CHAT, {"messages": [*MSGS, {"role": "assistant", "audio": {"id": "audio_1"}}]}, "messages[1].audio"),
     (CHAT, {"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages[0].role"),
+    # other servers' extensions that would change the answer (fields.OTHER_SERVERS_REFUSED)
+    (CMPL, {"use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"lora_path": "adapters/sql"}, "lora_path"),
+    (CMPL, {"regex": "[0-9]+"}, "regex"),
+    (CHAT, {"no_stop_trim": True}, "no_stop_trim"),
+    (CMPL, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    (CMPL, {"priority": 5}, "priority"),
+    (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (CHAT, {"echo": True}, "echo"),
+    (CHAT, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    (CHAT, {"continue_final_message": True, "messages": [*MSGS, {"role": "assistant", "content": "Sure"}]},
+     "continue_final_message"),
 ]
 
 
@@ -147,9 +160,24 @@ def test_a_refused_name_inside_a_value_is_no_field(fake):
 
 def test_unknown_keys_that_are_no_openai_fields_are_ignored(fake):
     engine, client = fake
-    # other servers' extensions, which clients of those send freely (protocol.py's docstring)
-    r = client.post(CHAT, json=body_of(CHAT, {"use_beam_search": False, "include_stop_str_in_output": False}))
+    # other servers' extensions, which clients of those send freely (protocol.py's docstring):
+    # those that change nothing, and those that would, set to what this server does anyway
+    r = client.post(CHAT, json=body_of(CHAT, {"request_id": "abc", "use_beam_search": False, "length_penalty": 1.0,
+                                              "spaces_between_special_tokens": True, "lora_path": None,
+                                              "guided_decoding_backend": "xgrammar", "priority": 0}))
     assert r.status_code == 200 and len(engine.sent) == 1
+
+
+def test_vllms_include_stop_str_in_output_and_continue_final_message_reach_the_engine(fake):
+    engine, client = fake
+    assert client.post(CMPL, json={"prompt": "x", "max_tokens": 2, "stop": ["."],
+                                   "include_stop_str_in_output": True}).status_code == 200
+    assert engine.sent[0].params.include_stop and engine.sent[0].params.stop == ["."]
+    messages = [*MSGS, {"role": "assistant", "content": "The answer is"}]
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 2, "continue_final_message": True,
+                                "add_generation_prompt": False})
+    assert r.status_code == 200
+    assert engine.sent[1].continue_final_message and not engine.sent[1].add_generation_prompt
 
 
 def test_best_of_equal_to_n_is_n_samples(fake):
