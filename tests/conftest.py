@@ -43,6 +43,7 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "Phi3ForCausalLM": "phi3",
         "MixtralForCausalLM": "mixtral",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
     }[arch]
     kw = dict(
         vocab_size=49152,

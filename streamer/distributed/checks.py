@@ -13,7 +13,7 @@ from streamer.errors import ConfigError
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-             "Qwen3MoeForCausalLM")
+             "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 """The decoders built of model/layers.py's Attention and MLP, which model/tp_layers.py shards
 (Gemma's extra norms act on the whole hidden state, its scaled embedding and capped logits
 on the all-reduced and gathered ones; Phi-3's fused checkpoint tensors are read in parts;
@@ -34,7 +34,7 @@ def check_model(config: EngineConfig, hf_config: Any, source: Path) -> None:
         raise ConfigError(f"tensor_parallel_size={n} must divide the number of attention heads ({heads})")
     if (kv >= n and kv % n) or (kv < n and n % kv):
         raise ConfigError(f"tensor_parallel_size={n} and the {kv} key/value heads: one must divide the other")
-    for field in ("intermediate_size", "moe_intermediate_size"):
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         inter = getattr(hf_config, field, None)
         if isinstance(inter, int) and inter % n:
             raise ConfigError(f"tensor_parallel_size={n} must divide the MLP's {field} ({inter})")

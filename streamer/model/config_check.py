@@ -81,8 +81,12 @@ def _check_moe(cfg: Any, cls: type[MoEForCausalLM], refuse: Any) -> None:
     if act not in FUSED_ACTIVATION:
         refuse(cls.act_field, f"the experts implement {', '.join(sorted(FUSED_ACTIVATION))}")
     shared = [f for f in vars(cfg) if f.startswith("shared_expert") and getattr(cfg, f)]
-    if shared:
+    if shared and not cls.shared_expert:
         refuse(shared[0], f"{cls.__name__} has no shared experts")
+    if cls.shared_expert:
+        size = getattr(cfg, "shared_expert_intermediate_size", None)
+        if not isinstance(size, int) or size <= 0:
+            refuse("shared_expert_intermediate_size", "a shared expert needs a positive size")
     if issubclass(cls, Qwen3MoeForCausalLM):
         step = getattr(cfg, "decoder_sparse_step", 1)
         if not isinstance(step, int) or step < 1:

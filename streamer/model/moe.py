@@ -1,4 +1,5 @@
-"""Mixtral and Qwen3-MoE: the Llama decoder whose MLP is a sparse mixture of experts.
+"""Mixtral, Qwen3-MoE and Qwen2-MoE: the Llama decoder whose MLP is a sparse mixture of
+experts (Qwen2-MoE's with a gated shared expert beside them).
 
 Routing is transformers' (modeling_mixtral.py, modeling_qwen3_moe.py, 5.24): router logits
 in the hidden dtype, softmax in float32, top-k, then the top-k renormalized to sum 1
@@ -28,11 +29,13 @@ import re
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
+from streamer.model.layers import MLP
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.quant import dequantize_blocks
 from streamer.model.tp_group import TPGroup
@@ -122,6 +125,22 @@ class SparseMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+class SharedExpertMoE(SparseMoE):
+    """Qwen2-MoE's block: the routed experts plus a shared expert, a dense MLP that every
+    token takes, scaled by sigmoid(shared_expert_gate . x) (transformers'
+    Qwen2MoeSparseMoeBlock: routed + gate * shared, all in the hidden dtype)."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool,
+                 weights_in_hidden_dtype: bool, act: str, shared_intermediate: int) -> None:
+        super().__init__(hidden, intermediate, experts, top_k, renormalize, weights_in_hidden_dtype, act)
+        self.shared_expert = MLP(hidden, shared_intermediate, act)  # (its own all-reduce under TP)
+        self.shared_expert_gate = Router(hidden, 1)  # (one row: the gate's [1, hidden] weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)
+        return routed + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     """The decoder with SparseMoE layers; subclasses say how the config and checkpoint
     name things."""
@@ -132,6 +151,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     """The per-expert checkpoint's name of the block (the fused one's is always "mlp")."""
     expert_names = ("gate_proj", "up_proj", "down_proj")
     weights_in_hidden_dtype = True
+    shared_expert = False
+    """Whether each sparse layer also has a gated shared expert (SharedExpertMoE)."""
 
     @property
     def cuda_graphs_ok(self) -> bool:
@@ -156,10 +177,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not self.is_sparse(i):
             return None
         cfg = self.config
-        return SparseMoE(
-            cfg.hidden_size, self.expert_intermediate(), self.num_experts(),
-            int(cfg.num_experts_per_tok), self.renormalize(), self.weights_in_hidden_dtype, self.act,
-        )
+        args = (cfg.hidden_size, self.expert_intermediate(), self.num_experts(), int(cfg.num_experts_per_tok),
+                self.renormalize(), self.weights_in_hidden_dtype, self.act)
+        if self.shared_expert:
+            return SharedExpertMoE(*args, int(cfg.shared_expert_intermediate_size))
+        return SparseMoE(*args)
 
     def _legacy(self, i: int, e: int, which: int) -> str:
         return f"layers.{i}.{self.legacy_block}.experts.{e}.{self.expert_names[which]}.weight"
@@ -169,6 +191,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         if m is None or int(m[1]) >= len(self.layers) or not self.is_sparse(int(m[1])):
             return None
         i, rest = int(m[1]), m[2]
+        if rest.startswith("shared_expert"):  # a dense MLP and its gate (SharedExpertMoE): loaded as any
+            return None
         block: Any = self.layers[i].mlp
         gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
         experts = range(self.num_experts())
@@ -241,7 +265,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         names = super().expected_weight_names()
         for i in range(len(self.layers)):
             if self.is_sparse(i):
-                names = {n for n in names if not n.startswith(f"layers.{i}.mlp.")}
+                names = {n for n in names if not n.startswith(f"layers.{i}.mlp.") or ".shared_expert" in n}
                 names.add(f"layers.{i}.{self.legacy_block}.gate.weight")
                 legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
                 names |= legacy
@@ -281,3 +305,16 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
 
     def renormalize(self) -> bool:
         return bool(self.config.norm_topk_prob)
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's routing (norm_topk_prob, default off) and sparse
+    layers (mlp_only_layers, decoder_sparse_step), Qwen2's attention (q/k/v bias from
+    qkv_bias, no q/k norm; sliding layers from layer_types), and a shared expert of
+    shared_expert_intermediate_size in every sparse layer (SharedExpertMoE)."""
+
+    qk_norm = False
+    shared_expert = True
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        return bool(getattr(self.config, "qkv_bias", True)), False

@@ -1,12 +1,12 @@
-"""Tensor parallelism over 2 ranks of tiny random Gemma 2, Gemma 3, Phi-3, Mixtral and
-Qwen3-MoE models on gloo:
+"""Tensor parallelism over 2 ranks of tiny random Gemma 2, Gemma 3, Phi-3, Mixtral,
+Qwen3-MoE and Qwen2-MoE models on gloo:
 the answers of one rank (greedy tokens, prompt logprobs within 1e-4) on the workload of
 tests/distributed/workload.py (a cached prefix, chunked prefill, preemption). Gemma's
 extra norms, scaled embedding, capped scores and logits and sliding windows, and Phi-3's
 fused checkpoint tensors (read by each rank as the slices of their q, k, v and gate, up
 parts), and experts split over their intermediate size (Mixtral's per-expert w1/w3/w2,
-Qwen3-MoE's dense first layer beside sparse ones) are what these add to the Llama
-family's tests."""
+Qwen3-MoE's dense first layer beside sparse ones, Qwen2-MoE's shared expert split as a
+dense MLP) are what these add to the Llama family's tests."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "mixtral", "mixtral-stacked", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "mixtral", "mixtral-stacked", "qwen3_moe", "qwen2_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]
     path = make_tiny_model(tmp_path / name, arch, default_model, **kw)

@@ -4,7 +4,8 @@ in a batch, whatever the prefill chunk or page size, and prompt logprobs within 
 The tiny models: a Mixtral of 4 experts (top 2) with a 16-token window under prompts of
 up to 100; a Qwen3-MoE of 8 experts (top 2) with norm_topk_prob and a dense layer 0
 (mlp_only_layers); one without norm_topk_prob whose dense layer comes from
-decoder_sparse_step 2. Broken checkpoints and unsupported configs are refused by name.
+decoder_sparse_step 2; a Qwen2-MoE with a gated shared expert in every layer, q/k/v
+biases and a 16-token window on layer 0 (max_window_layers 1). Broken checkpoints and unsupported configs are refused by name.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ARCHS = {
                                               norm_topk_prob=True, mlp_only_layers=[0])),
     "qwen3_moe_step": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                    norm_topk_prob=False, decoder_sparse_step=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                              use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -63,7 +67,7 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name,flip", [("mixtral", "sliding_window"), ("qwen3_moe", "norm_topk_prob"),
-                                       ("qwen3_moe_step", "norm_topk_prob")])
+                                       ("qwen3_moe_step", "norm_topk_prob"), ("qwen2_moe", "sliding_window")])
 def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     """Every position's logprob within 1e-4 of transformers'; the same weights with the
     window or the renormalization flipped are further off (so each is tested)."""
@@ -78,7 +82,7 @@ def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     ours = torch.tensor(out.prompt_logprobs)
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-    value = 4096 if flip == "sliding_window" else not ARCHS[name][1]["norm_topk_prob"]
+    value = 4096 if flip == "sliding_window" else not ARCHS[name][1][flip]
     other = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **{flip: value}).eval()
     assert (_hf_logprobs(other, ids) - want).abs().max() > 1e-3
 
@@ -103,6 +107,8 @@ def _copy(src: Path, dst: Path) -> Path:
     ("mixtral", "layers.1.block_sparse_moe.experts.2.w3.weight"),
     ("qwen3_moe", "layers.1.mlp.experts.7.down_proj.weight"),
     ("qwen3_moe", "layers.1.mlp.gate.weight"),
+    ("qwen2_moe", "layers.1.mlp.shared_expert_gate.weight"),
+    ("qwen2_moe", "layers.0.mlp.shared_expert.up_proj.weight"),
 ])
 def test_missing_expert_tensor_is_refused_by_name(moe_models, tmp_path, name, tensor):
     folder = _copy(moe_models[name], tmp_path / name)
@@ -147,6 +153,7 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(moe_models, tmp_path, 
 
 @pytest.mark.parametrize("name,edit,field", [
     ("qwen3_moe", dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
     ("mixtral", dict(attention_bias=True), "attention_bias"),
