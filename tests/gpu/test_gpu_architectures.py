@@ -21,7 +21,7 @@ pytestmark = [
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 ARCHS = {**DENSE, **MOE}
-NAMES = ["mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+NAMES = ["mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, name):
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen3_moe", "qwen2_moe"])
 def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
     batch = prompts(8)
 
