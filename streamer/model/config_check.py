@@ -20,13 +20,14 @@ from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausa
 from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from streamer.model.rope import rope_params, rope_type, rotary_dim
+from streamer.model.smollm3 import SmolLM3ForCausalLM
 from streamer.model.windows import UNIFORM_WINDOW, architecture
 
 # rope types whose rotation is a fixed function of the position (rope.py); "dynamic" is
 # one only up to max_position_embeddings (transformers recomputes it past that)
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
 WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-            MixtralForCausalLM, Qwen3MoeForCausalLM)
+            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
 """The classes with sliding-window layers (windows.py says which layers)."""
 
 
@@ -52,6 +53,10 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
     _check_windows(cfg, cls, refuse)
     if issubclass(cls, MoEForCausalLM):
         _check_moe(cfg, cls, refuse)
+    if issubclass(cls, SmolLM3ForCausalLM):
+        flags = getattr(cfg, "no_rope_layers", None)
+        if not isinstance(flags, list) or len(flags) != cfg.num_hidden_layers or any(f not in (0, 1) for f in flags):
+            refuse("no_rope_layers", f"must list 0 (NoPE) or 1 (rope) for each of the {cfg.num_hidden_layers} layers")
     _check_rope(cfg, cls, max_positions, refuse)
     if issubclass(cls, Gemma3ForCausalLM) and getattr(cfg, "attn_logit_softcapping", None):
         refuse("attn_logit_softcapping", "transformers' Gemma3 does not cap attention scores")

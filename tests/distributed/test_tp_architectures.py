@@ -1,4 +1,4 @@
-"""Tensor parallelism over 2 ranks of tiny random Gemma 2, Gemma 3, Phi-3, Mixtral,
+"""Tensor parallelism over 2 ranks of tiny random Gemma 2, Gemma 3, Phi-3, SmolLM3, Mixtral,
 Qwen3-MoE and Qwen2-MoE models on gloo:
 the answers of one rank (greedy tokens, prompt logprobs within 1e-4) on the workload of
 tests/distributed/workload.py (a cached prefix, chunked prefill, preemption). Gemma's
@@ -40,7 +40,8 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "mixtral", "mixtral-stacked", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "mixtral", "mixtral-stacked", "qwen3_moe",
+                                  "qwen2_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]
     path = make_tiny_model(tmp_path / name, arch, default_model, **kw)

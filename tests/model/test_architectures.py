@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text) and Phi-3 equal transformers
+"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3 and SmolLM3 equal transformers
 (float32, CPU): greedy output token for token, prompt logprobs over prompts several times
 longer than the sliding window, whatever the prefill chunk or page size, and with the
 prefix from the radix cache.
@@ -7,7 +7,8 @@ The tiny models make each difference visible: windows of 16-24 tokens under prom
 to 100, Gemma's soft-caps small enough to bite (5 on scores, 3 on logits), a
 query_pre_attn_scalar other than head_dim, non-zero Gemma norm weights (x * (1 + w)),
 Gemma 3's linear-scaled global rope beside its local one, Phi-3's longrope short
-factors and half-rotary heads (partial_rotary_factor 0.5).
+factors and half-rotary heads (partial_rotary_factor 0.5), SmolLM3's NoPE layer (sliding)
+beside a rotary one, with biases on q/k/v/o.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ ARCHS = {
         sliding_window=24, max_position_embeddings=512, original_max_position_embeddings=128,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.1, 2.0, 4.0, 7.5]})),
+    # layer 0 rotates, layer 1 is NoPE and slides (SmolLM3's config slides NoPE layers only)
+    "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
+                                           attention_bias=True, pad_token_id=None)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -121,7 +125,7 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     "name,chunk,page_size",
     # every architecture at page sizes 1 and 16, with two of the chunk sizes 1, 7 and 64
     [("mistral", 1, 16), ("mistral", 7, 1), ("gemma2", 7, 1), ("gemma2", 64, 16), ("phi3", 7, 16),
-     ("phi3", 1, 1), ("gemma3", 64, 1), ("gemma3", 1, 16), ("qwen2", 7, 16), ("qwen2", 64, 1)],
+     ("phi3", 1, 1), ("gemma3", 64, 1), ("gemma3", 1, 16), ("qwen2", 7, 16), ("qwen2", 64, 1), ("smollm3", 7, 1)],
 )
 def test_chunk_and_page_size_do_not_change_output(arch_models, name, chunk, page_size):
     path = arch_models[name]

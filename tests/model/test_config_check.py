@@ -38,6 +38,8 @@ def check(cfg, max_positions: int = 256) -> None:
         ("gemma3_text", "Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
         ("gemma3_text", "Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         ("llama", "LlamaForCausalLM", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        ("smollm3", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),
+        ("smollm3", "SmolLM3ForCausalLM", dict(mlp_bias=True), "mlp_bias"),
         # 5 rotary dims of 16: an odd count (0.3 gives 4, which is implemented)
         ("phi3", "Phi3ForCausalLM", dict(partial_rotary_factor=0.3125), "partial_rotary_factor"),
     ],
