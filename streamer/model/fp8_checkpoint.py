@@ -18,9 +18,10 @@ fills its shard's rows of a fused q/k/v or gate/up layer), block scales go throu
 `block_fp8_linear`. A mixture of experts' float8 experts (per-tensor or per-channel
 scales, inputs per token) run on fused_moe's float8 path with per-row scales, loaded
 expert by expert (model/moe.py); block-scaled experts are dequantized into the model's
-dtype as they load (fused_moe has no block-scaled path yet). Everything else a quantization_config can say (other methods, int8,
-static input scales, weight-only float8, quantized embeddings, KV-cache scales) is refused
-by name: running such a checkpoint as if it were something else would be silently wrong.
+dtype as they load (fused_moe has no block-scaled path yet). Everything else a
+quantization_config can say (other methods, int8, static input scales, weight-only
+float8, quantized embeddings, KV-cache scales) is refused by name: running such a
+checkpoint as if it were something else would be silently wrong.
 """
 
 from __future__ import annotations
