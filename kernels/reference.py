@@ -256,6 +256,33 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+def route_grouped(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's (and DeepSeek-V3's) router over its float32 logits [T, E] (transformers'
+    Glm4MoeTopkRouter): sigmoid scores; the choice is made on scores + bias (the load
+    balancing correction), among the topk_group best of n_group equal groups of experts (a
+    group scores the sum of its two best), the top k; the weights are the chosen experts'
+    scores (without the bias), renormalized to sum 1 (+1e-20) if asked, times `scale`.
+    Plain torch ops, also on CUDA (no host synchronisation: CUDA-graph safe).
+    -> (weights [T, k] float32, ids [T, k] int32)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        groups = choice.view(t, n_group, e // n_group)
+        best = groups.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1, sorted=False)[1], 1.0)
+        choice = choice.masked_fill(~keep.bool()[:, :, None].expand(t, n_group, e // n_group).reshape(t, e),
+                                    float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids.to(torch.int32)
+
+
 def route_topk(
     logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from streamer.errors import ModelLoadError
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausalLM, Qwen3MoeForCausalLM
@@ -88,6 +89,17 @@ def _check_moe(cfg: Any, cls: type[MoEForCausalLM], refuse: Any) -> None:
     shared = [f for f in vars(cfg) if f.startswith("shared_expert") and getattr(cfg, f)]
     if shared and not cls.shared_expert:
         refuse(shared[0], f"{cls.__name__} has no shared experts")
+    if issubclass(cls, Glm4MoeForCausalLM):
+        groups, best = getattr(cfg, "n_group", 1), getattr(cfg, "topk_group", 1)
+        if not isinstance(groups, int) or groups < 1 or experts % groups or experts // groups < 2 and groups > 1:
+            refuse("n_group", f"must divide the {experts} routed experts into groups of at least 2")
+        if not isinstance(best, int) or not 1 <= best <= groups or best * (experts // groups) < k:
+            refuse("topk_group", f"must be between 1 and n_group ({groups}), its groups holding num_experts_per_tok")
+        if int(getattr(cfg, "n_shared_experts", 0) or 0) < 1:
+            refuse("n_shared_experts", "Glm4MoeForCausalLM has at least one shared expert")
+        first = getattr(cfg, "first_k_dense_replace", 0)
+        if not isinstance(first, int) or first < 0:
+            refuse("first_k_dense_replace", "must be a non-negative integer")
     if cls.shared_expert:
         size = getattr(cfg, "shared_expert_intermediate_size", None)
         if not isinstance(size, int) or size <= 0:
@@ -112,6 +124,6 @@ def _check_rope(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, refus
             refuse("rope_parameters", f"dynamic rope past max_position_embeddings ({cfg.max_position_embeddings}) "
                                       f"rescales with the sequence length; max_model_len {max_positions} needs it")
         rot = rotary_dim(cfg, head_dim, p)
-        if rot != head_dim and (not issubclass(cls, Phi3ForCausalLM) or rot % 2 or rot > head_dim or rot <= 0):
-            refuse("partial_rotary_factor", f"gives {rot} rotary dims of {head_dim} "
-                                            "(partial rotary is implemented for Phi3ForCausalLM, an even count)")
+        if rot != head_dim and (not cls.partial_rotary or rot % 2 or rot > head_dim or rot <= 0):
+            refuse("partial_rotary_factor", f"gives {rot} rotary dims of {head_dim} (partial rotary is "
+                                            "implemented for Phi3ForCausalLM and Glm4MoeForCausalLM, an even count)")

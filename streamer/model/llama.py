@@ -68,6 +68,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
+    partial_rotary = False
+    """Whether partial_rotary_factor < 1 is implemented (rope.py; config_check refuses it
+    elsewhere, where transformers' class would rotate whole heads)."""
     norm_offset = 0.0
     act_field = "hidden_act"
     """The config field naming the MLP's activation (config_check refuses the ones
@@ -204,6 +207,9 @@ class LlamaForCausalLM(nn.Module):
             if attn.qkv_proj.bias is not None:
                 b = attn.qkv_proj.bias.data[: n_qk * self.head_dim].view(n_qk, self.head_dim)
                 b.copy_(b[:, perm.to(w.device)].clone())
+            for norm in (attn.q_norm, attn.k_norm):  # per-head q/k norms: their weights follow the dims
+                if norm is not None:
+                    norm.weight.data.copy_(norm.weight.data[perm.to(w.device)].clone())
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))

@@ -141,6 +141,9 @@ def load_model(
         model = cls(hf_config, max_positions)
     tables = {n: b for n, b in model.named_buffers() if n.startswith("cos_sin")}
     model.to(torch_dtype)
+    for m in model.modules():
+        if getattr(m, "float32", False):  # (routers transformers keeps in float32: glm4_moe.py)
+            m.float()
     for n, b in tables.items():
         setattr(model, n, b.to(device))  # rotary tables stay float32
     quantized = set() if scheme is None else fp8_checkpoint.prepare(model, scheme, device, str(path / "config.json"))

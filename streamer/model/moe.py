@@ -115,10 +115,14 @@ class SparseMoE(nn.Module):
         self.weights_in_hidden_dtype = weights_in_hidden_dtype
         self.activation = FUSED_ACTIVATION[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = ops.route(
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) of each token."""
+        return ops.route(
             x, self.gate.weight, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
         ex = self.experts
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale)
@@ -167,6 +171,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         """Each expert's intermediate size (tensor parallelism splits it)."""
         return int(getattr(self.config, self.intermediate_field))
 
+    def shared_intermediate(self) -> int:
+        """The shared expert's intermediate size (a dense MLP beside the routed experts)."""
+        return int(self.config.shared_expert_intermediate_size)
+
     def is_sparse(self, i: int) -> bool:
         return True
 
@@ -180,7 +188,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         args = (cfg.hidden_size, self.expert_intermediate(), self.num_experts(), int(cfg.num_experts_per_tok),
                 self.renormalize(), self.weights_in_hidden_dtype, self.act)
         if self.shared_expert:
-            return SharedExpertMoE(*args, int(cfg.shared_expert_intermediate_size))
+            return SharedExpertMoE(*args, self.shared_intermediate())
         return SparseMoE(*args)
 
     def _legacy(self, i: int, e: int, which: int) -> str:
@@ -197,8 +205,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
         experts = range(self.num_experts())
         inter = down.shape[2]
-        if rest == "gate.weight":
-            target, names = block.gate.weight.data, {f"layers.{i}.{self.legacy_block}.gate.weight"}
+        if rest.startswith("gate.") and hasattr(block.gate, rest.removeprefix("gate.")):  # the router's
+            target, names = getattr(block.gate, rest.removeprefix("gate.")).data, {f"layers.{i}.{self.legacy_block}.{rest}"}
         elif rest == "experts.gate_up_proj":
             target, names = gate_up, {self._legacy(i, e, w) for e in experts for w in (0, 1)}
         elif rest == "experts.down_proj":
@@ -266,7 +274,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for i in range(len(self.layers)):
             if self.is_sparse(i):
                 names = {n for n in names if not n.startswith(f"layers.{i}.mlp.") or ".shared_expert" in n}
-                names.add(f"layers.{i}.{self.legacy_block}.gate.weight")
+                names |= {f"layers.{i}.{self.legacy_block}.gate.{p}" for p, _ in self.layers[i].mlp.gate.named_parameters()}
                 legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
                 names |= legacy
                 ex = self.layers[i].mlp.experts

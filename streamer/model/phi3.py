@@ -12,6 +12,8 @@ from streamer.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    partial_rotary = True
+
     def attention_biases(self) -> tuple[bool, bool]:
         return False, False
 

@@ -107,8 +107,8 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
         return _take(t, 0, q0 * hd, q * hd)
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         return _take(t, 0, kv0 * hd, kv * hd)
-    if ".mlp.shared_expert." in name:  # Qwen2-MoE's shared expert: a dense MLP of its own size
-        first, n = group.split(cfg.shared_expert_intermediate_size)
+    if ".mlp.shared_expert." in name or ".mlp.shared_experts." in name:  # a dense MLP of its own size
+        first, n = group.split(model.shared_intermediate())
         return _take(t, 1, first, n) if ".down_proj." in name else _take(t, 0, first, n)
     if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
         return _take(t, 0, *group.split(cfg.intermediate_size))

@@ -40,7 +40,7 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "mixtral", "mixtral-stacked", "qwen3_moe",
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "mixtral", "mixtral-stacked", "qwen3_moe", "glm4_moe",
                                   "qwen2_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]

@@ -31,6 +31,11 @@ ARCHS = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                               shared_expert_intermediate_size=48, norm_topk_prob=False,
                                               use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    # 2 groups of 4 experts, one kept; a dense layer 0; q/k norms with half-rotary heads
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                            norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True,
+                                            attention_bias=True, partial_rotary_factor=0.5, pad_token_id=None)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -38,7 +43,22 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory, default_model) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
-    return {name: make_tiny_model(root / name, arch, default_model, **kw) for name, (arch, kw) in ARCHS.items()}
+    out = {name: make_tiny_model(root / name, arch, default_model, **kw) for name, (arch, kw) in ARCHS.items()}
+    perturb_router_bias(out["glm4_moe"])
+    return out
+
+
+def perturb_router_bias(folder: Path) -> None:
+    """transformers initialises GLM's e_score_correction_bias to 0 and its q/k norms to 1;
+    give them values (the bias of the scores' size, so that it moves the choice as a
+    trained one does; norms whose dims differ, so that their order under partial rotary
+    is tested)."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(11)
+        for name in [n for n in t if n.endswith(("e_score_correction_bias", "q_norm.weight", "k_norm.weight"))]:
+            t[name] = t[name] + 0.3 * torch.randn(t[name].shape, generator=gen)
+
+    _rewrite(folder, edit)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -67,7 +87,8 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name,flip", [("mixtral", "sliding_window"), ("qwen3_moe", "norm_topk_prob"),
-                                       ("qwen3_moe_step", "norm_topk_prob"), ("qwen2_moe", "sliding_window")])
+                                       ("qwen3_moe_step", "norm_topk_prob"), ("qwen2_moe", "sliding_window"),
+                                       ("glm4_moe", "routed_scaling_factor"), ("glm4_moe", "topk_group")])
 def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     """Every position's logprob within 1e-4 of transformers'; the same weights with the
     window or the renormalization flipped are further off (so each is tested)."""
@@ -82,7 +103,7 @@ def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     ours = torch.tensor(out.prompt_logprobs)
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-    value = 4096 if flip == "sliding_window" else not ARCHS[name][1][flip]
+    value = {"sliding_window": 4096, "routed_scaling_factor": 1.0, "topk_group": 2}.get(flip, not ARCHS[name][1].get(flip))
     other = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **{flip: value}).eval()
     assert (_hf_logprobs(other, ids) - want).abs().max() > 1e-3
 
@@ -201,3 +222,22 @@ def test_cuda_graphs_wait_for_the_triton_kernel(moe_models, monkeypatch):
     assert not model.cuda_graphs_ok
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "kernels.moe" else real(n, *a))
     assert model.cuda_graphs_ok
+
+
+def test_glms_multi_token_prediction_layer_is_skipped_as_transformers_does(moe_models, tmp_path):
+    """GLM-4.5 checkpoints carry num_nextn_predict_layers layers past num_hidden_layers
+    (model.layers.N...), which transformers' Glm4MoeForCausalLM ignores; elsewhere a tensor
+    of a layer the config lacks is refused."""
+    def add_layer(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.2.self_attn.q_proj.weight"] = t["model.layers.1.self_attn.q_proj.weight"].clone()
+        t["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+
+    glm = _copy(moe_models["glm4_moe"], tmp_path / "glm")
+    _rewrite(glm, add_layer)
+    want = dict(load_model(moe_models["glm4_moe"])[0].named_parameters())
+    got = dict(load_model(glm)[0].named_parameters())
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    qwen = _copy(moe_models["qwen3_moe"], tmp_path / "qwen")
+    _rewrite(qwen, add_layer)
+    with pytest.raises(ModelLoadError, match="layers.2"):
+        load_model(qwen)
