@@ -46,6 +46,7 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "Qwen2MoeForCausalLM": "qwen2_moe",
         "SmolLM3ForCausalLM": "smollm3",
         "Glm4MoeForCausalLM": "glm4_moe",
+        "GraniteForCausalLM": "granite",
     }[arch]
     kw = dict(
         vocab_size=49152,

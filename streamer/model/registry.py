@@ -5,6 +5,7 @@ from __future__ import annotations
 from streamer.errors import ModelLoadError
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
+from streamer.model.granite import GraniteForCausalLM
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 
 

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3 and SmolLM3 equal transformers
+"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3 and Granite equal transformers
 (float32, CPU): greedy output token for token, prompt logprobs over prompts several times
 longer than the sliding window, whatever the prefill chunk or page size, and with the
 prefix from the radix cache.
@@ -8,7 +8,7 @@ to 100, Gemma's soft-caps small enough to bite (5 on scores, 3 on logits), a
 query_pre_attn_scalar other than head_dim, non-zero Gemma norm weights (x * (1 + w)),
 Gemma 3's linear-scaled global rope beside its local one, Phi-3's longrope short
 factors and half-rotary heads (partial_rotary_factor 0.5), SmolLM3's NoPE layer (sliding)
-beside a rotary one, with biases on q/k/v/o.
+beside a rotary one, with biases on q/k/v/o, Granite's four multipliers far from 1.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ ARCHS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.1, 2.0, 4.0, 7.5]})),
     # layer 0 rotates, layer 1 is NoPE and slides (SmolLM3's config slides NoPE layers only)
+    # each of Granite's four scalars far from 1 (so that each is tested)
+    "granite": ("GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                           attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True)),
     "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
                                            attention_bias=True, pad_token_id=None)),
 }
@@ -117,7 +120,9 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     ours = torch.tensor(out.prompt_logprobs)
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-    unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, sliding_window=4096).eval()
+    # (Granite has no window: its residual multiplier is what is flipped)
+    flip = {"residual_multiplier": 1.0} if name == "granite" else {"sliding_window": 4096}
+    unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **flip).eval()
     assert (logprobs(unwindowed) - want).abs().max() > 1e-2
 
 
