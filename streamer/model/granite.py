@@ -8,33 +8,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamer.model.llama import DecoderLayer, LlamaForCausalLM
-
-
-class GraniteDecoderLayer(DecoderLayer):
-    def __init__(self, *args, residual_multiplier: float, attention_multiplier: float, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.self_attn.scale = attention_multiplier
-        self.residual_multiplier = residual_multiplier
-
-    def forward(self, positions, x, residual, cos_sin):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin) * self.residual_multiplier
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x) * self.residual_multiplier, residual
+from streamer.model.llama import LlamaForCausalLM
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
     def make_layer(self, i: int) -> nn.Module:
-        cfg = self.config
-        return GraniteDecoderLayer(
-            i, cfg, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act, self.make_mlp(i),
-            residual_multiplier=float(cfg.residual_multiplier), attention_multiplier=float(cfg.attention_multiplier),
-        )
+        layer = super().make_layer(i)
+        layer.self_attn.scale = float(self.config.attention_multiplier)
+        layer.residual_multiplier = float(self.config.residual_multiplier)
+        return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * float(self.config.embedding_multiplier)

@@ -55,6 +55,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
+    residual_multiplier = 1.0
+    """Scales the attention and MLP outputs before their residual adds (Granite's)."""
+
     def forward(self, positions, x, residual, cos_sin):
         if residual is None:
             residual = x
@@ -62,8 +65,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, cos_sin)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x if self.residual_multiplier == 1.0 else x * self.residual_multiplier), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from streamer import LLM, SamplingParams
 from streamer.errors import ModelLoadError
 from streamer.model.loader import load_model
-from tests.model.test_fp8_checkpoint import PARAMS, ct_config, per_row, per_tensor, prompts
+from tests.model.test_fp8_checkpoint import ct_config, generate, per_row, per_tensor
 from tests.model.test_greedy_vs_transformers import assert_matches, run_and_compare
 from tests.model.test_greedy_vs_transformers import prompts as text_prompts
 from tests.model.test_moe import ARCHS, moe_models  # noqa: F401 - the fixture
@@ -55,14 +55,6 @@ def write(src: Path, dst: Path, qconfig: dict, quantize, scale_name: str, edit=N
 
 def channel_config() -> dict:
     return ct_config({"strategy": "channel"}, TOKEN_ACTS, ignore=("lm_head", r"re:.*\.gate$"))
-
-
-def generate(path: Path, **kw):
-    with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32, **kw) as llm:
-        outs = llm.generate(prompts(), PARAMS)
-    for o in outs:
-        assert o.error is None, o.error
-    return outs
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
