@@ -4,6 +4,7 @@ variant uses. For choosing rows per program (kernels/gemv/config.py rows_per_pro
 for checking a new config before device time is spent on it.
 
     python3 benchmarks/ptxas_regs.py            # per-row GEMV and gemv_glu, 1-4 rows per program
+    python3 benchmarks/ptxas_regs.py moe        # moe_gemv's two kernels (batch-1 MoE), tile variants
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import glob
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (what the GPU machine compiles with)
@@ -23,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.gemv.glu import _gemv_glu_kernel  # noqa: E402
 from kernels.gemv.linear import _gemv_kernel  # noqa: E402
+from kernels.moe_gemv import _down_kernel, _gate_up_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -72,7 +75,35 @@ def cells(f, *args) -> str:
     return "  ".join("{}/{}".format(*f(*args, r)) for r in (1, 2, 3, 4))
 
 
+def moe() -> None:
+    """moe_gemv at top-8 (Qwen3-30B-A3B): GEMM 1's (rows, columns, unroll) with 4 warps, GEMM 2's
+    (rows, columns, unroll, warps); the defaults first."""
+    print("kernel, config: registers / spill-store bytes")
+    for fp8 in (False, True):
+        w, kind = ("*fp8e4nv", "fp8") if fp8 else ("*bf16", "bf16")
+        sig = {"x_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "out_ptr": "*bf16", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
+               "H": "i32", "INTER": "i32", "stride_x": "i32", "stride_we": "i32", "stride_wn": "i32",
+               "up_off": "i32", "stride_o": "i32", "stride_se": "i32"}
+        for bn, bk, un in [(2, 256, 2), (2, 256, 4), (4, 256, 2), (2, 512, 2), (2, 128, 4)]:
+            consts = dict(TOPK=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GELU=False, SCALED=fp8, DTYPE=tl.bfloat16,
+                          INTERP=False)
+            print(f"moe gate_up {kind} {bn}x{bk}x{un}:", "{}/{}".format(*usage(_gate_up_kernel, sig, consts,
+                                                                             num_warps=4, num_stages=1)), flush=True)
+        sig = {"h_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
+               "sh_ptr": "*fp32", "sw_ptr": "*fp32", "H": "i32", "INTER": "i32", "stride_h": "i32",
+               "stride_we": "i32", "stride_wn": "i32", "stride_o": "i32", "stride_se": "i32"}
+        for bn, bk, un, warps in [(4, 128, 2, 8), (4, 128, 4, 8), (2, 128, 2, 4), (4, 256, 1, 8), (8, 64, 2, 8)]:
+            consts = dict(TOPK=8, TOPK_PAD=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, SCALED=fp8, DTYPE=tl.bfloat16,
+                          INTERP=False)
+            print(f"moe down {kind} {bn}x{bk}x{un} w{warps}:", "{}/{}".format(*usage(_down_kernel, sig, consts,
+                                                                                  num_warps=warps, num_stages=1)),
+                  flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["moe"]:
+        moe()
+        return
     # M = 1's configs (kernels/gemv/config.py gemv_config, glu_config)
     cases = [("bf16 16x256x4 w8", False, 16, 256, 4, 8), ("bf16 4x256x4 w4", False, 4, 256, 4, 4),
              ("fp8 16x256x2 w8", True, 16, 256, 2, 8), ("fp8 16x512x4 w8", True, 16, 512, 4, 8),
