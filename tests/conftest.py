@@ -47,6 +47,7 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "SmolLM3ForCausalLM": "smollm3",
         "Glm4MoeForCausalLM": "glm4_moe",
         "GraniteForCausalLM": "granite",
+        "GraniteMoeForCausalLM": "granitemoe",
     }[arch]
     kw = dict(
         vocab_size=49152,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from streamer.errors import ModelLoadError
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
-from streamer.model.granite import GraniteForCausalLM
+from streamer.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
 }
 
 

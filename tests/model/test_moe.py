@@ -5,7 +5,9 @@ The tiny models: a Mixtral of 4 experts (top 2) with a 16-token window under pro
 up to 100; a Qwen3-MoE of 8 experts (top 2) with norm_topk_prob and a dense layer 0
 (mlp_only_layers); one without norm_topk_prob whose dense layer comes from
 decoder_sparse_step 2; a Qwen2-MoE with a gated shared expert in every layer, q/k/v
-biases and a 16-token window on layer 0 (max_window_layers 1). Broken checkpoints and unsupported configs are refused by name.
+biases and a 16-token window on layer 0 (max_window_layers 1); a GLM-4.5 of 2 groups of 4
+experts with its router's correction bias, q/k norms and half-rotary heads; a Granite MoE
+with its four scalars. Broken checkpoints and unsupported configs are refused by name.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ ARCHS = {
                                             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                             norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True,
                                             attention_bias=True, partial_rotary_factor=0.5, pad_token_id=None)),
+    "granite_moe": ("GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                                                  residual_multiplier=0.22, attention_multiplier=0.015625,
+                                                  logits_scaling=8.0)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -88,7 +93,8 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,flip", [("mixtral", "sliding_window"), ("qwen3_moe", "norm_topk_prob"),
                                        ("qwen3_moe_step", "norm_topk_prob"), ("qwen2_moe", "sliding_window"),
-                                       ("glm4_moe", "routed_scaling_factor"), ("glm4_moe", "topk_group")])
+                                       ("glm4_moe", "routed_scaling_factor"), ("glm4_moe", "topk_group"),
+                                       ("granite_moe", "residual_multiplier")])
 def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     """Every position's logprob within 1e-4 of transformers'; the same weights with the
     window or the renormalization flipped are further off (so each is tested)."""
@@ -103,7 +109,8 @@ def test_prompt_logprobs_match_transformers(moe_models, name, flip):
     ours = torch.tensor(out.prompt_logprobs)
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-    value = {"sliding_window": 4096, "routed_scaling_factor": 1.0, "topk_group": 2}.get(flip, not ARCHS[name][1].get(flip))
+    value = {"sliding_window": 4096, "routed_scaling_factor": 1.0, "topk_group": 2, "residual_multiplier": 1.0}.get(
+        flip, not ARCHS[name][1].get(flip))
     other = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **{flip: value}).eval()
     assert (_hf_logprobs(other, ids) - want).abs().max() > 1e-3
 
@@ -241,3 +248,20 @@ def test_glms_multi_token_prediction_layer_is_skipped_as_transformers_does(moe_m
     _rewrite(qwen, add_layer)
     with pytest.raises(ModelLoadError, match="layers.2"):
         load_model(qwen)
+
+
+def test_granite_moe_loads_transformers_5_24s_own_names_as_its_checkpoints(moe_models, tmp_path):
+    """Granite MoE checkpoints stack the experts as block_sparse_moe.input_linear / output_linear
+    with router.layer; transformers 5.24 names them experts.gate_up_proj / down_proj and
+    router.weight: both give the same parameters."""
+    def rename(t: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in t if ".block_sparse_moe." in n]:
+            new = (name.replace("input_linear.weight", "experts.gate_up_proj")
+                   .replace("output_linear.weight", "experts.down_proj").replace("router.layer.weight", "router.weight"))
+            t[new] = t.pop(name)
+
+    folder = _copy(moe_models["granite_moe"], tmp_path / "granite")
+    _rewrite(folder, rename)
+    want = dict(load_model(moe_models["granite_moe"])[0].named_parameters())
+    got = dict(load_model(folder)[0].named_parameters())
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
