@@ -20,7 +20,6 @@ modeling_glm4_moe.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -94,11 +93,7 @@ class Glm4MoeForCausalLM(MoEForCausalLM):
         return SharedExpertsMoE(self.config, self.expert_intermediate(), self.num_experts(), self.act,
                                 self.shared_intermediate())
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        n = int(self.config.num_hidden_layers)
-
-        def decoder(name: str) -> bool:  # (not a multi-token-prediction layer)
-            m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
-            return m is None or int(m[1]) < n
-
-        super().load_weights((name, t, source) for name, t, source in weights if decoder(name))
+    def skips_tensor(self, name: str) -> bool:
+        """A multi-token-prediction layer's (model.layers.N, N >= num_hidden_layers)."""
+        m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+        return m is not None and int(m[1]) >= int(self.config.num_hidden_layers)

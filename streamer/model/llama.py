@@ -192,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
         self._permute_partial_rotary()
 
+    def skips_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor is none of this model's (transformers ignores it too):
+        dropped before anything reads it."""
+        return False
+
     def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
         """Copy a mixture-of-experts tensor into its stacked parameter (moe.py) and return
         the checkpoint names it fills; None for any other tensor."""

@@ -165,7 +165,8 @@ def load_model(
                     m.gate_up_proj_scale.fill_(0.02)
                     m.down_proj_scale.fill_(0.02)
         else:
-            tensors = iter_safetensors(files, lazy=tensor_parallel() is not None)
+            tensors = (x for x in iter_safetensors(files, lazy=tensor_parallel() is not None)
+                       if not model.skips_tensor(x[0]))
             model.load_weights(tensors if scheme is None else fp8_checkpoint.checkpoint_tensors(tensors, scheme, quantized))
         if scheme is not None:
             fp8_checkpoint.finish(model)

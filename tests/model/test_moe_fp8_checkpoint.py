@@ -193,3 +193,20 @@ def test_a_misshapen_expert_scale_is_refused(moe_models, tmp_path):  # noqa: F81
     path = write(moe_models["qwen3_moe"], tmp_path / "q", channel_config(), per_row, "weight_scale",
                  edit=lambda t: t.update({name: t[name][:-1].contiguous()}))
     _refused(path, name, "per-channel scale")
+
+
+def test_glms_float8_checkpoint_with_its_prediction_layer_loads(moe_models, tmp_path):  # noqa: F811
+    """GLM-4.5-FP8: block-scaled float8 throughout, the router kept, and a multi-token-
+    prediction layer past num_hidden_layers whose float8 tensors and scales are skipped
+    before the float8 checks read them (transformers ignores that layer)."""
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+               "modules_to_not_convert": ["mlp.gate", "lm_head"]}
+
+    def add_prediction_layer(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.2.eh_proj.weight"], t["model.layers.2.eh_proj.weight_scale_inv"] = blocks_32(torch.randn(64, 128))
+
+    path = write(moe_models["glm4_moe"], tmp_path / "glm", qconfig, blocks_32, "weight_scale_inv",
+                 edit=add_prediction_layer)
+    model, _ = load_model(path)
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == FP8 and len(model.layers) == 2
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
