@@ -48,6 +48,9 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "Glm4MoeForCausalLM": "glm4_moe",
         "GraniteForCausalLM": "granite",
         "GraniteMoeForCausalLM": "granitemoe",
+        "Olmo2ForCausalLM": "olmo2",
+        "Olmo3ForCausalLM": "olmo3",
+        "OlmoeForCausalLM": "olmoe",
     }[arch]
     kw = dict(
         vocab_size=49152,

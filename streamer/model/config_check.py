@@ -18,6 +18,7 @@ from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausalLM, Qwen3MoeForCausalLM
+from streamer.model.olmo import Olmo3ForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from streamer.model.rope import rope_params, rope_type, rotary_dim
@@ -28,7 +29,7 @@ from streamer.model.windows import UNIFORM_WINDOW, architecture
 # one only up to max_position_embeddings (transformers recomputes it past that)
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
 WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
+            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, Olmo3ForCausalLM)
 """The classes with sliding-window layers (windows.py says which layers)."""
 
 

@@ -115,16 +115,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        ctx = get_context()
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """q [T, heads, D], k and v [T, kv_heads, D], and the per-head q/k norms that
+        rotary_store applies before the rotation (None: none)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.heads, self.head_dim)
-        k = k.reshape(t, self.kv_heads, self.head_dim)
-        v = v.reshape(t, self.kv_heads, self.head_dim)
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:  # (in rotary_store's launch)
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
+        return (q.reshape(t, self.heads, self.head_dim), k.reshape(t, self.kv_heads, self.head_dim),
+                v.reshape(t, self.kv_heads, self.head_dim), qk_norm)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        t = x.shape[0]
+        q, k, v, qk_norm = self.project(x)
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
         q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm)
         o = ops.paged_attention(

@@ -10,7 +10,7 @@ load_weights maps transformers' names onto the fused shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,11 +36,11 @@ STACKED = {
 class DecoderLayer(nn.Module):
     def __init__(
         self, layer: int, cfg: Any, head_dim: int, biases: tuple[bool, bool], qk_norm: bool, window: int, act: str,
-        mlp: nn.Module | None = None,
+        mlp: nn.Module | None = None, attention: Callable[..., Attention] = Attention,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Attention(
+        self.self_attn = attention(
             layer,
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -107,10 +107,15 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(self.config, "attention_bias", False))
         return bias, bias
 
+    def attention(self, *args: Any, **kw: Any) -> Attention:
+        """Every layer's attention module, from Attention's arguments (olmo.py's normalizes
+        whole projections)."""
+        return Attention(*args, **kw)
+
     def make_layer(self, i: int) -> nn.Module:
         return DecoderLayer(
             i, self.config, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act,
-            self.make_mlp(i),
+            self.make_mlp(i), self.attention,
         )
 
     def make_mlp(self, i: int) -> nn.Module | None:

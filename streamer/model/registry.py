@@ -8,6 +8,7 @@ from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from streamer.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from streamer.model.phi3 import Phi3ForCausalLM
 from streamer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from streamer.model.smollm3 import SmolLM3ForCausalLM
@@ -27,6 +28,9 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

@@ -1,4 +1,5 @@
-"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3 and Granite equal transformers
+"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2 and
+OLMo 3 equal transformers
 (float32, CPU): greedy output token for token, prompt logprobs over prompts several times
 longer than the sliding window, whatever the prefill chunk or page size, and with the
 prefix from the radix cache.
@@ -8,7 +9,8 @@ to 100, Gemma's soft-caps small enough to bite (5 on scores, 3 on logits), a
 query_pre_attn_scalar other than head_dim, non-zero Gemma norm weights (x * (1 + w)),
 Gemma 3's linear-scaled global rope beside its local one, Phi-3's longrope short
 factors and half-rotary heads (partial_rotary_factor 0.5), SmolLM3's NoPE layer (sliding)
-beside a rotary one, with biases on q/k/v/o, Granite's four multipliers far from 1.
+beside a rotary one, with biases on q/k/v/o, Granite's four multipliers far from 1, OLMo's
+whole-projection q/k norms and post-norms (OLMo 3 with a sliding layer of its own rope).
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ ARCHS = {
     # each of Granite's four scalars far from 1 (so that each is tested)
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                            attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True)),
+    "olmo2": ("Olmo2ForCausalLM", dict(attention_bias=True, pad_token_id=None)),
+    # layer 0 slides, layer 1 attends to all (with its own rope base)
+    "olmo3": ("Olmo3ForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 500000.0}},
+                                       pad_token_id=None)),
     "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
                                            attention_bias=True, pad_token_id=None)),
 }
@@ -120,8 +129,8 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     ours = torch.tensor(out.prompt_logprobs)
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-    # (Granite has no window: its residual multiplier is what is flipped)
-    flip = {"residual_multiplier": 1.0} if name == "granite" else {"sliding_window": 4096}
+    # (without a window: Granite's residual multiplier, OLMo 2's norms are what is flipped)
+    flip = {"granite": {"residual_multiplier": 1.0}, "olmo2": {"rms_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
     unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **flip).eval()
     assert (logprobs(unwindowed) - want).abs().max() > 1e-2
 

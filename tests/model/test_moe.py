@@ -6,8 +6,8 @@ up to 100; a Qwen3-MoE of 8 experts (top 2) with norm_topk_prob and a dense laye
 (mlp_only_layers); one without norm_topk_prob whose dense layer comes from
 decoder_sparse_step 2; a Qwen2-MoE with a gated shared expert in every layer, q/k/v
 biases and a 16-token window on layer 0 (max_window_layers 1); a GLM-4.5 of 2 groups of 4
-experts with its router's correction bias, q/k norms and half-rotary heads; a Granite MoE
-with its four scalars. Broken checkpoints and unsupported configs are refused by name.
+experts with its router's correction bias, q/k norms and half-rotary heads; an OLMoE with
+whole-projection q/k norms and clip_qkv; a Granite MoE with its four scalars. Broken checkpoints and unsupported configs are refused by name.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ ARCHS = {
                                             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                             norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True,
                                             attention_bias=True, partial_rotary_factor=0.5, pad_token_id=None)),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=0.5,
+                                       pad_token_id=None)),
     "granite_moe": ("GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
                                                   residual_multiplier=0.22, attention_multiplier=0.015625,
                                                   logits_scaling=8.0)),
