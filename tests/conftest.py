@@ -51,6 +51,8 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "Olmo2ForCausalLM": "olmo2",
         "Olmo3ForCausalLM": "olmo3",
         "OlmoeForCausalLM": "olmoe",
+        "CohereForCausalLM": "cohere",
+        "Cohere2ForCausalLM": "cohere2",
     }[arch]
     kw = dict(
         vocab_size=49152,

@@ -15,7 +15,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
              "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
              "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "SmolLM3ForCausalLM",
              "Glm4MoeForCausalLM", "GraniteForCausalLM",
-             "GraniteMoeForCausalLM")
+             "GraniteMoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 """The decoders built of model/layers.py's Attention and MLP, which model/tp_layers.py shards
 (Gemma's extra norms act on the whole hidden state, its scaled embedding and capped logits
 on the all-reduced and gathered ones; Phi-3's fused checkpoint tensors are read in parts;

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamer.errors import ModelLoadError
+from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
@@ -29,7 +30,7 @@ from streamer.model.windows import UNIFORM_WINDOW, architecture
 # one only up to max_position_embeddings (transformers recomputes it past that)
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
 WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, Olmo3ForCausalLM)
+            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, Olmo3ForCausalLM, Cohere2ForCausalLM)
 """The classes with sliding-window layers (windows.py says which layers)."""
 
 
@@ -55,6 +56,8 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
     _check_windows(cfg, cls, refuse)
     if issubclass(cls, MoEForCausalLM):
         _check_moe(cfg, cls, refuse)
+    if issubclass(cls, CohereForCausalLM) and getattr(cfg, "use_qk_norm", False):
+        refuse("use_qk_norm", "the per-head LayerNorm of q and k (Command R+) is not implemented")
     if issubclass(cls, SmolLM3ForCausalLM):
         flags = getattr(cfg, "no_rope_layers", None)
         if not isinstance(flags, list) or len(flags) != cfg.num_hidden_layers or any(f not in (0, 1) for f in flags):

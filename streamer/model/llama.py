@@ -92,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.tp is None \
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
+        self.norm = self.make_norm()
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.tp is None \
             else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.tp)
@@ -101,6 +101,10 @@ class LlamaForCausalLM(nn.Module):
         tables, self.layer_rope = self.rope_tables(max_positions)
         for name, table in tables.items():  # (float32; the loader keeps every cos_sin* so)
             self.register_buffer(name, table, persistent=False)
+
+    def make_norm(self) -> nn.Module:
+        """The final norm (cohere.py's is a LayerNorm)."""
+        return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, self.norm_offset)
 
     def attention_biases(self) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias): Llama and Qwen3 take both from attention_bias."""
@@ -195,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - filled)
         if missing:
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
-        self._permute_partial_rotary()
+        self._permute_rotary()
 
     def skips_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is none of this model's (transformers ignores it too):
@@ -207,13 +211,19 @@ class LlamaForCausalLM(nn.Module):
         the checkpoint names it fills; None for any other tensor."""
         return None
 
-    def _permute_partial_rotary(self) -> None:
-        """With partial rotary, reorder each q/k head's rows for the whole-head kernels
-        (rope.py); v and o_proj keep theirs (q.k is unchanged by a common permutation)."""
+    def rotary_permutation(self) -> torch.Tensor | None:
+        """New dim -> old dim of a q/k head such that the kernels' rotation of pairs
+        (i, i + head_dim/2) is the model's (None: it is already): partial rotary's (rope.py),
+        cohere.py's interleaved pairs."""
         rot = rotary_dim(self.config, self.head_dim, rope_params(self.config))
-        if rot >= self.head_dim:
+        return partial_rotary_permutation(self.head_dim, rot) if rot < self.head_dim else None
+
+    def _permute_rotary(self) -> None:
+        """Reorder each q/k head's rows by rotary_permutation for the whole-head kernels; v and
+        o_proj keep theirs (q.k is unchanged by a common permutation)."""
+        perm = self.rotary_permutation()
+        if perm is None:
             return
-        perm = partial_rotary_permutation(self.head_dim, rot)
         for layer in self.layers:
             attn = layer.self_attn
             w = attn.qkv_proj.weight.data

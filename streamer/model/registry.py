@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from streamer.errors import ModelLoadError
+from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
@@ -31,6 +32,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
 }
 
 

@@ -14,11 +14,15 @@ import torch
 from streamer.model.llama import LlamaForCausalLM
 
 
+def unrotated_table(table: torch.Tensor) -> torch.Tensor:
+    """A rotary table of a table's shape whose rotation is none: cos 1, sin 0 (a NoPE layer's)."""
+    half = table.shape[1] // 2
+    return torch.cat([torch.ones_like(table[:, :half]), torch.zeros_like(table[:, half:])], dim=1)
+
+
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     def rope_tables(self, max_positions: int) -> tuple[dict[str, torch.Tensor], list[str]]:
         tables, _ = super().rope_tables(max_positions)
         table = tables["cos_sin"]
-        half = table.shape[1] // 2
-        unrotated = torch.cat([torch.ones_like(table[:, :half]), torch.zeros_like(table[:, half:])], dim=1)
         names = ["cos_sin" if use_rope else "cos_sin_none" for use_rope in self.config.no_rope_layers]
-        return {"cos_sin": table, "cos_sin_none": unrotated}, names
+        return {"cos_sin": table, "cos_sin_none": unrotated_table(table)}, names

@@ -1,5 +1,5 @@
 """Tensor parallelism over 2 ranks of tiny random Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite,
-Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5 and Granite MoE models on gloo:
+Command R7B (Cohere2), Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5 and Granite MoE models on gloo:
 the answers of one rank (greedy tokens, prompt logprobs within 1e-4) on the workload of
 tests/distributed/workload.py (a cached prefix, chunked prefill, preemption). Gemma's
 extra norms, scaled embedding, capped scores and logits and sliding windows, and Phi-3's
@@ -40,7 +40,7 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "mixtral", "mixtral-stacked",
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "cohere2", "mixtral", "mixtral-stacked",
                                   "qwen3_moe", "qwen2_moe", "glm4_moe", "granite_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]

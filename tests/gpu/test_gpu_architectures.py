@@ -21,8 +21,8 @@ pytestmark = [
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 ARCHS = {**DENSE, **MOE}
-NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "mixtral", "qwen3_moe", "qwen2_moe",
-         "glm4_moe", "olmoe", "granite_moe"]
+NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "cohere", "cohere2", "mixtral",
+         "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe", "granite_moe"]
 
 
 @pytest.fixture(scope="module")

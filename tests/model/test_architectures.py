@@ -1,5 +1,5 @@
-"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2 and
-OLMo 3 equal transformers
+"""Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2,
+OLMo 3, Command R and Command R7B equal transformers
 (float32, CPU): greedy output token for token, prompt logprobs over prompts several times
 longer than the sliding window, whatever the prefill chunk or page size, and with the
 prefix from the radix cache.
@@ -10,7 +10,8 @@ query_pre_attn_scalar other than head_dim, non-zero Gemma norm weights (x * (1 +
 Gemma 3's linear-scaled global rope beside its local one, Phi-3's longrope short
 factors and half-rotary heads (partial_rotary_factor 0.5), SmolLM3's NoPE layer (sliding)
 beside a rotary one, with biases on q/k/v/o, Granite's four multipliers far from 1, OLMo's
-whole-projection q/k norms and post-norms (OLMo 3 with a sliding layer of its own rope).
+whole-projection q/k norms and post-norms (OLMo 3 with a sliding layer of its own rope),
+Cohere's LayerNorms, parallel layers and interleaved rotary (Command R7B's full layer NoPE).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ ARCHS = {
                                                         "full_attention": {"rope_type": "default",
                                                                            "rope_theta": 500000.0}},
                                        pad_token_id=None)),
+    "cohere": ("CohereForCausalLM", dict(logit_scale=0.25, attention_bias=True, pad_token_id=None)),
+    # layers 0 slides and rotates, layer 1 attends to all without rotary
+    "cohere2": ("Cohere2ForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                           logit_scale=0.25, pad_token_id=None)),
     "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
                                            attention_bias=True, pad_token_id=None)),
 }
@@ -130,7 +135,8 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     assert ours.shape == want.shape
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     # (without a window: Granite's residual multiplier, OLMo 2's norms are what is flipped)
-    flip = {"granite": {"residual_multiplier": 1.0}, "olmo2": {"rms_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
+    flip = {"granite": {"residual_multiplier": 1.0}, "olmo2": {"rms_norm_eps": 0.5},
+            "cohere": {"layer_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
     unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **flip).eval()
     assert (logprobs(unwindowed) - want).abs().max() > 1e-2
 
