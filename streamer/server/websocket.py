@@ -61,6 +61,7 @@ from streamer.messages import ENGINE_DOWN, GenerateRequest
 from streamer.router.keys import session_request_id
 from streamer.server import protocol as p
 from streamer.server.chat_output import ChatDelta, ChatSetup, finish_reason
+from streamer.server.fields import OTHER_SERVERS_REFUSED, check_refused
 from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
 from streamer.server.openai_api import chat_setup
 from streamer.server.protocol import ApiError
@@ -169,7 +170,9 @@ class Session:
 
     async def handle(self, data: str | bytes) -> None:
         try:
-            msg: ClientMessage = p.decode_body(data.encode() if isinstance(data, str) else data, ClientMessage)
+            raw = data.encode() if isinstance(data, str) else data
+            msg: ClientMessage = p.decode_body(raw, ClientMessage)
+            check_refused(raw, OTHER_SERVERS_REFUSED)  # (as the HTTP bodies: fields.py)
             if msg.type == "user":
                 self.start_turn(msg)
             elif msg.type == "tool":

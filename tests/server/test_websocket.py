@@ -75,7 +75,8 @@ def test_cancel_reset_and_errors(live):
 
             for bad in ("not json", json.dumps({"type": "dance"}), json.dumps({"type": "user"}),
                         json.dumps({"type": "user", "content": "x", "max_tokens": 0}),
-                        json.dumps({"type": "user", "content": "x", "temperature": "hot"})):
+                        json.dumps({"type": "user", "content": "x", "temperature": "hot"}),
+                        json.dumps({"type": "user", "content": "x", "use_beam_search": True})):
                 await ws.send(bad)
                 m = await recv(ws)
                 assert m["type"] == "error" and m["message"], bad
