@@ -57,10 +57,8 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         cfg = self.config
-        bias = bool(getattr(cfg, "attention_bias", False))
-        attn = self.attention(i, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim,
-                              bias, None, window=self.windows[i], o_bias=bias)
-        return ParallelLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.layer_norm_eps, self.act)
+        return ParallelLayer(self.make_attention(i), cfg.hidden_size, cfg.intermediate_size, cfg.layer_norm_eps,
+                             self.act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

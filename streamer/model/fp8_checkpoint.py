@@ -253,7 +253,7 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> s
     """Float8 experts where the checkpoint stores them so: each expert projection's scale
     (per tensor or per channel) becomes fused_moe's per-row scales, its inputs quantized per
     token as the scheme's dynamic activations are; block-scaled experts are dequantized into
-    the model's dtype as they load (Experts.expect_blocks). The names of the experts'
+    the model's dtype as they load (Experts.block). The names of the experts'
     projections."""
     quantized: set[str] = set()
     dequantized: torch.dtype | None = None
@@ -271,7 +271,7 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> s
             continue
         if scheme.block is not None:
             # (no block-scaled grouped GEMM yet: these experts run in the model's dtype)
-            experts.expect_blocks(scheme.block)
+            experts.block = scheme.block
             quantized.update(names)
             dequantized = experts.down_proj.dtype
             continue

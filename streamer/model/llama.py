@@ -10,7 +10,7 @@ load_weights maps transformers' names onto the fused shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -35,22 +35,11 @@ STACKED = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, layer: int, cfg: Any, head_dim: int, biases: tuple[bool, bool], qk_norm: bool, window: int, act: str,
-        mlp: nn.Module | None = None, attention: Callable[..., Attention] = Attention,
+        self, attention: Attention, cfg: Any, act: str, mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = attention(
-            layer,
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            head_dim,
-            biases[0],
-            eps if qk_norm else None,
-            window=window,
-            o_bias=biases[1],
-        )
+        self.self_attn = attention
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -116,11 +105,16 @@ class LlamaForCausalLM(nn.Module):
         whole projections)."""
         return Attention(*args, **kw)
 
+    def make_attention(self, i: int) -> Attention:
+        """Layer i's attention as the config says: heads, biases, q/k norms, window."""
+        cfg = self.config
+        qkv_bias, o_bias = self.attention_biases()
+        return self.attention(i, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim,
+                              qkv_bias, cfg.rms_norm_eps if self.qk_norm else None, window=self.windows[i],
+                              o_bias=o_bias)
+
     def make_layer(self, i: int) -> nn.Module:
-        return DecoderLayer(
-            i, self.config, self.head_dim, self.attention_biases(), self.qk_norm, self.windows[i], self.act,
-            self.make_mlp(i), self.attention,
-        )
+        return DecoderLayer(self.make_attention(i), self.config, self.act, self.make_mlp(i))
 
     def make_mlp(self, i: int) -> nn.Module | None:
         """Layer i's MLP; None: the dense gated MLP (moe.py returns its sparse block)."""

@@ -62,13 +62,10 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_proj_scale", None, persistent=False)
         self.register_buffer("down_proj_scale", None, persistent=False)
         self.block: tuple[int, int] | None = None
-        """A block-scaled float8 checkpoint's [bn, bk] (expect_blocks): its experts are
+        """A block-scaled float8 checkpoint's [bn, bk] (set by model/fp8_checkpoint.py): its experts are
         dequantized into the model's dtype as they load."""
         self.pending: dict[str, tuple[str, torch.Tensor]] = {}
         """Block-scaled projections whose weight or scale has come, waiting for the other."""
-
-    def expect_blocks(self, block: tuple[int, int]) -> None:
-        self.block = block
 
     def expect_fp8(self) -> None:
         """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert);

@@ -26,11 +26,12 @@ from streamer.model.rope import rope_cos_sin
 
 
 class FullNormAttention(Attention):
-    def __init__(self, *args: Any, clip: float | None = None, **kw: Any) -> None:
-        args_list = list(args)
-        eps = args_list[6]  # (Attention's qk_norm_eps: here the eps of the whole-projection norms)
-        args_list[6] = None
-        super().__init__(*args_list, **kw)
+    def __init__(self, layer: int, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool,
+                 qk_norm_eps: float | None, *, clip: float | None = None, **kw: Any) -> None:
+        # (qk_norm_eps: the eps of the whole-projection norms; no per-head ones)
+        assert qk_norm_eps is not None, "the models of FullNormAttention set qk_norm"
+        super().__init__(layer, hidden, heads, kv_heads, head_dim, qkv_bias, None, **kw)
+        eps = qk_norm_eps
         self.q_norm = RMSNorm(self.q_size, eps)
         self.k_norm = RMSNorm(self.kv_size, eps)
         self.clip = clip
@@ -71,11 +72,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         return FullNormAttention(*args, **kw)
 
     def make_layer(self, i: int) -> nn.Module:
-        cfg = self.config
-        bias = bool(getattr(cfg, "attention_bias", False))
-        attn = self.attention(i, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim,
-                              bias, cfg.rms_norm_eps, window=self.windows[i], o_bias=bias)
-        return PostNormLayer(attn, cfg, self.act)
+        return PostNormLayer(self.make_attention(i), self.config, self.act)
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
