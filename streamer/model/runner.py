@@ -12,6 +12,8 @@ the event loop.
 
 from __future__ import annotations
 
+import gc
+
 import time
 from typing import Any
 
@@ -359,6 +361,9 @@ class ModelRunner:
         self.model = None  # type: ignore[assignment]
         self.last_tokens = torch.zeros(0, dtype=torch.long)
         if torch.cuda.is_available():
+            # graphs caught in a reference cycle (a caller's wrapper of a replay) keep their memory
+            # pools and the weights until the cycle collector runs: run it now, then hand back
+            gc.collect()
             torch.cuda.empty_cache()
 
 
