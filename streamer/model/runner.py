@@ -13,7 +13,6 @@ the event loop.
 from __future__ import annotations
 
 import gc
-
 import time
 from typing import Any
 
@@ -137,6 +136,9 @@ class ModelRunner:
             n = c.num_pages
         elif self.device.type == "cuda":
             torch.cuda.synchronize()
+            # blocks cached by the allocator count as used in mem_get_info: an engine released
+            # earlier in the process (whose last references went after its release) left some
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * c.gpu_memory_fraction) - (total - free) - (1 << 30)
             n = budget // per_page

@@ -57,7 +57,7 @@ def test_bf16_greedy_with_ngram_speculation_is_plain_greedy_at_batch_1(models, f
         try:
             got = [llm.generate([p], PARAMS)[0].token_ids for p in batch]
             s = llm.stats()
-        finally:  # the wrapper and the graphs form a cycle that would keep their memory
+        finally:  # the wrapper and the graphs form a cycle; the graphs hold the KV pool
             del rows.replay
     assert s.spec_accepted_tokens > 0 and replays, (s.spec_accepted_tokens, len(replays))
     for i, (a, b) in enumerate(zip(got, plain)):
