@@ -25,7 +25,8 @@ TP_ENV, MODEL_ENV, TOOL_ENV = "STREAMER_PEER_TP", "STREAMER_PEER_MODEL", "STREAM
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(add_help=False)
+    # no abbreviations: the tool passes its children `--mode`, which would otherwise be taken for --model
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--model", default=None, help="a folder name of benchmarks/configs")
     p.add_argument("--tool", default=None, help="the peer tool's runner (default .peer/vllm/peer_bench.py)")

@@ -102,15 +102,16 @@ def child(a):
 def main():
     p = argparse.ArgumentParser()
     for a in ("--proj", "--site", "--workload", "--json", "--kv-cache-dtype", "--num-requests", "--max-num-seqs",
-              "--quantization", "--child", "--result"):
+              "--quantization", "--child", "--result", "--mode"):
         p.add_argument(a)
     a = p.parse_args()
     if a.child:
         Path(a.result).write_text(json.dumps(child(a)))
         return
     out = Path(a.json + ".child")
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", a.workload, "--result", str(out),
-                    "--proj", a.proj], check=True)
+    # as the real tool: --mode, a prefix of peer_vllm.py's --model
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", a.workload, "--mode", "default",
+                    "--result", str(out), "--proj", a.proj], check=True)
     Path(a.json).write_text(json.dumps([json.loads(out.read_text())]))
 
 if __name__ == "__main__":
