@@ -52,7 +52,8 @@
 # warm machine: moeso carries .moeso/_moe_C_stable_libtorch.abi3.so alone (47 MB, unzipped from the
 # vllm==0.26.0 wheel: the peer archive leaves it out) into /tmp/moeso; moepeer (carry .peer and .whl,
 # ~9 min) installs the peer with it, then W2 (--model-dir benchmarks/configs/qwen3-30b-a3b, vLLM through
-# benchmarks/peer_vllm.py) and W8 (its own model), each with vLLM beside it (MOE_QUANT=fp8: float8 experts).
+# benchmarks/peer_vllm.py) and W8 (its own model), each with vLLM beside it (MOE_QUANT=fp8: float8 experts;
+# MOE_WORKLOADS=W2 or W8: one of them).
 # rows: issue 28's verify steps as decode rows, compiled (~2 min): the per-row GEMV, multi-row gemv_glu
 # and split_batch=1 decode tests bit for bit, and bf16 greedy with ngram = plain greedy at batch 1
 # (tests/gpu/test_gpu_speculation.py); then gguf1 + w7 for W7's identical outputs on the real weights.
@@ -287,8 +288,10 @@ if [ "$part" = moepeer ]; then
   [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
   cp /tmp/moeso/*.so .peer/site/vllm/ || { echo "no /tmp/moeso: run the moeso part first, on this machine"; exit 3; }
   q=${MOE_QUANT:+--quantization $MOE_QUANT}
-  bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b $q --peer vllm --json "$OUT/moe_w2_peer.json" | tail -1
-  bench --workload W8 --num-requests "${W8_N:-256}" $q --peer vllm --json "$OUT/moe_w8_peer.json" | tail -1
+  w=${MOE_WORKLOADS:-W2 W8}; tag=${MOE_QUANT:+_$MOE_QUANT}
+  [[ $w == *W2* ]] && bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b $q --peer vllm \
+      --json "$OUT/moe_w2_peer$tag.json" | tail -1
+  [[ $w == *W8* ]] && bench --workload W8 --num-requests "${W8_N:-256}" $q --peer vllm --json "$OUT/moe_w8_peer$tag.json" | tail -1
 fi
 if [ "$part" = rows ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py tests/kernels/test_gemv.py \
