@@ -3,6 +3,9 @@
 
 Like the reference (torch ops in x.dtype), act(gate) is rounded to x.dtype
 before the multiply. One launch, no host synchronisation (CUDA-graph safe).
+
+Also the MoE kernels' epilogue (`moe_glu`), which adds gpt-oss's clamped SwiGLU (`swigluoai`;
+no dense op: gpt-oss has no dense MLP).
 """
 
 from __future__ import annotations
@@ -28,6 +31,40 @@ def gate_activation(g, GELU: tl.constexpr):
         y = tl.minimum(tl.maximum(y, -15.0), 15.0)
         return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
     return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def swigluoai(g, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """gpt-oss's clamped SwiGLU of fp32 g, up (holding DTYPE values), in DTYPE:
+    (clamp(up, -LIMIT, LIMIT) + 1) * gc * sigmoid(ALPHA * gc), gc = min(g, LIMIT), rounded to
+    DTYPE after each step as kernels.reference.swigluoai_and_mul's torch ops in DTYPE round
+    (ALPHA multiplied in float32, as torch does a Python scalar)."""
+    # (a limit that DTYPE cannot hold: torch's clamp stores it rounded)
+    g = _round_to(tl.minimum(g, LIMIT), DTYPE, INTERP).to(tl.float32)
+    up = _round_to(tl.minimum(tl.maximum(up, -LIMIT), LIMIT), DTYPE, INTERP).to(tl.float32)
+    z = _round_to(g * ALPHA, DTYPE, INTERP).to(tl.float32)
+    sig = _round_to(1.0 / (1.0 + tl.exp(-z)), DTYPE, INTERP).to(tl.float32)
+    glu = _round_to(g * sig, DTYPE, INTERP).to(tl.float32)
+    return _round_to((_round_to(up + 1.0, DTYPE, INTERP).to(tl.float32)) * glu, DTYPE, INTERP)
+
+
+@triton.jit
+def moe_glu(
+    g,
+    up,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """The MoE kernels' epilogue: fp32 gate and up products g, up (holding DTYPE values) ->
+    act(g) * up in DTYPE for ACT "silu" or "gelu_tanh" (act(g) rounded to DTYPE before the
+    multiply, as the reference), or gpt-oss's `swigluoai` (ALPHA, LIMIT)."""
+    if ACT == "swigluoai":
+        return swigluoai(g, up, ALPHA, LIMIT, DTYPE, INTERP)
+    s = _round_to(gate_activation(g, ACT == "gelu_tanh"), DTYPE, INTERP).to(tl.float32)
+    return _round_to(s * up, DTYPE, INTERP)
 
 
 @triton.jit

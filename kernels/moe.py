@@ -20,7 +20,9 @@ into [T, H] would save them, at the price of a run-to-run varying sum order).
 
 Rounding follows the reference (torch ops in x.dtype): the gate and up products, the
 activation, its product with up and the down product are each rounded to x.dtype; the
-routing weight and the sum over slots are float32.
+routing weight and the sum over slots are float32. Expert biases (gpt-oss) are added in the
+GEMMs' epilogues to the rounded products, the sums rounded again (the reference's x @ W + b);
+gpt-oss's clamped SwiGLU rounds after each of its steps (kernels.activation.swigluoai).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.activation import gate_activation
+from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
@@ -80,6 +82,7 @@ def _moe_gate_up_kernel(
     expert_ptr,
     sx_ptr,
     sw_ptr,
+    bias_ptr,
     PAIRS,
     PADDED,
     H,
@@ -95,15 +98,19 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GELU: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """inter[r, n] = act(x[p // k] . Wg_e[n]) * (x[p // k] . Wu_e[n]), p = sorted_ids[r],
-    for the BLOCK_M rows r of one M-block (one expert e) and BLOCK_N columns n."""
+    """inter[r, n] = act(x[p // k] . Wg_e[n] + bg_e[n]) * (x[p // k] . Wu_e[n] + bu_e[n]),
+    p = sorted_ids[r], for the BLOCK_M rows r of one M-block (one expert e) and BLOCK_N
+    columns n (moe_glu: ACT, ALPHA, LIMIT; the biases b [E, 2I] with HAS_BIAS)."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)  # (one per program: in bounds)
     if expert >= E:  # past the last group
@@ -135,9 +142,14 @@ def _moe_gate_up_kernel(
         acc_u = acc_u * sx * tl.load(s_ptrs + INTER, mask=n_mask, other=0.0)[None, :]
     g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
     up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
-    s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:  # added to the rounded products and rounded again, as the reference's x @ W + b
+        bias = bias_ptr + expert * (2 * INTER) + offs_n
+        bg = tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bu = tl.load(bias + INTER, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        g = _round_to(g + bg, DTYPE, INTERP).to(tl.float32)
+        up = _round_to(up + bu, DTYPE, INTERP).to(tl.float32)
     o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, _round_to(s * up, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+    tl.store(o_ptrs, moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -150,6 +162,7 @@ def _moe_down_kernel(
     weight_ptr,
     sh_ptr,
     sw_ptr,
+    bias_ptr,
     PAIRS,
     PADDED,
     H,
@@ -163,14 +176,16 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n]) (the product rounded to DTYPE,
-    out float32), p = sorted_ids[r], for one M-block (expert e) and BLOCK_N columns."""
+    """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n] + bd_e[n]) (the product rounded to
+    DTYPE, then its sum with the bias [E, H] if HAS_BIAS; out float32), p = sorted_ids[r], for
+    one M-block (expert e) and BLOCK_N columns."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert >= E:
@@ -193,6 +208,9 @@ def _moe_down_kernel(
         sh = tl.load(sh_ptr + offs_m, mask=valid, other=0.0)[:, None]
         acc = acc * sh * tl.load(sw_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
     y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:
+        bd = tl.load(bias_ptr + expert * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _round_to(y + bd, DTYPE, INTERP).to(tl.float32)
     w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
     tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -309,6 +327,10 @@ def fused_moe(
     config: MoeConfig | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = reference.SWIGLU_ALPHA,
+    swiglu_limit: float = reference.SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
@@ -316,8 +338,11 @@ def fused_moe(
     sum over the slots: no host synchronisation (CUDA-graph capturable).
     config: tile sizes, for tuning and tests (default: `default_config`).
     w_gate_up_scale [E, 2I], w_down_scale [E, H]: float8 experts (the reference's formula):
-    x and the activation are quantized per row first, the GEMMs run on float8 tensor cores."""
-    assert activation in ("silu", "gelu_tanh"), activation
+    x and the activation are quantized per row first, the GEMMs run on float8 tensor cores.
+    activation "silu", "gelu_tanh" or "swigluoai" (swiglu_alpha, swiglu_limit), biases
+    w_gate_up_bias [E, 2I] and w_down_bias [E, H]: the reference's; each bias is added in
+    its GEMM's epilogue."""
+    act = act_constants(activation, swiglu_alpha, swiglu_limit)
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -329,6 +354,8 @@ def fused_moe(
         return torch.zeros_like(x)
     cfg = config or default_config(pairs, experts, hidden, inter)
     out_dtype = x.dtype
+    b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
+    b_d = bias_operand(w_down_bias, (experts, hidden), x)
     scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
@@ -340,36 +367,53 @@ def fused_moe(
     # the interpreter's bf16 tl.dot is wrong: it multiplies in float32 there (exact widening)
     compute = tl.float32 if interp or out_dtype == torch.float32 else tl.float8e4nv if scaled else dtype
     precision = "ieee" if compute == tl.float32 else "tf32"
+    if compute == tl.float8e4nv and cfg.block_k < 32:  # a compiled float8 tl.dot needs K >= 32
+        cfg = replace(cfg, block_k=32)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     # (padding rows zeroed when they are quantized: their scales are then finite, never read)
     h = (torch.zeros if scaled else torch.empty)((sorted_ids.numel(), inter), dtype=out_dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w_gate_up, h, sorted_ids, block_expert, sx, sw_gu,
+        x, w_gate_up, h, sorted_ids, block_expert, sx, sw_gu, b_gu,
         pairs, sorted_ids.numel(), hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
         2 * inter,
         TOPK=topk, E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GELU=activation == "gelu_tanh", SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
-        INTERP=interp, **launch,
+        **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, COMPUTE=compute, PRECISION=precision,
+        DTYPE=dtype, INTERP=interp, **launch,
     )  # fmt: skip
     sh = weights
     if scaled:
         h, sh = quantize_rows(h)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, w_down, y, sorted_ids, block_expert, weights, sh, sw_d,
+        h, w_down, y, sorted_ids, block_expert, weights, sh, sw_d, b_d,
         pairs, sorted_ids.numel(), hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), hidden,
         E=experts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
-        **launch,
+        HAS_BIAS=w_down_bias is not None, SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
+        INTERP=interp, **launch,
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=out_dtype, device=x.device)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](y, out, hidden, TOPK=topk, BLOCK=1024, DTYPE=dtype, INTERP=interp)
     return out
+
+
+def act_constants(activation: str, alpha: float, limit: float) -> dict[str, str | float]:
+    """The MoE kernels' activation constexprs (kernels.activation.moe_glu's ACT, ALPHA, LIMIT)."""
+    assert activation in reference.MOE_ACTIVATIONS, activation
+    return {"ACT": activation, "ALPHA": float(alpha), "LIMIT": float(limit)}
+
+
+def bias_operand(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+    """An expert bias [E, N] contiguous in x's dtype (the reference adds it in x's dtype), or
+    x as an unread placeholder when there is none (the kernel's HAS_BIAS off)."""
+    if bias is None:
+        return x
+    assert bias.shape == shape, f"expert bias of shape {tuple(bias.shape)}, expected {shape}"
+    return bias.to(x.dtype).contiguous()
 
 
 def fp8_operands(

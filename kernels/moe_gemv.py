@@ -19,7 +19,9 @@ why this path is for a few tokens only (`use_gemv`).
 
 Rounding as the reference: gate and up products, the activation and its product with up,
 and each slot's down product are rounded to x.dtype; the routing weight and the sum over
-slots are float32.
+slots are float32. Expert biases (gpt-oss) are added to the rounded products in the
+epilogues, the sums rounded again; gpt-oss's clamped SwiGLU rounds after each of its steps
+(kernels.activation.swigluoai).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import gate_activation
+from kernels import reference
+from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
-from kernels.moe import fp8_operands, quantize_rows
+from kernels.moe import act_constants, bias_operand, fp8_operands, quantize_rows
 
 MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
@@ -72,6 +75,7 @@ def _gate_up_kernel(
     out_ptr,
     sx_ptr,
     sw_ptr,
+    bias_ptr,
     H,
     INTER,
     stride_x,
@@ -84,11 +88,16 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
-    GELU: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """inter[p, n] = moe_glu(x[p // k] . Wg_e[n] + bg_e[n], x[p // k] . Wu_e[n] + bu_e[n]) for
+    BLOCK_N rows n, e = ids[p] (the biases [E, 2I] with HAS_BIAS)."""
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,8 +124,12 @@ def _gate_up_kernel(
         up = up * sx * tl.load(sw_ptr + expert * stride_se + INTER + rows)
     g = _round_to(g, DTYPE, INTERP).to(tl.float32)
     up = _round_to(up, DTYPE, INTERP).to(tl.float32)
-    s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
-    tl.store(out_ptr + p * stride_o + offs_n, _round_to(s * up, DTYPE, INTERP), mask=offs_n < INTER)
+    if HAS_BIAS:  # added to the rounded products and rounded again, as the reference's x @ W + b
+        bias = bias_ptr + expert * (2 * INTER) + rows
+        g = _round_to(g + tl.load(bias).to(tl.float32), DTYPE, INTERP).to(tl.float32)
+        up = _round_to(up + tl.load(bias + INTER).to(tl.float32), DTYPE, INTERP).to(tl.float32)
+    h = moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP)
+    tl.store(out_ptr + p * stride_o + offs_n, h, mask=offs_n < INTER)
 
 
 @triton.jit
@@ -128,6 +141,7 @@ def _down_kernel(
     out_ptr,
     sh_ptr,
     sw_ptr,
+    bias_ptr,
     H,
     INTER,
     stride_h,
@@ -140,12 +154,14 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """out[t, n] for BLOCK_N rows n: the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N
-    + i, so the k slots' W rows (k experts) stream at once rather than one slot after the other
+    """out[t, n] for BLOCK_N rows n (each slot's product plus its expert's bias [E, H] with
+    HAS_BIAS): the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N + i, so the k
+    slots' W rows (k experts) stream at once rather than one slot after the other
     (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s)."""
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
@@ -169,6 +185,8 @@ def _down_kernel(
     if SCALED:
         d = d * tl.load(sh_ptr + p) * tl.load(sw_ptr + expert * stride_se + n)
     d = _round_to(d, DTYPE, INTERP).to(tl.float32)  # each slot's product in x's dtype
+    if HAS_BIAS:  # (n and p clamped above: in bounds)
+        d = _round_to(d + tl.load(bias_ptr + expert * H + n).to(tl.float32), DTYPE, INTERP).to(tl.float32)
     d = tl.where(slot < TOPK, d * tl.load(weight_ptr + p), 0.0)
     # y[i] = sum over the slots of d[j * BLOCK_N + i] (float32)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -190,14 +208,20 @@ def moe_gemv(
     down: tuple[int, int, int, int] | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = reference.SWIGLU_ALPHA,
+    swiglu_limit: float = reference.SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
     Two kernels, no host synchronisation (CUDA-graph capturable). With the scales (float8
     experts): x and the activation quantized per row first (two more kernels).
     block_n, block_k, unroll: GEMM 1's tiles; down: GEMM 2's (block_n, block_k, unroll,
-    num_warps), default DOWN."""
-    assert activation in ("silu", "gelu_tanh"), activation
+    num_warps), default DOWN. activation, swiglu_alpha, swiglu_limit and the expert biases
+    (w_gate_up_bias [E, 2I], w_down_bias [E, H]): the reference's, the biases added in the
+    GEMMs' epilogues."""
+    act = act_constants(activation, swiglu_alpha, swiglu_limit)
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -207,6 +231,8 @@ def moe_gemv(
     out = torch.empty_like(x)
     if t == 0:
         return out
+    b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
+    b_d = bias_operand(w_down_bias, (experts, hidden), x)
     scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
@@ -216,12 +242,12 @@ def moe_gemv(
     interp = _interpreting()
     h = torch.empty((t * topk, inter), dtype=out.dtype, device=x.device)
     _gate_up_kernel[(t * topk, triton.cdiv(inter, block_n))](
-        x, w_gate_up, ids, h, sx, sw_gu,
+        x, w_gate_up, ids, h, sx, sw_gu, b_gu,
         hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
         2 * inter,
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
-        GELU=activation == "gelu_tanh", SCALED=scaled, DTYPE=dtype, INTERP=interp,
+        **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp,
         num_warps=4, num_stages=1,
     )  # fmt: skip
     sh = h
@@ -229,11 +255,12 @@ def moe_gemv(
         h, sh = quantize_rows(h)
     d_n, d_k, d_unroll, d_warps = down or DOWN
     _down_kernel[(t, triton.cdiv(hidden, d_n))](
-        h, w_down, ids, weights, out, sh, sw_d,
+        h, w_down, ids, weights, out, sh, sw_d, b_d,
         hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), hidden,
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
-        SCALED=scaled, DTYPE=dtype, INTERP=interp, num_warps=d_warps, num_stages=1,
+        HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, num_warps=d_warps,
+        num_stages=1,
     )  # fmt: skip
     return out
 

@@ -5,6 +5,8 @@ Signatures and shapes are those of `kernels.reference`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kernels import reference
@@ -120,6 +122,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     split_batch: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """max_q_len is known on the host; 1 selects the split-KV decode kernel (split_batch: see
     `kernels.attention.paged_decode`). tiles and
@@ -128,7 +131,8 @@ def paged_attention(
     the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
     pages once per query head, the decode kernel once per KV head). out: where to write
     (rows of a larger tensor; by default a new tensor like q). window, softcap: sliding-window
-    attention and score soft-capping, as in `kernels.reference.paged_attention` (0: off)."""
+    attention and score soft-capping, as in `kernels.reference.paged_attention` (0: off);
+    sinks: float32 [H] attention sinks (gpt-oss), likewise (None: off)."""
     batch = seq_lens.shape[0]
     if 0 < num_decodes < batch:
         nd = num_decodes
@@ -136,21 +140,23 @@ def paged_attention(
         # each kernel writes its rows of `out` in place (copying them in cost 2 x 17 us per
         # layer of a W3 mixed step)
         paged_attention(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1], scale, 1,
-                        out=out[:nd], window=window, softcap=softcap)
+                        out=out[:nd], window=window, softcap=softcap, sinks=sinks)
         paged_attention(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale,
-                        max_q_len, out=out[nd:], window=window, softcap=softcap)
+                        max_q_len, out=out[nd:], window=window, softcap=softcap, sinks=sinks)
         return out
     if _triton(q):
         from kernels import attention
 
         if max_q_len == 1:
             return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, out=out,
-                                          window=window, softcap=softcap, split_batch=split_batch)
+                                          window=window, softcap=softcap, split_batch=split_batch, sinks=sinks)
         return attention.paged_extend(
             q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len,
-            block_m=block_m or None, tiles=tiles, out=out, window=window, softcap=softcap,
+            block_m=block_m or None, tiles=tiles, out=out, window=window, softcap=softcap, sinks=sinks,
         )
-    o = reference.paged_attention(q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, window, softcap)
+    o = reference.paged_attention(
+        q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, window, softcap, sinks=sinks
+    )
     if out is None:
         return o
     out.copy_(o)
@@ -166,15 +172,25 @@ def fused_moe(
     activation: str = "silu",
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = reference.SWIGLU_ALPHA,
+    swiglu_limit: float = reference.SWIGLU_LIMIT,
 ) -> torch.Tensor:
-    scales = {"w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale}
+    """kernels.reference.fused_moe (activation "silu", "gelu_tanh" or gpt-oss's "swigluoai";
+    optional float8 scales and expert biases)."""
+    kw: dict[str, Any] = {
+        "w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale,
+        "w_gate_up_bias": w_gate_up_bias, "w_down_bias": w_down_bias,
+        "swiglu_alpha": swiglu_alpha, "swiglu_limit": swiglu_limit,
+    }  # fmt: skip
     if _triton(x):
         from kernels import moe, moe_gemv
 
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
-            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
-        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
-    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **scales)
+            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
+        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
+    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
 
 
 def route(

@@ -51,6 +51,27 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+"""gpt-oss's clamped SwiGLU parameters (transformers' GptOssExperts: alpha, config.swiglu_limit)."""
+
+
+def swigluoai_and_mul(
+    x: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT
+) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up -> gpt-oss's clamped SwiGLU, [T, I] (transformers'
+    GptOssExperts._apply_gate, on the de-interleaved layout): gate clamped to <= limit, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), torch ops in x.dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
+"""The activations of fused_moe (and of the Triton MoE kernels)."""
+
+
 FP8_MAX = 448.0
 FP8_TINY = 1e-12  # the scale of an all-zero row: any positive value keeps it zero
 
@@ -134,6 +155,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over K/V held in pages.
 
@@ -147,6 +169,10 @@ def paged_attention(
     i sees the keys at positions j with i - window < j <= i, the last `window` tokens.
     softcap > 0 (Gemma 2): each score s = scale * q.k becomes softcap * tanh(s / softcap)
     before the softmax.
+    sinks (gpt-oss's attention sinks): float32 [H], one logit per query head in natural-log
+    units, not scaled nor capped, that joins every row's softmax with a zero value vector:
+    out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h])). Computed in float32, as with
+    softcap.
 
     With a window, only the pages from the one holding the lowest key any of the call's
     queries sees are read: the page-table entries before it may be stale (the scheduler
@@ -178,12 +204,20 @@ def paged_attention(
             if window > 0:
                 mask &= kpos > qpos - window
         qb, kb, vb = q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if softcap > 0:
+        if softcap > 0 or sinks is not None:
             scores = (qb.float() @ kb.float().transpose(1, 2)) * scale
-            scores = softcap * torch.tanh(scores / softcap)
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
-            o = (torch.softmax(scores, dim=-1) @ vb.float()).to(q.dtype)
+            if sinks is not None:
+                # as transformers' GptOss: the sink is one more logit of each row's softmax,
+                # whose probability is then dropped (its value vector is zero)
+                sink = sinks.float()[:, None, None].expand(h, ql, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            o = (probs @ vb.float()).to(q.dtype)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1)
@@ -222,6 +256,10 @@ def fused_moe(
     activation: str = "silu",
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP over routed tokens.
 
@@ -232,12 +270,28 @@ def fused_moe(
     Each expert's products are computed in x's dtype (as transformers' per-expert loops do),
     the weighted sum in float32.
 
+    activation (MOE_ACTIVATIONS): "silu" (SwiGLU), "gelu_tanh" (GeGLU), or "swigluoai", gpt-oss's
+    clamped SwiGLU with swiglu_alpha and swiglu_limit (swigluoai_and_mul: act(gate) * up above
+    reads (up + 1) * act(gate) there).
+    Biases (gpt-oss): w_gate_up_bias [E, 2I] (gate biases, then up biases), w_down_bias [E, H],
+    each optional: the expert's bias is added to its product, both in x's dtype (the product
+    rounded first, then the sum: transformers' `x @ W + b`), before the activation and before
+    the routing weight.
+
     Float8 experts (the scales given): float8 e4m3 weights with one fp32 scale per output
     row ([E, 2I], [E, H]); each GEMM's input is quantized per row (x per token, the
     activation per (token, slot): quantize_rows_fp8) and its product is
     sa[m] * sw[n] * (q(a)[m] . q(W)[n]) in float32, rounded to x's dtype (quant.fp8_linear's formula).
     """
-    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    assert activation in MOE_ACTIVATIONS, activation
+    if activation == "swigluoai":
+        act = lambda gu: swigluoai_and_mul(gu, swiglu_alpha, swiglu_limit)
+    else:
+        act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+
+    def add_bias(y: torch.Tensor, bias: torch.Tensor | None, e: int) -> torch.Tensor:
+        return y if bias is None else y + bias[e].to(y.dtype)
+
     fp8 = w_gate_up_scale is not None
     assert fp8 == (w_down_scale is not None), "both scales or neither"
     if fp8:
@@ -248,10 +302,11 @@ def fused_moe(
         if fp8:
             assert w_gate_up_scale is not None and w_down_scale is not None
             g = ((qx[rows].float() @ w_gate_up[e].float().t()) * sx[rows] * w_gate_up_scale[e]).to(x.dtype)
-            qh, sh = quantize_rows_fp8(act(g))
+            qh, sh = quantize_rows_fp8(act(add_bias(g, w_gate_up_bias, e)))
             y = ((qh.float() @ w_down[e].float().t()) * sh * w_down_scale[e]).to(x.dtype)
         else:
-            y = F.linear(act(F.linear(x[rows], w_gate_up[e])), w_down[e])
+            y = F.linear(act(add_bias(F.linear(x[rows], w_gate_up[e]), w_gate_up_bias, e)), w_down[e])
+        y = add_bias(y, w_down_bias, e)
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
     return out.to(x.dtype)
 

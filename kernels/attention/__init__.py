@@ -12,9 +12,11 @@ the kernel merging the splits), `extend` (paged_extend, extend_tiles, extend_blo
 Softmax runs online in fp32 (exp2 with the scale folded in), outputs are in
 q.dtype. `window` (sliding-window attention) and `softcap` (score soft-capping) are
 compile-time constants of both kernels, 0 for off: the default variants are the code
-without them. On CPU tensors (TRITON_INTERPRET=1) operands are upcast to fp32
-because the interpreter cannot do bf16 dots, and bf16 roundings are done by
-hand because it truncates fp32 -> bf16 casts.
+without them. So is whether `sinks` (gpt-oss's attention sinks: a float32 logit per query
+head, joining the softmax with no value) is given; they are added at the final
+normalization (with split-KV decode, once, where the splits are merged). On CPU tensors
+(TRITON_INTERPRET=1) operands are upcast to fp32 because the interpreter cannot do bf16
+dots, and bf16 roundings are done by hand because it truncates fp32 -> bf16 casts.
 """
 
 from kernels.attention.decode import paged_decode

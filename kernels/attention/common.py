@@ -3,7 +3,8 @@
 Device side: K/V rows read from pages (`_load_kv_subtiles` by both kernels over 16-token
 sub-tiles; `_load_pages` and `_load_kv_block` per token, by the decode kernel; the extend
 kernel inlines its own per-token loads) and `_cast_in` to the compute dtype. Scores:
-`_softcap` (Gemma 2's soft-capping in the kernels' exp2 domain). Host side: the dtype of the
+`_softcap` (Gemma 2's soft-capping in the kernels' exp2 domain); `_add_sink` (gpt-oss's attention
+sinks, folded into the final normalization). Host side: the dtype of the
 tensor-core dots (`_paged_compute`) and the output tensor (`_output`).
 """
 
@@ -42,6 +43,21 @@ def _softcap(qk, SOFTCAP: tl.constexpr):
     C: tl.constexpr = SOFTCAP * 1.4426950408889634
     TWO_OVER: tl.constexpr = 2.0 / SOFTCAP
     return C * (1.0 - 2.0 / (tl.exp2(qk * TWO_OVER) + 1.0))
+
+
+@triton.jit
+def _add_sink(m_i, l_i, acc, sink):
+    """(l_i, acc) of an online softmax (row maxima m_i, in the exp2 domain) with one more logit
+    per row, `sink` (gpt-oss's attention sink: natural-log units, not scaled, so it is taken to
+    the exp2 domain here), whose value vector is zero: it only adds its mass to the denominator.
+    Both are rescaled to max(m_i, sink), so a sink far above the scores underflows the output
+    to 0 rather than overflowing l_i. A row with no keys and a -inf sink keeps l_i = 0 (-inf -
+    -inf would be NaN)."""
+    sink = sink * 1.4426950408889634
+    m = tl.maximum(m_i, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    alpha = tl.exp2(m_i - m)
+    return l_i * alpha + tl.exp2(sink - m), acc * alpha[:, None]
 
 
 @triton.jit
@@ -140,6 +156,17 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     return out
+
+
+def _sinks_arg(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The tensor to pass as a kernel's sinks pointer: `sinks` (checked: float32 [H], one
+    logit per query head, on q's device; no conversion, so nothing is copied inside a CUDA
+    graph), or any tensor when there are none (HAS_SINKS False: never read)."""
+    if sinks is None:
+        return q
+    assert sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32 and sinks.stride(0) == 1
+    assert sinks.device == q.device
+    return sinks
 
 
 def _paged_compute(q: torch.Tensor, k_cache: torch.Tensor):

@@ -22,12 +22,14 @@ import triton.language as tl
 
 from kernels.attention.common import (
     _LOG2E,
+    _add_sink,
     _cast_in,
     _load_kv_block,
     _load_kv_subtiles,
     _load_pages,
     _output,
     _paged_compute,
+    _sinks_arg,
     _softcap,
 )
 from kernels.attention.splits import _choose_splits, _decode_reduce_kernel
@@ -89,6 +91,7 @@ def _decode_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
+    sinks_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -122,6 +125,7 @@ def _decode_kernel(
     PDL: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     _pdl_enter(PDL)
     if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
@@ -237,6 +241,9 @@ def _decode_kernel(
                 q, k, v, t_mask, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, True, SOFTCAP
             )
 
+    if HAS_SINKS and not SPLIT:
+        # with splits, the reduce kernel adds the sink once, to the merged softmax
+        l_i, acc = _add_sink(m_i, l_i, acc, tl.load(sinks_ptr + heads, mask=g_mask, other=0.0))
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     mask_o = g_mask[:, None] & d_mask[None, :]
@@ -276,13 +283,16 @@ def paged_decode(
     window: int = 0,
     softcap: float = 0.0,
     split_batch: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride over D).
 
     window > 0: the query sees only the last `window` keys, and the splits divide those
     (no page wholly before them is read: its page-table entry may be stale). softcap > 0:
-    scores s become softcap * tanh(s / softcap). See `kernels.reference.paged_attention`.
+    scores s become softcap * tanh(s / softcap). sinks: float32 [H], gpt-oss's attention
+    sinks (one extra logit per query head in the softmax, with no value; added once, when the
+    splits are merged). See `kernels.reference.paged_attention`.
 
     max_seq_len: optional host hint (an upper bound of seq_lens) used only to pick the
     split count; by default the page-table width times the page size. num_splits,
@@ -308,6 +318,7 @@ def paged_decode(
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
     out = _output(out, q)
+    sinks_t = _sinks_arg(sinks, q)
     if batch == 0:
         return out
     group = h // kvh
@@ -360,7 +371,7 @@ def paged_decode(
     pdl = _pdl_enabled(q)
     grid = (kvh, batch, num_splits) if head_major else (batch, kvh, num_splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, page_table, seq_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, out, part_o, part_lse, sinks_t,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -372,15 +383,15 @@ def paged_decode(
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap),
+        INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, h)](
-            part_o, part_lse, out, out.stride(0), out.stride(1),
+            part_o, part_lse, sinks_t, out, out.stride(0), out.stride(1),
             H=h, HEAD_DIM=d, num_splits=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, OUT_DTYPE=_TL_DTYPES[q.dtype], INTERP=interp, PDL=pdl,
+            BLOCK_D=block_d, OUT_DTYPE=_TL_DTYPES[q.dtype], INTERP=interp, PDL=pdl, HAS_SINKS=sinks is not None,
             num_warps=4 if block_d * num_splits >= 2048 else 1, launch_pdl=pdl,
         )
     return out

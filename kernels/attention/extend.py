@@ -6,7 +6,8 @@ captured for a padded token count serves any batch that fits. Query i of sequenc
 at position seq_lens[b] - q_len_b + i and sees keys up to its own position (its K/V must
 already be in the pages). Blocks of keys entirely before the query block run without
 masks; the rest apply the causal mask. With a sliding window (WINDOW) a query block starts
-at its first query's window and masks that edge too; SOFTCAP soft-caps the scores.
+at its first query's window and masks that edge too; SOFTCAP soft-caps the scores; HAS_SINKS
+adds a per-head sink logit to each row's softmax, once, at the final normalization.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.common import _LOG2E, _cast_in, _load_kv_subtiles, _output, _paged_compute, _softcap
+from kernels.attention.common import (
+    _LOG2E,
+    _add_sink,
+    _cast_in,
+    _load_kv_subtiles,
+    _output,
+    _paged_compute,
+    _sinks_arg,
+    _softcap,
+)
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
@@ -123,6 +133,7 @@ def _extend_kernel(
     cu_ptr,
     tiles_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -152,6 +163,7 @@ def _extend_kernel(
     PDL: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     _pdl_enter(PDL)
     h = tl.program_id(1)
@@ -235,6 +247,8 @@ def _extend_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_mask,
                 PAGE_SIZE, BLOCK_N, BLOCK_D, True, SUBTILE, IN_DTYPE, COMPUTE, PRECISION, INTERP, 0, SOFTCAP,
             )  # fmt: skip
+        if HAS_SINKS:
+            l_i, acc = _add_sink(m_i, l_i, acc, tl.load(sinks_ptr + h))
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -262,13 +276,16 @@ def paged_extend(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over paged K/V -> [T, H, D] (written
     into `out` when given, as in `paged_decode`).
 
     window > 0: a query at position i sees keys i - window < j <= i; a query block reads
     keys from its first query's window on, no page wholly before that. softcap > 0: scores s
-    become softcap * tanh(s / softcap). See `kernels.reference.paged_attention`.
+    become softcap * tanh(s / softcap). sinks: float32 [H], gpt-oss's attention sinks (one
+    extra logit per query head in the softmax, with no value). See
+    `kernels.reference.paged_attention`.
 
     max_q_len: host-known upper bound of the per-sequence query counts (sizes the grid).
     tiles: optional int32 list from `extend_tiles(q_lens, block_m)` (padding -1), with
@@ -288,6 +305,7 @@ def paged_extend(
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
     out = _output(out, q)
+    sinks_t = _sinks_arg(sinks, q)
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0 or max_q_len <= 0:
         return out
@@ -322,6 +340,7 @@ def paged_extend(
         cu_q_lens,
         cu_q_lens if tiles is None else tiles,
         out,
+        sinks_t,
         float(scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -351,6 +370,7 @@ def paged_extend(
         SUBTILE=subtile,
         WINDOW=int(window),
         SOFTCAP=float(softcap),
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

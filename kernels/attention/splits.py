@@ -1,6 +1,7 @@
 """How a split-KV decode is divided and merged: the host's split count (shapes only, so
 CUDA-graph safe) and the kernel that merges the splits' partial outputs by their
-log-sum-exp (kernels/attention/decode.py runs both around its main kernel)."""
+log-sum-exp, and adds the attention sinks (kernels/attention/decode.py runs both around its
+main kernel)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kernels.common import sm_count
 def _decode_reduce_kernel(
     part_o_ptr,
     part_lse_ptr,
+    sinks_ptr,
     out_ptr,
     stride_ob,
     stride_oh,
@@ -28,7 +30,11 @@ def _decode_reduce_kernel(
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
+    """out[b, h] = the splits' partial outputs weighted by their share of the softmax mass
+    (log-sum-exps in the exp2 domain); with HAS_SINKS, head h's sink is one more share of the
+    mass with a zero output (added here once, not by every split)."""
     _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -39,6 +45,9 @@ def _decode_reduce_kernel(
     row = (b * H + h) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634  # natural log -> exp2 domain
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     w = tl.where(s_mask, w, 0.0)
@@ -48,6 +57,8 @@ def _decode_reduce_kernel(
         other=0.0,
     )
     denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
     res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, _round_to(res, OUT_DTYPE, INTERP), mask=d_mask)
 
