@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from streamer.errors import RequestError
+from streamer.server.harmony import CHANNEL
 
 RESERVED_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -61,10 +62,13 @@ def renders_tools(template: str) -> bool:
 
 
 def tool_format(hf_tokenizer: Any) -> str | None:
-    """The tool-call markup the model is told to write: from the template where it renders
-    tools (None when no known markup shows: the server then needs --tool-call-parser),
-    else hermes (the rewriting of this module)."""
+    """The tool-call markup the model is told to write: openai for a harmony template (one
+    that writes `<|channel|>`: gpt-oss), else from the template where it renders tools (None
+    when no known markup shows: the server then needs --tool-call-parser), else hermes (the
+    rewriting of this module)."""
     text = template_text(hf_tokenizer)
+    if CHANNEL in text:  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
+        return "openai"
     if not renders_tools(text):
         return "hermes"
     if "<tool_call>" in text:

@@ -61,6 +61,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     """Number of top logprobs to return per token (0: only the sampled one)."""
     skip_special_tokens: bool = True
+    keep_special_tokens: list[str] = msgspec.field(default_factory=list)
+    """With skip_special_tokens: special tokens whose text stays in the output all the same
+    (the server's parsers read them: gpt-oss's harmony markers, server/harmony.py)."""
     grammar: GrammarSpec | None = None
     prompt_logprobs_from: int | None = None
     """Report the logprob of every prompt token at this position and after (>= 1).

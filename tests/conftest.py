@@ -53,6 +53,7 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "OlmoeForCausalLM": "olmoe",
         "CohereForCausalLM": "cohere",
         "Cohere2ForCausalLM": "cohere2",
+        "GptOssForCausalLM": "gpt_oss",
     }[arch]
     kw = dict(
         vocab_size=49152,

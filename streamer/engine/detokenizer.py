@@ -14,6 +14,7 @@ output (finished=True), after which it is forgotten.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import msgspec
@@ -42,12 +43,28 @@ def _no_clean_up(hf_tokenizer: Any) -> bool:
     return backend is not None and type(backend.model).__name__ == "BPE" and override is False
 
 
-class IncrementalText:
-    """Decode a growing list of token ids, emitting only complete characters."""
+@functools.lru_cache(maxsize=8)
+def _skipped_ids(hf_tokenizer: Any, keep: tuple[str, ...]) -> frozenset[int]:
+    """The ids skip_special_tokens drops, but those of the tokens in `keep`: the added
+    tokens marked special, and the tokenizer's named special tokens."""
+    special = {i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    special.update(getattr(hf_tokenizer, "all_special_ids", ()))
+    kept = {i for t, i in hf_tokenizer.get_added_vocab().items() if t in keep}
+    return frozenset(special - kept)
 
-    def __init__(self, hf_tokenizer: Any, skip_special_tokens: bool) -> None:
+
+class IncrementalText:
+    """Decode a growing list of token ids, emitting only complete characters.
+
+    keep: special tokens whose text stays under skip_special_tokens. The other special
+    tokens are then dropped from the ids before a decode that skips nothing."""
+
+    def __init__(self, hf_tokenizer: Any, skip_special_tokens: bool, keep: tuple[str, ...] = ()) -> None:
         self.hf = hf_tokenizer
         self.skip = skip_special_tokens
+        self.drop: frozenset[int] | None = None
+        if skip_special_tokens and keep and hf_tokenizer is not None:
+            self.skip, self.drop = False, _skipped_ids(hf_tokenizer, tuple(sorted(keep)))
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -57,6 +74,8 @@ class IncrementalText:
         self.backend = getattr(hf_tokenizer, "backend_tokenizer", None) if _no_clean_up(hf_tokenizer) else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self.drop:
+            ids = [i for i in ids if i not in self.drop]
         if not ids:
             return ""
         if self.backend is not None:
@@ -90,7 +109,7 @@ class Stream:
     """One request's output state."""
 
     def __init__(self, hf_tokenizer: Any, params: SamplingParams, queue: asyncio.Queue) -> None:
-        self.text = IncrementalText(hf_tokenizer, params.skip_special_tokens)
+        self.text = IncrementalText(hf_tokenizer, params.skip_special_tokens, tuple(params.keep_special_tokens))
         self.stops = [s for s in params.stop if s]
         self.include_stop = params.include_stop
         self.queue = queue

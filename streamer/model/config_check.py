@@ -16,6 +16,7 @@ from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
+from streamer.model.gpt_oss import GptOssForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausalLM, Qwen3MoeForCausalLM
@@ -30,7 +31,8 @@ from streamer.model.windows import UNIFORM_WINDOW, architecture
 # one only up to max_position_embeddings (transformers recomputes it past that)
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
 WINDOWED = (MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM,
-            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, Olmo3ForCausalLM, Cohere2ForCausalLM)
+            MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, Olmo3ForCausalLM, Cohere2ForCausalLM,
+            GptOssForCausalLM)
 """The classes with sliding-window layers (windows.py says which layers)."""
 
 

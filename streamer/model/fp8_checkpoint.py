@@ -111,6 +111,9 @@ def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme
     if not isinstance(qc, dict):
         qc = qc.to_dict()
     method = qc.get("quant_method")
+    if method == "mxfp4":
+        _check_mxfp4(hf_config, qc, source, requested)
+        return None  # (model/gpt_oss.py dequantizes the experts as they load)
     if method == "fp8":
         return _finegrained(qc, source)
     if method == "compressed-tensors":
@@ -120,6 +123,22 @@ def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme
                      "quantized another way cannot be converted to float8 at load)")
     raise refuse(source, f"quant_method {method!r} is not supported; streamer runs float8 checkpoints "
                  "(quant_method 'fp8', or 'compressed-tensors' with float8 weights) and unquantized ones")
+
+
+def _check_mxfp4(hf_config: Any, qc: dict, source: str, requested: str | None) -> None:
+    """gpt-oss's MXFP4 experts (the released checkpoints): the one architecture and layout
+    that model/gpt_oss.py reads; every other module must be unquantized in the file."""
+    from streamer.model.gpt_oss import MXFP4_FIELDS
+
+    archs = getattr(hf_config, "architectures", None) or []
+    if "GptOssForCausalLM" not in archs:
+        raise refuse(source, f"quant_method 'mxfp4' is supported for GptOssForCausalLM only, not {archs}")
+    unknown = sorted(set(qc) - MXFP4_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (quant_method 'mxfp4')")
+    if requested is not None:
+        raise refuse(source, f"quantization={requested!r} with an MXFP4 checkpoint: its experts are dequantized "
+                     "at load and the rest is stored unquantized; pass no quantization")
 
 
 def _finegrained(qc: dict, source: str) -> Fp8Scheme:

@@ -83,7 +83,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """window: 0 full attention, else the last `window` tokens; softcap: 0 or Gemma 2's
     score cap; scale: head_dim ** -0.5 unless given (Gemma: query_pre_attn_scalar ** -0.5);
-    norm_offset: of the q/k norms (Gemma 3)."""
+    norm_offset: of the q/k norms (Gemma 3); sinks: a learned sink logit per head (gpt-oss:
+    kernels.reference.paged_attention), a float32 parameter whatever the model's dtype (the
+    loader keeps it so; the bf16 checkpoint values are exact in it)."""
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         norm_offset: float = 0.0,
         o_bias: bool = False,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tensor_parallel()
@@ -114,6 +117,10 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+            self.sinks.float32 = True  # type: ignore[attr-defined]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """q [T, heads, D], k and v [T, kv_heads, D], and the per-head q/k norms that
@@ -135,7 +142,7 @@ class Attention(nn.Module):
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
-            split_batch=1 if rows_as_decode() else None,
+            split_batch=1 if rows_as_decode() else None, sinks=self.sinks,
         )
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)

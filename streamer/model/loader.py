@@ -144,6 +144,9 @@ def load_model(
     for m in model.modules():
         if getattr(m, "float32", False):  # (routers transformers keeps in float32: glm4_moe.py)
             m.float()
+    for p in model.parameters():
+        if getattr(p, "float32", False):  # (parameters the kernels read as float32: attention sinks)
+            p.data = p.data.float()
     for n, b in tables.items():
         setattr(model, n, b.to(device))  # rotary tables stay float32
     quantized = set() if scheme is None else fp8_checkpoint.prepare(model, scheme, device, str(path / "config.json"))

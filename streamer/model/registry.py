@@ -6,6 +6,7 @@ from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
+from streamer.model.gpt_oss import GptOssForCausalLM
 from streamer.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -34,6 +35,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -1,5 +1,5 @@
 """On the GPU (bf16, the Triton kernels with sliding windows and soft-caps, the fused MoE
-kernel, CUDA graphs): Mistral, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE follow transformers up to the first near-tie, over
+kernel, CUDA graphs): every architecture of NAMES follows transformers up to the first near-tie, over
 prompts many windows long; CUDA-graph and eager runs give identical tokens; the
 block-scaled float8 linear layer (torch's block-wise GEMM) equals its fp32 reference.
 Skipped without CUDA."""
@@ -12,6 +12,8 @@ import torch
 from streamer import LLM, SamplingParams
 from tests.gpu.test_gpu_correctness import hf_steps, prompts
 from tests.model.test_architectures import ARCHS as DENSE
+from tests.model.test_gpt_oss import CONFIG as GPT_OSS
+from tests.model.test_gpt_oss import perturb as perturb_gpt_oss
 from tests.model.test_moe import ARCHS as MOE
 
 pytestmark = [
@@ -20,9 +22,13 @@ pytestmark = [
 ]
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-ARCHS = {**DENSE, **MOE}
+# (gpt-oss: its rope's original length a quarter of the longest prompt's, as on the CPU)
+ARCHS = {**DENSE, **MOE, "gpt_oss": ("GptOssForCausalLM", {
+    **GPT_OSS, "max_position_embeddings": 1024,
+    "rope_parameters": {**GPT_OSS["rope_parameters"], "original_max_position_embeddings": 256}})}
+SPARSE = {*MOE, "gpt_oss"}
 NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "cohere", "cohere2", "mixtral",
-         "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe", "granite_moe"]
+         "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe", "granite_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,9 @@ def models(tmp_path_factory):
     # (128) transformers re-rotates the whole cache with the long factors, which a paged cache
     # does not (streamer/model/rope.py); below it both use the short ones
     kw["phi3"]["original_max_position_embeddings"] = 512
-    return {n: make_tiny_model(root / n, ARCHS[n][0], None, initializer_range=0.05, **kw[n]) for n in NAMES}
+    out = {n: make_tiny_model(root / n, ARCHS[n][0], None, initializer_range=0.05, **kw[n]) for n in NAMES}
+    perturb_gpt_oss(out["gpt_oss"])  # (sinks and biases that matter)
+    return out
 
 
 # A mixture of experts parts from transformers (or graphs from eager) further than a near-tie
@@ -58,14 +66,14 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, name):
         ref, logps = hf_steps(path, p, PARAMS.max_tokens)
         for i, (a, b) in enumerate(zip(o.token_ids, ref)):
             if a != b:
-                bound = MOE_PARTING if name in MOE else 5e-2
+                bound = MOE_PARTING if name in SPARSE else 5e-2
                 assert abs(logps[i][a] - logps[i][b]) <= bound, (name, i, a, b)
                 break
             agreed += 1
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
     batch = prompts(8)
 
@@ -81,7 +89,7 @@ def test_cuda_graphs_and_eager_give_identical_tokens(models, name):
             top = x.logprobs[i].top_logprobs
             if abs(top[0][1] - top[1][1]) < 1e-4:
                 break
-            if s != t and name in MOE:
+            if s != t and name in SPARSE:
                 # (a router flip, see MOE_PARTING: the graph's token is eager's runner-up, close)
                 assert t == top[1][0] and top[0][1] - top[1][1] <= MOE_PARTING, (name, x.request_id, i, top)
                 break
