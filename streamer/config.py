@@ -29,8 +29,8 @@ from streamer.speculative_config import parse_speculative_config
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 CACHE_ISOLATIONS = ("none", "per-key")
 GENERATION_CONFIGS = ("auto", "none")
 BALANCE_MARGIN = 8
@@ -319,11 +319,14 @@ class ServerConfig:
     the host falls behind), in the server's process on CPU (where the model's compute
     takes the cores, and a second process would only add its ~350 MB)."""
     tool_call_parser: str = "auto"
-    """The markup of tool calls in the model's output: hermes, llama3_json, mistral, or auto
-    (from the chat template; a template that does not read tools gets hermes)."""
+    """The markup of tool calls in the model's output: hermes, llama3_json, mistral, openai
+    (gpt-oss's harmony messages to functions.NAME), or auto (from the chat template: openai
+    for a harmony one; a template that does not read tools gets hermes)."""
     reasoning_parser: str | None = None
     """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
-    grammars (response_format, tools) apply from its end. None: all text is content."""
+    grammars (response_format, tools) apply from its end. openai_gptoss: gpt-oss's analysis
+    messages are the reasoning, its final message the content (no grammars: refused). None:
+    all text is content (there is no auto: a gpt-oss server names openai_gptoss)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     data_parallel_size: int = 1
     """Engine replicas, each an engine process with the same EngineConfig (and its own

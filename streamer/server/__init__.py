@@ -10,9 +10,10 @@
   protocol.py    request bodies (msgspec Structs) and their mapping to SamplingParams
   responses.py   response bodies (msgspec Structs)
   chat_output.py tools and reasoning of a chat request: parsers and grammar chosen once, per-choice output
-  tool_parsers.py, tool_stream.py  tool-call markup (hermes, llama3_json, mistral) -> calls, whole or streamed
+  tool_parsers.py, tool_stream.py  tool-call markup (hermes, llama3_json, mistral, openai) -> calls, whole or streamed
   tool_grammar.py  the grammar of tool_choice (xgrammar structural tags), and grammars after reasoning
-  reasoning.py   <think> text -> reasoning_content (qwen3, deepseek_r1), whole or streamed
+  reasoning.py   <think> text -> reasoning_content (qwen3, deepseek_r1; openai_gptoss), whole or streamed
+  harmony.py     gpt-oss's harmony markers, and its messages read as they stream
   fields.py      each OpenAI field: implemented, accepted without effect (why), or refused
   openapi.py     the OpenAPI document at /openapi.json
   limits.py      request limits, checked before any work

@@ -15,8 +15,9 @@ from typing import Any
 from streamer.chat_template import tool_format
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
+from streamer.server.harmony import HARMONY_MARKERS
 from streamer.server.protocol import ApiError
-from streamer.server.reasoning import REASONING_PARSERS, ReasoningParser
+from streamer.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, ReasoningParser
 from streamer.server.tool_grammar import after_reasoning, tool_call_grammar
 from streamer.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, parser_for
 
@@ -31,6 +32,9 @@ class ChatSetup:
     reasoning: ReasoningParser | None = None
     grammar: GrammarSpec | None = None
     """The request's constraint: tool_choice's, or the body's own; after the reasoning."""
+    keep_special: tuple[str, ...] = ()
+    """Special tokens whose text the parsers read, kept in the output's text under
+    skip_special_tokens (SamplingParams.keep_special_tokens): the harmony markers."""
 
     @classmethod
     def of(cls, *, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool, grammar: GrammarSpec | None,
@@ -53,6 +57,8 @@ class ChatSetup:
                 constraint = tool_call_grammar(tools, choice, parallel, fmt)
             except (RequestError, ValueError) as e:
                 raise ApiError(str(e), param="tool_choice") from None
+            if fmt == "openai":
+                setup.keep_special = HARMONY_MARKERS
             if choice != "auto":
                 if grammar is not None:
                     raise ApiError("tool_choice required or a named function cannot be combined with "
@@ -62,6 +68,13 @@ class ChatSetup:
                 setup.grammar = constraint  # text, and calls that follow their schema once begun
         if reasoning_parser is not None:
             setup.reasoning = REASONING_PARSERS[reasoning_parser]
+            if isinstance(setup.reasoning, HarmonyReasoningParser):
+                setup.keep_special = HARMONY_MARKERS
+                if setup.grammar is not None:  # (it would hold from the first token: no analysis, no header)
+                    raise ApiError("response_format, guided decoding and tool_choice grammars are not supported "
+                                   "with the harmony format (--reasoning-parser openai_gptoss)",
+                                   param="response_format" if grammar is not None else "tool_choice")
+                return setup
             thinking = template_kwargs.get("enable_thinking", True) is not False
             if setup.grammar is not None and thinking:
                 setup.grammar = after_reasoning(setup.grammar, end=setup.reasoning.end,

@@ -212,7 +212,8 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
     params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
                                   vocab_size=st.info.vocab_size, fill_context=True, defaults=st.sampling_defaults)
     setup = chat_setup(st, body, params.grammar)
-    params = policy(msgspec.structs.replace(params, grammar=setup.grammar))
+    params = policy(msgspec.structs.replace(params, grammar=setup.grammar,
+                                            keep_special_tokens=list(setup.keep_special)))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,

@@ -1,6 +1,7 @@
 """Reasoning ("<think>...</think>") split from the answer, whole or as it streams.
 
-Two conventions, one per REASONING_PARSERS entry:
+Two conventions of think tags, one per REASONING_PARSERS entry (the third, openai_gptoss, is
+gpt-oss's harmony messages: HarmonyReasoningParser below):
 
 - qwen3: the model opens the block itself: `<think>\\n...\\n</think>\\n\\n` then the answer.
   An output that does not start (after whitespace) with `<think>` has no reasoning and is
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from streamer.server.harmony import Body, Close, Event, HarmonyReader, Open, Text, verbatim_open
 from streamer.server.text_pieces import Stripped, partial_tag
 
 
@@ -122,6 +124,68 @@ class ReasoningStream:
         self._reasoning.add(text)
 
 
+@dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """openai_gptoss: gpt-oss's harmony messages (harmony.py), as vLLM's parser of that name.
+
+    Reasoning: the bodies of the analysis-channel messages, joined by "\\n". Content: the
+    bodies of the final-channel messages (and of commentary without a recipient, gpt-oss's
+    "preambles" to the user; any other channel), joined by "\\n", and text outside any
+    message verbatim (an output without markers is all content). A message with a
+    recipient (`to=functions.NAME`, or a built-in tool's `to=browser.search`) is a tool
+    call: it goes on to the content as harmony markup, always opened by `<|start|>`, for the
+    tool-call parser "openai" to read (without one, the client sees it as written). No
+    marker of the other messages reaches either channel; nothing is stripped."""
+
+    def stream(self) -> ReasoningStream:
+        return HarmonyReasoningStream(self)
+
+
+class HarmonyReasoningStream(ReasoningStream):
+    """ReasoningStream's contract over harmony messages; `ended` once a message that is not
+    analysis opens (or text outside any message comes)."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        super().__init__(parser)
+        self._reader = HarmonyReader()
+        self._kind = ""  # the open message's: "reasoning" | "content" | "markup"
+        self._fresh = False  # the open message's body has not begun yet
+        self._had = {"reasoning": False, "content": False}  # a message of that kind had text
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        return self._read(self._reader.feed(delta))
+
+    def finish(self) -> tuple[str, str]:
+        return self._read(self._reader.finish())
+
+    def _read(self, events: list[Event]) -> tuple[str, str]:
+        out: dict[str, list[str]] = {"reasoning": [], "content": []}
+        for e in events:
+            if isinstance(e, Text):
+                out["content"].append(e.text)
+                self.ended = True
+            elif isinstance(e, Open):
+                h = e.header
+                self._kind = "markup" if h.recipient is not None else "reasoning" if h.channel == "analysis" \
+                    else "content"
+                self._fresh = True
+                self.ended = self.ended or self._kind != "reasoning"
+                if self._kind == "markup":
+                    out["content"].append(verbatim_open(e, start=True))
+            elif isinstance(e, Body):
+                if self._kind == "markup":
+                    out["content"].append(e.text)
+                    continue
+                if self._fresh and self._had[self._kind]:
+                    out[self._kind].append("\n")
+                self._fresh, self._had[self._kind] = False, True
+                out[self._kind].append(e.text)
+            elif isinstance(e, Close) and self._kind == "markup":
+                out["content"].append(e.terminator)
+        return "".join(out["reasoning"]), "".join(out["content"])
+
+
 REASONING_PARSERS: dict[str, ReasoningParser] = {
-    p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_r1", starts_inside=True))
+    p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_r1", starts_inside=True),
+                        HarmonyReasoningParser("openai_gptoss"))
 }

@@ -61,11 +61,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine in a process of its own (--no-engine-process: in the server's process "
                         "and event loop); default: its own process on CUDA, the server's on CPU")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
-                   help="the markup of tool calls in the model's output (default auto: from the chat template; "
-                        "hermes where the template does not read tools)")
+                   help="the markup of tool calls in the model's output (default auto: from the chat template, "
+                        "openai for gpt-oss's harmony; hermes where the template does not read tools)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
-                   help="answer the model's <think> text as reasoning_content; grammars apply from its end "
-                        "(default: none, all text is content)")
+                   help="answer the model's <think> text (openai_gptoss: gpt-oss's analysis messages) as "
+                        "reasoning_content; grammars apply from its end (default: none, all text is content)")
     g.add_argument("--data-parallel-size", type=_positive(int), default=d.data_parallel_size, metavar="N",
                    help="N engine replicas, each an engine process with its own devices (CUDA: N devices, "
                         "or N x the tensor-parallel size), behind a router that sends each request to the "

@@ -19,6 +19,8 @@ json_schema spec, grammar_build.py says how):
 
 tool_choice:
 
+  (openai, gpt-oss's harmony: no grammar; "required" and a named function are refused.)
+
   "none"        None: no constraint.
   "auto"        Free text, then optionally the calls, then the end of the output. The text
                 ends where the format's trigger first appears ("<tool_call>", '{"name": ',
@@ -54,6 +56,9 @@ from streamer.messages import GrammarSpec
 from streamer.sampling.grammar_build import format_of
 
 FORMATS = ("hermes", "llama3_json", "mistral")
+UNCONSTRAINED = "openai"
+"""gpt-oss's harmony calls (tool_parsers.py): no grammar is built for them (the calls come
+after analysis messages, in markup of special tokens); "none" and "auto" only."""
 _HEAD = '{"name": '
 _WHITESPACE = {"type": "grammar", "grammar": "root ::= [ \\t\\n\\r]*"}
 
@@ -145,6 +150,13 @@ def tool_call_grammar(tools: list[dict], tool_choice: str | dict, parallel_tool_
     """The grammar of a reply under tool_choice, in the markup of fmt (the module docstring
     says what each choice allows); None where nothing is constrained. The tools, fmt and
     tool_choice are checked whatever the choice: RequestError for what is not valid."""
+    if fmt == UNCONSTRAINED:
+        mode, _ = _choice(tool_choice, list(_functions(tools)))
+        if mode in ("none", "auto"):
+            return None
+        raise RequestError(f"tool_choice {tool_choice if isinstance(tool_choice, str) else 'naming a function'} "
+                           "is not supported with gpt-oss's harmony tool calls (--tool-call-parser openai): "
+                           'use "auto" or "none"')
     m = _MARKUP.get(fmt)
     if m is None:
         raise RequestError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")

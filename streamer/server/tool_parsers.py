@@ -1,4 +1,5 @@
-"""Tool calls out of model output text, for the formats hermes, llama3_json and mistral.
+"""Tool calls out of model output text, for the formats hermes, llama3_json, mistral and openai
+(gpt-oss's harmony messages, harmony.py).
 
 Each format is one incremental grammar, a ToolStream (tool_stream.py says what a stream
 holds back and when it emits): feed() it the output as it is detokenized, finish() it at
@@ -23,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from streamer.server.harmony import CHANNEL, Body, Close, Event, HarmonyReader, Open, Text, verbatim_open
 from streamer.server.tool_stream import ToolCall, ToolCallDelta, ToolStream, collect_calls
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallDelta", "ToolParser", "ToolStream", "collect_calls", "parser_for"]
@@ -242,6 +244,69 @@ class MistralStream(ToolStream):
         return [_as_call(x, _mistral_id(x.get("id") if isinstance(x, dict) else None)) for x in value]
 
 
+class HarmonyStream(ToolStream):
+    """openai: gpt-oss's harmony messages (harmony.py), as vLLM's tool-call parser of that
+    name. A message to `functions.NAME` is a call of NAME whose arguments are its body as
+    written (stripped of surrounding whitespace; "{}" when empty), emitted when the message
+    ends (`<|call|>`, `<|end|>`, the next message, or the end of the output: `<|call|>` is
+    an EOS token). Content: the bodies of final-channel messages and of commentary without a
+    recipient (joined by "\\n"), text outside any message verbatim; every other message
+    (analysis, when no reasoning parser took it; one to another recipient, such as a built-in
+    tool's `to=browser.search`, which is no function the client defined) stays in the
+    content as written, markup included: shown, never dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reader = HarmonyReader()
+        self._kind = ""  # the open message's: "call" | "content" | "markup"
+        self._name = ""
+        self._args: list[str] = []
+        self._fresh = False
+        self._had_content = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        self._read(self._reader.feed(delta))
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._read(self._reader.finish())
+        return self._drain(final=True)
+
+    def _step(self, final: bool) -> bool:
+        return False  # (the reader decides; _read has emitted what it did)
+
+    def _read(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, Text):
+                self._content(e.text)
+            elif isinstance(e, Open):
+                h = e.header
+                name = h.function
+                if name is not None:
+                    self._kind, self._name, self._args = "call", name, []
+                elif h.recipient is None and h.channel in (None, "final", "commentary"):
+                    self._kind, self._fresh = "content", True
+                else:
+                    self._kind = "markup"
+                    self._content(verbatim_open(e))
+            elif isinstance(e, Body):
+                if self._kind == "call":
+                    self._args.append(e.text)
+                elif self._kind == "content":
+                    if self._fresh and self._had_content:
+                        self._content("\n")
+                    self._fresh, self._had_content = False, True
+                    self._content(e.text)
+                else:
+                    self._content(e.text)
+            elif isinstance(e, Close):
+                if self._kind == "call":
+                    self._emit(ToolCall(_call_id(), self._name, "".join(self._args).strip() or "{}"))
+                elif self._kind == "markup":
+                    self._content(e.terminator)
+                self._kind = ""
+
+
 # ---- the parsers -------------------------------------------------------------------------
 
 
@@ -269,6 +334,7 @@ PARSERS: dict[str, ToolParser] = {
         ToolParser("hermes", HermesStream),
         ToolParser("llama3_json", Llama3JsonStream),
         ToolParser("mistral", MistralStream),
+        ToolParser("openai", HarmonyStream),
     )
 }
 
@@ -282,6 +348,8 @@ def parser_for(name: str, chat_template: str | None) -> ToolParser:
     if name != "auto":
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {choices}")
     t = chat_template or ""
+    if CHANNEL in t:  # (gpt-oss's harmony, whose template mentions <tool_call> nowhere)
+        return PARSERS["openai"]
     if "<tool_call>" in t:
         return PARSERS["hermes"]
     if "[TOOL_CALLS]" in t:

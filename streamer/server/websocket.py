@@ -248,7 +248,8 @@ class Session:
                                       defaults=self.st.sampling_defaults)
         setup = chat_setup(self.st, msg, params.grammar)
         # the history stays in the prefix cache (device or host tier) while the session is open
-        params = msgspec.structs.replace(params, grammar=setup.grammar, keep_prefix=self.keep_key,
+        params = msgspec.structs.replace(params, grammar=setup.grammar, keep_special_tokens=list(setup.keep_special),
+                                         keep_prefix=self.keep_key,
                                          keep_prefix_s=min(self.st.config.session_idle_timeout + 60, 1e9))
         params = self.st.apply_policy(params, self.ws.scope)
         tools = msgspec.to_builtins(msg.tools) if msg.tools else None
