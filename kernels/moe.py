@@ -38,6 +38,14 @@ from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
+from kernels.moe_operands import (
+    act_constants,
+    bias_operand,
+    fp8_operands,
+    group_tile,
+    quantize_groups,
+    quantize_rows,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +101,15 @@ def _moe_gate_up_kernel(
     up_off,
     stride_o,
     stride_se,
+    stride_sn,
+    stride_sx,
     TOPK: tl.constexpr,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     ACT: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -110,7 +122,9 @@ def _moe_gate_up_kernel(
 ):
     """inter[r, n] = act(x[p // k] . Wg_e[n] + bg_e[n]) * (x[p // k] . Wu_e[n] + bu_e[n]),
     p = sorted_ids[r], for the BLOCK_M rows r of one M-block (one expert e) and BLOCK_N
-    columns n (moe_glu: ACT, ALPHA, LIMIT; the biases b [E, 2I] with HAS_BIAS)."""
+    columns n (moe_glu: ACT, ALPHA, LIMIT; the biases b [E, 2I] with HAS_BIAS). Float8 (SCALED):
+    per-row scales, or with GROUP_K (> 0) block scales, [GROUP_N, GROUP_K] blocks (x's scales
+    [T, groups] at stride_sx, W's grid rows at stride_sn; the up rows' grid after the gate's)."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)  # (one per program: in bounds)
     if expert >= E:  # past the last group
@@ -125,6 +139,10 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + up_off  # the up rows: INTER rows below the gate rows
+    # block scales (GROUP_K): the gate row n's at grid row n // GROUP_N, the up row's past the
+    # gate's ceil(INTER / GROUP_N) grid rows (each projection its own grid)
+    sg_ptrs = sw_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
+    su_ptrs = sg_ptrs + tl.cdiv(INTER, GROUP_N) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -133,9 +151,17 @@ def _moe_gate_up_kernel(
         b_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(g_ptrs + k, mask=b_mask, other=0.0)
         wu = tl.load(u_ptrs + k, mask=b_mask, other=0.0)
-        acc_g = tl.dot(a.to(COMPUTE), wg.to(COMPUTE), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), acc_u, input_precision=PRECISION)
-    if SCALED:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
+        if GROUP_K:  # the tile lies in group j (BLOCK_K divides GROUP_K): its product scaled, fp32
+            j = k // GROUP_K
+            sa = tl.load(sx_ptr + tok * stride_sx + j, mask=valid, other=0.0)[:, None]
+            pg = tl.dot(a.to(COMPUTE), wg.to(COMPUTE), input_precision=PRECISION)
+            pu = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), input_precision=PRECISION)
+            acc_g += pg * sa * tl.load(sg_ptrs + j, mask=n_mask, other=0.0)[None, :]
+            acc_u += pu * sa * tl.load(su_ptrs + j, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc_g = tl.dot(a.to(COMPUTE), wg.to(COMPUTE), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a.to(COMPUTE), wu.to(COMPUTE), acc_u, input_precision=PRECISION)
+    if SCALED and GROUP_K == 0:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
         sx = tl.load(sx_ptr + tok, mask=valid, other=0.0)[:, None]
         s_ptrs = sw_ptr + expert * stride_se + offs_n
         acc_g = acc_g * sx * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
@@ -172,10 +198,14 @@ def _moe_down_kernel(
     stride_wn,
     stride_o,
     stride_se,
+    stride_sn,
+    stride_sh,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
@@ -185,7 +215,8 @@ def _moe_down_kernel(
 ):
     """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n] + bd_e[n]) (the product rounded to
     DTYPE, then its sum with the bias [E, H] if HAS_BIAS; out float32), p = sorted_ids[r], for
-    one M-block (expert e) and BLOCK_N columns."""
+    one M-block (expert e) and BLOCK_N columns. Float8 (SCALED): per-row scales, or with
+    GROUP_K block scales (inter's [padded, groups] at stride_sh, W's grid rows at stride_sn)."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert >= E:
@@ -198,13 +229,20 @@ def _moe_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + offs_m[:, None] * stride_h + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_ptrs = sw_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn  # (block scales)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
         k_mask = offs_k < INTER - k
         a = tl.load(a_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
-    if SCALED:  # float8 inter (per row r) and W (per row n)
+        if GROUP_K:  # the tile lies in group j: its product scaled by inter's and W's block scales
+            j = k // GROUP_K
+            sa = tl.load(sh_ptr + offs_m * stride_sh + j, mask=valid, other=0.0)[:, None]
+            part = tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=PRECISION)
+            acc += part * sa * tl.load(s_ptrs + j, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
+    if SCALED and GROUP_K == 0:  # float8 inter (per row r) and W (per row n)
         sh = tl.load(sh_ptr + offs_m, mask=valid, other=0.0)[:, None]
         acc = acc * sh * tl.load(sw_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
     y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
@@ -331,6 +369,7 @@ def fused_moe(
     w_down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
@@ -339,6 +378,9 @@ def fused_moe(
     config: tile sizes, for tuning and tests (default: `default_config`).
     w_gate_up_scale [E, 2I], w_down_scale [E, H]: float8 experts (the reference's formula):
     x and the activation are quantized per row first, the GEMMs run on float8 tensor cores.
+    With block = (bn, bk) the scales are block grids (kernels/moe_operands.py) and x and the
+    activation are quantized per row and group of bk columns; the K tile then divides bk
+    (`group_tile`), each tile's product scaled in fp32 before it joins the sum.
     activation "silu", "gelu_tanh" or "swigluoai" (swiglu_alpha, swiglu_limit), biases
     w_gate_up_bias [E, 2I] and w_down_bias [E, H]: the reference's; each bias is added in
     its GEMM's epilogue."""
@@ -356,7 +398,8 @@ def fused_moe(
     out_dtype = x.dtype
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
-    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
+    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale, block,
+                                              (tuple(w_gate_up.shape), tuple(w_down.shape)))
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -367,8 +410,14 @@ def fused_moe(
     # the interpreter's bf16 tl.dot is wrong: it multiplies in float32 there (exact widening)
     compute = tl.float32 if interp or out_dtype == torch.float32 else tl.float8e4nv if scaled else dtype
     precision = "ieee" if compute == tl.float32 else "tf32"
-    if compute == tl.float8e4nv and cfg.block_k < 32:  # a compiled float8 tl.dot needs K >= 32
+    group_n, group_k = block or (1, 0)
+    if block is not None:
+        if compute == tl.float8e4nv and group_k & -group_k < 32:
+            compute = dtype  # no float8 K tile divides bk: float8 values widen exactly to x's dtype
+        cfg = replace(cfg, block_k=group_tile(cfg.block_k, group_k, 32 if compute == tl.float8e4nv else 16))
+    elif compute == tl.float8e4nv and cfg.block_k < 32:  # a compiled float8 tl.dot needs K >= 32
         cfg = replace(cfg, block_k=32)
+    grid_rows = (sw_gu.stride(1), sw_d.stride(1)) if block is not None else (0, 0)  # (W's block grid rows)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     # (padding rows zeroed when they are quantized: their scales are then finite, never read)
@@ -377,63 +426,25 @@ def fused_moe(
         x, w_gate_up, h, sorted_ids, block_expert, sx, sw_gu, b_gu,
         pairs, sorted_ids.numel(), hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
-        2 * inter,
+        sw_gu.stride(0), grid_rows[0], sx.stride(0),
         TOPK=topk, E=experts,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=group_n, GROUP_K=group_k,
         **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, COMPUTE=compute, PRECISION=precision,
         DTYPE=dtype, INTERP=interp, **launch,
     )  # fmt: skip
     sh = weights
     if scaled:
-        h, sh = quantize_rows(h)
+        h, sh = quantize_rows(h) if block is None else quantize_groups(h, group_k)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
         h, w_down, y, sorted_ids, block_expert, weights, sh, sw_d, b_d,
         pairs, sorted_ids.numel(), hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), hidden,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), sw_d.stride(0), grid_rows[1], sh.stride(0),
         E=experts,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=group_n, GROUP_K=group_k,
         HAS_BIAS=w_down_bias is not None, SCALED=scaled, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
         INTERP=interp, **launch,
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=out_dtype, device=x.device)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](y, out, hidden, TOPK=topk, BLOCK=1024, DTYPE=dtype, INTERP=interp)
     return out
-
-
-def act_constants(activation: str, alpha: float, limit: float) -> dict[str, str | float]:
-    """The MoE kernels' activation constexprs (kernels.activation.moe_glu's ACT, ALPHA, LIMIT)."""
-    assert activation in reference.MOE_ACTIVATIONS, activation
-    return {"ACT": activation, "ALPHA": float(alpha), "LIMIT": float(limit)}
-
-
-def bias_operand(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-    """An expert bias [E, N] contiguous in x's dtype (the reference adds it in x's dtype), or
-    x as an unread placeholder when there is none (the kernel's HAS_BIAS off)."""
-    if bias is None:
-        return x
-    assert bias.shape == shape, f"expert bias of shape {tuple(bias.shape)}, expected {shape}"
-    return bias.to(x.dtype).contiguous()
-
-
-def fp8_operands(
-    x: torch.Tensor, w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None
-) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scaled, x or its float8 rows, x's scales, the two weight scales): float8 experts when
-    the scales are given (both or neither); otherwise x contiguous and unread placeholders."""
-    scaled = w_gate_up_scale is not None
-    assert scaled == (w_down_scale is not None), "both scales or neither"
-    x = x.contiguous()
-    if w_gate_up_scale is None or w_down_scale is None:
-        return False, x, x, x, x
-    q, sx = quantize_rows(x)
-    return True, q, sx, w_gate_up_scale.contiguous(), w_down_scale.contiguous()
-
-
-def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 rows, fp32 scales [M]) of kernels.reference.quantize_rows_fp8: the Triton
-    kernel on CUDA, the reference in the interpreter."""
-    from kernels import ops  # (ops imports this module lazily)
-
-    q, s = ops.quantize_rows_fp8(a) if a.is_cuda else reference.quantize_rows_fp8(a)
-    return q, s.reshape(-1).contiguous()

@@ -35,7 +35,14 @@ from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
-from kernels.moe import act_constants, bias_operand, fp8_operands, quantize_rows
+from kernels.moe_operands import (
+    act_constants,
+    bias_operand,
+    fp8_operands,
+    group_tile,
+    quantize_groups,
+    quantize_rows,
+)
 
 MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
@@ -84,10 +91,14 @@ def _gate_up_kernel(
     up_off,
     stride_o,
     stride_se,
+    stride_sn,
+    stride_sx,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     ACT: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -97,7 +108,8 @@ def _gate_up_kernel(
     INTERP: tl.constexpr,
 ):
     """inter[p, n] = moe_glu(x[p // k] . Wg_e[n] + bg_e[n], x[p // k] . Wu_e[n] + bu_e[n]) for
-    BLOCK_N rows n, e = ids[p] (the biases [E, 2I] with HAS_BIAS)."""
+    BLOCK_N rows n, e = ids[p] (the biases [E, 2I] with HAS_BIAS). Float8 (SCALED): per-row
+    scales, or with GROUP_K (> 0) [GROUP_N, GROUP_K] block scales (kernels/moe.py's layout)."""
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,6 +117,8 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (p // TOPK) * stride_x
     g_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    sg_ptrs = sw_ptr + expert * stride_se + (rows // GROUP_N) * stride_sn  # (block scales: the
+    su_ptrs = sg_ptrs + tl.cdiv(INTER, GROUP_N) * stride_sn  # up rows' grid after the gate's)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K * UNROLL):
@@ -114,11 +128,17 @@ def _gate_up_kernel(
             xv = _tile_row(x_row + k, offs_n, offs_k, mask_k)
             wg = tl.load(g_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
             wu = tl.load(g_ptrs + up_off + k, mask=mask_k[None, :], other=0.0).to(tl.float32)
-            acc_g += wg * xv
-            acc_u += wu * xv
+            if GROUP_K:  # the chunk lies in group j (BLOCK_K divides GROUP_K): x's and W's scales
+                j = tl.minimum(k, H - 1) // GROUP_K  # (a chunk past the end: its products are 0)
+                sa = tl.load(sx_ptr + (p // TOPK) * stride_sx + j)
+                acc_g += wg * xv * (sa * tl.load(sg_ptrs + j))[:, None]
+                acc_u += wu * xv * (sa * tl.load(su_ptrs + j))[:, None]
+            else:
+                acc_g += wg * xv
+                acc_u += wu * xv
     g = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
-    if SCALED:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
+    if SCALED and GROUP_K == 0:  # float8 x (per token) and W (per row): both scales multiplied back in, fp32
         sx = tl.load(sx_ptr + p // TOPK)
         g = g * sx * tl.load(sw_ptr + expert * stride_se + rows)
         up = up * sx * tl.load(sw_ptr + expert * stride_se + INTER + rows)
@@ -149,11 +169,15 @@ def _down_kernel(
     stride_wn,
     stride_o,
     stride_se,
+    stride_sn,
+    stride_sh,
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -173,6 +197,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     h_ptrs = h_ptr + p[:, None] * stride_h + offs_k[None, :]  # (a slot's rows share h: L1 hits)
+    s_ptrs = sw_ptr + expert * stride_se + (n // GROUP_N) * stride_sn  # (block scales)
     acc = tl.zeros([TOPK_PAD * BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
@@ -180,9 +205,14 @@ def _down_kernel(
             mask_k = (offs_k < INTER - k)[None, :]
             hv = tl.load(h_ptrs + k, mask=mask_k, other=0.0).to(tl.float32)
             wv = tl.load(w_ptrs + k, mask=mask_k, other=0.0).to(tl.float32)
-            acc += wv * hv
+            if GROUP_K:  # the chunk lies in group j: each row's inter and W block scales
+                j = tl.minimum(k, INTER - 1) // GROUP_K  # (past the end: products 0)
+                s = tl.load(sh_ptr + p * stride_sh + j) * tl.load(s_ptrs + j)
+                acc += wv * hv * s[:, None]
+            else:
+                acc += wv * hv
     d = tl.sum(acc, axis=1)
-    if SCALED:
+    if SCALED and GROUP_K == 0:
         d = d * tl.load(sh_ptr + p) * tl.load(sw_ptr + expert * stride_se + n)
     d = _round_to(d, DTYPE, INTERP).to(tl.float32)  # each slot's product in x's dtype
     if HAS_BIAS:  # (n and p clamped above: in bounds)
@@ -212,11 +242,14 @@ def moe_gemv(
     w_down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
     Two kernels, no host synchronisation (CUDA-graph capturable). With the scales (float8
-    experts): x and the activation quantized per row first (two more kernels).
+    experts): x and the activation quantized per row first (two more kernels); with block =
+    (bn, bk), block-scaled experts (kernels/moe_operands.py): per row and group of bk columns,
+    the K chunks cut to divide bk (`group_tile`) and unrolled further to keep the bytes in flight.
     block_n, block_k, unroll: GEMM 1's tiles; down: GEMM 2's (block_n, block_k, unroll,
     num_warps), default DOWN. activation, swiglu_alpha, swiglu_limit and the expert biases
     (w_gate_up_bias [E, 2I], w_down_bias [E, H]): the reference's, the biases added in the
@@ -233,7 +266,15 @@ def moe_gemv(
         return out
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
-    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale)
+    scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale, block,
+                                              (tuple(w_gate_up.shape), tuple(w_down.shape)))
+    d_n, d_k, d_unroll, d_warps = down or DOWN
+    group_n, group_k = block or (1, 0)
+    grid_rows = (sw_gu.stride(1), sw_d.stride(1)) if block is not None else (0, 0)  # (W's block grid rows)
+    if block is not None:
+        tile, d_tile = group_tile(block_k, group_k, 16), group_tile(d_k, group_k, 16)
+        block_k, unroll = tile, unroll * max(1, block_k // tile)
+        d_k, d_unroll = d_tile, d_unroll * max(1, d_k // d_tile)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
@@ -245,20 +286,20 @@ def moe_gemv(
         x, w_gate_up, ids, h, sx, sw_gu, b_gu,
         hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
-        2 * inter,
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
+        sw_gu.stride(0), grid_rows[0], sx.stride(0),
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, GROUP_N=group_n, GROUP_K=group_k,
         **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp,
         num_warps=4, num_stages=1,
     )  # fmt: skip
     sh = h
     if scaled:
-        h, sh = quantize_rows(h)
-    d_n, d_k, d_unroll, d_warps = down or DOWN
+        h, sh = quantize_rows(h) if block is None else quantize_groups(h, group_k)
     _down_kernel[(t, triton.cdiv(hidden, d_n))](
         h, w_down, ids, weights, out, sh, sw_d, b_d,
         hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), hidden,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), sw_d.stride(0), grid_rows[1], sh.stride(0),
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
+        GROUP_N=group_n, GROUP_K=group_k,
         HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, num_warps=d_warps,
         num_stages=1,
     )  # fmt: skip

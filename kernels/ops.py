@@ -176,13 +176,14 @@ def fused_moe(
     w_down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """kernels.reference.fused_moe (activation "silu", "gelu_tanh" or gpt-oss's "swigluoai";
-    optional float8 scales and expert biases)."""
+    optional float8 scales, per row or per [bn, bk] block with `block`, and expert biases)."""
     kw: dict[str, Any] = {
         "w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale,
         "w_gate_up_bias": w_gate_up_bias, "w_down_bias": w_down_bias,
-        "swiglu_alpha": swiglu_alpha, "swiglu_limit": swiglu_limit,
+        "swiglu_alpha": swiglu_alpha, "swiglu_limit": swiglu_limit, "block": block,
     }  # fmt: skip
     if _triton(x):
         from kernels import moe, moe_gemv

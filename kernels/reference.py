@@ -89,6 +89,26 @@ def quantize_rows_fp8(x: torch.Tensor, row_max: torch.Tensor | None = None) -> t
     return q, scale
 
 
+def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], fp32 scales [M, ceil(K / group)]): each row's columns
+    quantized in groups of `group` (block-scaled float8's inputs, 1 x bk), every group with its
+    own max |x| / 448 (the last group may be shorter): quantize_rows_fp8 of each group."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k))  # zeros change no max
+    q, scale = quantize_rows_fp8(padded.view(m * groups, group))
+    q = q.view(m, groups * group)
+    if groups * group != k:
+        q = q[:, :k].contiguous()
+    return q, scale.view(m, groups)
+
+
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """A [ceil(rows / bn), ceil(cols / bk)] grid of scales as one value per element [rows, cols]."""
+    bn, bk = block
+    return scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -260,6 +280,7 @@ def fused_moe(
     w_down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: float = SWIGLU_LIMIT,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP over routed tokens.
 
@@ -282,6 +303,14 @@ def fused_moe(
     row ([E, 2I], [E, H]); each GEMM's input is quantized per row (x per token, the
     activation per (token, slot): quantize_rows_fp8) and its product is
     sa[m] * sw[n] * (q(a)[m] . q(W)[n]) in float32, rounded to x's dtype (quant.fp8_linear's formula).
+
+    Block-scaled float8 experts (the scales given with block = (bn, bk), DeepSeek-style): one
+    fp32 scale per [bn, bk] block of each projection: w_down_scale [E, ceil(H / bn), ceil(I / bk)],
+    w_gate_up_scale [E, 2 * ceil(I / bn), ceil(H / bk)], the gate's block rows then the up's
+    (each projection its own grid: with I a multiple of bn, the stacked [2I, H] rows' grid).
+    Each GEMM's input is quantized per row and per group of bk columns (quantize_groups_fp8) and
+    its product is sum_j sa[m, j] * sw[n // bn, j] * (q(a)[m] . q(W)[n] over group j), i.e. the
+    float32 product of the dequantized operands, rounded to x's dtype (quant.block_fp8_linear's).
     """
     assert activation in MOE_ACTIVATIONS, activation
     if activation == "swigluoai":
@@ -294,12 +323,32 @@ def fused_moe(
 
     fp8 = w_gate_up_scale is not None
     assert fp8 == (w_down_scale is not None), "both scales or neither"
-    if fp8:
+    assert block is None or fp8, "block-scaled experts need their scales"
+    if block is not None:
+        bn, bk = block
+        inter, hidden = w_down.shape[2], x.shape[1]
+
+        def dequantized(a: torch.Tensor) -> torch.Tensor:  # a quantized per group of bk columns, in fp32
+            q, s = quantize_groups_fp8(a, bk)
+            return q.float() * s.repeat_interleave(bk, 1)[:, : a.shape[1]]
+
+        xq = dequantized(x)
+    elif fp8:
         qx, sx = quantize_rows_fp8(x)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-        if fp8:
+        if block is not None:
+            assert w_gate_up_scale is not None and w_down_scale is not None
+            gate_blocks = -(-inter // bn)
+            s_gu = w_gate_up_scale[e]
+            w_gu = torch.cat([w_gate_up[e, :inter].float() * expand_blocks(s_gu[:gate_blocks], inter, hidden, block),
+                              w_gate_up[e, inter:].float() * expand_blocks(s_gu[gate_blocks:], inter, hidden, block)])
+            g = F.linear(xq[rows], w_gu).to(x.dtype)
+            h = act(add_bias(g, w_gate_up_bias, e))
+            y = F.linear(dequantized(h), w_down[e].float() * expand_blocks(w_down_scale[e], hidden, inter, block))
+            y = y.to(x.dtype)
+        elif fp8:
             assert w_gate_up_scale is not None and w_down_scale is not None
             g = ((qx[rows].float() @ w_gate_up[e].float().t()) * sx[rows] * w_gate_up_scale[e]).to(x.dtype)
             qh, sh = quantize_rows_fp8(act(add_bias(g, w_gate_up_bias, e)))

@@ -12,7 +12,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -33,8 +33,9 @@ class Reference:
 
 
 @cache
-def _hf_model(path: str, w8a8: bool = False):
-    """transformers' model of a folder, or of a .gguf file."""
+def _hf_model(path: str, w8a8: bool = False, expert_groups: int = 0):
+    """transformers' model of a folder, or of a .gguf file (expert_groups: see
+    emulate_block_experts)."""
     from transformers import AutoModelForCausalLM
 
     # a GGUF file is read by transformers' own GGUF loader: the oracle of a converted file
@@ -44,7 +45,24 @@ def _hf_model(path: str, w8a8: bool = False):
     model.generation_config.eos_token_id = None  # our runs ignore EOS too: same length on both sides
     if w8a8:
         emulate_w8a8(model)
+    if expert_groups:
+        emulate_block_experts(model, expert_groups)
     return model
+
+
+def emulate_block_experts(model: torch.nn.Module, group: int) -> None:
+    """transformers computing what block-scaled float8 experts compute, given their
+    dequantized weights: the inputs of both of each expert's products rounded through float8
+    per row and per group of `group` columns (kernels.reference.quantize_groups_fp8)."""
+    from kernels.reference import quantize_groups_fp8
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_groups_fp8(x, group)
+        return (q.float() * s.repeat_interleave(group, 1)[:, : x.shape[1]]).to(x.dtype)
+
+    for m in model.modules():
+        if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3:
+            m.forward = types.MethodType(partial(_rounded_experts_forward, round_inputs=rounded), m)
 
 
 def emulate_w8a8(model: torch.nn.Module) -> None:
@@ -66,19 +84,20 @@ def emulate_w8a8(model: torch.nn.Module) -> None:
                 e, n, k = w.shape
                 q, s = quantize_rows_fp8(w.data.reshape(e * n, k))
                 w.data = dequantize(q, s.view(-1), w.dtype).view(e, n, k)
-            m.forward = types.MethodType(_w8a8_experts_forward, m)
+            m.forward = types.MethodType(_rounded_experts_forward, m)
 
 
-def _w8a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def _rounded_experts_forward(self, hidden_states, top_k_index, top_k_weights, round_inputs=None):
     """transformers' experts loop (Qwen3MoeExperts / MixtralExperts.forward, 5.24) with each
-    expert's inputs rounded through float8 row by row."""
+    expert's inputs rounded by round_inputs (default: through float8 row by row)."""
     from streamer.model.quant import fake_quantize_rows
 
+    round_inputs = round_inputs or fake_quantize_rows
     out = torch.zeros_like(hidden_states)
     for e in torch.unique(top_k_index).tolist():
         token_idx, pos = torch.where(top_k_index == e)
-        gate, up = torch.nn.functional.linear(fake_quantize_rows(hidden_states[token_idx]), self.gate_up_proj[e]).chunk(2, -1)
-        h = fake_quantize_rows(self.act_fn(gate) * up)
+        gate, up = torch.nn.functional.linear(round_inputs(hidden_states[token_idx]), self.gate_up_proj[e]).chunk(2, -1)
+        h = round_inputs(self.act_fn(gate) * up)
         y = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token_idx, pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
@@ -103,10 +122,11 @@ def fp8_kv_cache() -> Iterator[None]:
 
 
 @cache
-def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False, w8a8: bool = False) -> Reference:
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False, w8a8: bool = False,
+              expert_groups: int = 0) -> Reference:
     from transformers import GenerationConfig
 
-    model = _hf_model(path, w8a8)
+    model = _hf_model(path, w8a8, expert_groups)
     # No EOS: our runs ignore it too, so both produce exactly max_new tokens.
     config = GenerationConfig(
         max_new_tokens=max_new,
@@ -139,16 +159,17 @@ class Comparison:
 
 
 def compare(path: Path, prompt: list[int], ours: list[int], cmp: Comparison, kv_fp8: bool = False,
-            w8a8: bool = False) -> None:
+            w8a8: bool = False, expert_groups: int = 0) -> None:
     """Record whether `ours` equals transformers' greedy continuation of `prompt` (kv_fp8:
     with its K/V rounded to float8, see fp8_kv_cache; w8a8: its linear layers rounded as
-    quantization "fp8" rounds them, see emulate_w8a8)."""
-    ref = hf_greedy(str(path), tuple(prompt), len(ours), kv_fp8, w8a8)
+    quantization "fp8" rounds them, see emulate_w8a8; expert_groups: its experts' inputs
+    rounded as block-scaled float8 experts round them, see emulate_block_experts)."""
+    ref = hf_greedy(str(path), tuple(prompt), len(ours), kv_fp8, w8a8, expert_groups)
     assert len(ours) == len(ref.tokens), f"{len(ours)} tokens, reference has {len(ref.tokens)}"
     for i, (a, b) in enumerate(zip(ours, ref.tokens)):
         if a == b:
             continue
-        if ref.top2_gap[i] <= (FP8_CLOSE if kv_fp8 or w8a8 else NEAR_TIE) and a in ref.top_ids[i][:2]:
+        if ref.top2_gap[i] <= (FP8_CLOSE if kv_fp8 or w8a8 or expert_groups else NEAR_TIE) and a in ref.top_ids[i][:2]:
             cmp.near_ties += 1  # a genuine tie: both continuations are right from here on
             return
         cmp.failures.append(

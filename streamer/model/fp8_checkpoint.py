@@ -15,10 +15,12 @@ Two formats are understood (their meaning as transformers and compressed-tensors
 The weights stay float8 in memory and run through streamer/model/quant.py: per-tensor and
 per-channel scales become the per-row scales of quantization "fp8" (a per-tensor scale
 fills its shard's rows of a fused q/k/v or gate/up layer), block scales go through
-`block_fp8_linear`. A mixture of experts' float8 experts (per-tensor or per-channel
-scales, inputs per token) run on fused_moe's float8 path with per-row scales, loaded
-expert by expert (model/moe.py); block-scaled experts are dequantized into the model's
-dtype as they load (fused_moe has no block-scaled path yet). Everything else a
+`block_fp8_linear`. A mixture of experts' float8 experts run on fused_moe's float8 paths,
+loaded expert by expert (model/moe.py): per-tensor or per-channel scales (inputs per token)
+as per-row scales; block scales as stored, each projection's grid, the inputs quantized per
+token and per group of bk columns (Experts.block). One case is dequantized into the model's
+dtype as it loads instead: block-scaled experts on CUDA whose bk is not a multiple of 16
+(the MoE kernels' K tile divides bk and a tl.dot's is at least 16). Everything else a
 quantization_config can say (other methods, int8, static input scales, weight-only
 float8, quantized embeddings, KV-cache scales) is refused by name: running such a
 checkpoint as if it were something else would be silently wrong.
@@ -264,16 +266,17 @@ def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, so
         _make_fp8(m, scheme)
         quantized.update(names)
     if isinstance(model, MoEForCausalLM):
-        quantized |= _prepare_experts(model, scheme, source)
+        quantized |= _prepare_experts(model, scheme, device, source)
     return quantized
 
 
-def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> set[str]:
+def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, device: torch.device, source: str) -> set[str]:
     """Float8 experts where the checkpoint stores them so: each expert projection's scale
     (per tensor or per channel) becomes fused_moe's per-row scales, its inputs quantized per
-    token as the scheme's dynamic activations are; block-scaled experts are dequantized into
-    the model's dtype as they load (Experts.block). The names of the experts'
-    projections."""
+    token as the scheme's dynamic activations are; block scales stay block grids, the inputs
+    quantized per token and group (Experts.block), except on CUDA with a bk the kernels cannot
+    tile, dequantized into the model's dtype as they load (Experts.dequantized_block). The
+    names of the experts' projections."""
     quantized: set[str] = set()
     dequantized: torch.dtype | None = None
     for i, layer in enumerate(model.layers):
@@ -289,10 +292,19 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> s
         if not flags.pop():
             continue
         if scheme.block is not None:
-            # (no block-scaled grouped GEMM yet: these experts run in the model's dtype)
-            experts.block = scheme.block
+            bn, bk = scheme.block
+            inter = experts.down_proj.shape[2]
+            tp = getattr(layer.mlp, "tp", None)
+            if tp is not None and (inter % bn or inter % bk):
+                raise refuse(source, f"weight blocks {list(scheme.block)} with tensor parallelism: each rank's "
+                             f"{inter} rows of {base}'s intermediate size would start inside a block")
             quantized.update(names)
-            dequantized = experts.down_proj.dtype
+            if device.type == "cuda" and bk % 16:
+                # (the kernels' K tile divides bk: these experts run in the model's dtype)
+                experts.dequantized_block = scheme.block
+                dequantized = experts.down_proj.dtype
+                continue
+            experts.expect_fp8(scheme.block)
             continue
         if scheme.act != "token":
             raise refuse(source, f"quantizes the inputs of {base} per {scheme.act}; float8 experts quantize "
@@ -300,8 +312,9 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, source: str) -> s
         experts.expect_fp8()
         quantized.update(names)
     if dequantized is not None:
-        log.warning("%s: the block-scaled float8 experts are dequantized to %s at load (fused_moe has no "
-                    "block-scaled path yet): twice their float8 memory, their inputs not rounded", source, dequantized)
+        log.warning("%s: the block-scaled float8 experts are dequantized to %s at load (on CUDA the MoE kernels "
+                    "take blocks whose bk is a multiple of 16): twice their float8 memory, their inputs not rounded",
+                    source, dequantized)
     return quantized
 
 

@@ -106,7 +106,7 @@ class GptOssMoE(nn.Module):
         return ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, "swigluoai",
                              w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale,
                              w_gate_up_bias=ex.gate_up_proj_bias, w_down_bias=ex.down_proj_bias,
-                             swiglu_alpha=self.alpha, swiglu_limit=self.limit)
+                             swiglu_alpha=self.alpha, swiglu_limit=self.limit, block=ex.block)
 
 
 class GptOssForCausalLM(MoEForCausalLM):

@@ -10,6 +10,8 @@ modules: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate rows, then its 
 and mlp.experts.down_proj [E, H, I], with the router's mlp.gate.weight [E, H].
 With quantization "fp8" the experts are float8 (one scale per row of each expert, the
 inputs quantized per row: kernels.reference.fused_moe); the router stays in the model's dtype.
+A block-scaled float8 checkpoint's experts stay as stored (Experts.block): float8 with one
+scale per [bn, bk] block, the inputs quantized per row and group of bk columns.
 
 Checkpoints: save_pretrained of 5.24 still writes one tensor per expert (Mixtral:
 block_sparse_moe.experts.N.w1 gate / w3 up / w2 down and block_sparse_moe.gate; Qwen3-MoE:
@@ -62,19 +64,31 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_proj_scale", None, persistent=False)
         self.register_buffer("down_proj_scale", None, persistent=False)
         self.block: tuple[int, int] | None = None
-        """A block-scaled float8 checkpoint's [bn, bk] (set by model/fp8_checkpoint.py): its experts are
-        dequantized into the model's dtype as they load."""
+        """A block-scaled float8 checkpoint's [bn, bk] (expect_fp8): the experts float8 as stored, their
+        scales block grids (kernels.reference.fused_moe's layout: gate_up_proj_scale [E, 2 * ceil(I / bn),
+        ceil(H / bk)], the gate's block rows then the up's; down_proj_scale [E, ceil(H / bn), ceil(I / bk)])."""
+        self.dequantized_block: tuple[int, int] | None = None
+        """A block-scaled float8 checkpoint's [bn, bk] that the kernels cannot take (model/fp8_checkpoint.py
+        says which): its experts are dequantized into the model's dtype as they load."""
         self.pending: dict[str, tuple[str, torch.Tensor]] = {}
-        """Block-scaled projections whose weight or scale has come, waiting for the other."""
+        """Dequantized block-scaled projections whose weight or scale has come, waiting for the other."""
 
-    def expect_fp8(self) -> None:
-        """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert);
-        the scales start NaN, so one the checkpoint lacks cannot pass for a real one."""
+    def expect_fp8(self, block: tuple[int, int] | None = None) -> None:
+        """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert): one
+        scale per row, or with `block` the block grids (Experts.block). The scales start NaN,
+        so one the checkpoint lacks cannot pass for a real one."""
+        self.block = block
+        inter = self.down_proj.shape[2]
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name)
             setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
                                              requires_grad=False))
-            self.register_buffer(f"{name}_scale", torch.full(w.shape[:2], float("nan"), device=w.device),
+            shape: tuple[int, ...] = tuple(w.shape[:2])
+            if block is not None:
+                bn, bk = block
+                rows = 2 * -(-inter // bn) if name == "gate_up_proj" else -(-w.shape[1] // bn)
+                shape = (w.shape[0], rows, -(-w.shape[2] // bk))
+            self.register_buffer(f"{name}_scale", torch.full(shape, float("nan"), device=w.device),
                                  persistent=False)
 
     def quantize_fp8(self, split_rows: TPGroup | None = None) -> None:
@@ -122,7 +136,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         ex = self.experts
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
-                            w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale)
+                            w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -215,7 +229,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             e, which = int(em[1]), self.expert_names.index(em[2])
             target = down[e] if which == 2 else gate_up[e].narrow(0, which * inter, inter)
             names = {self._legacy(i, e, which) + ("_scale" if em[3] == "weight_scale" else "")}
-            if block.experts.block is not None:  # block-scaled float8 (model/fp8_checkpoint.py)
+            if block.experts.dequantized_block is not None:  # (model/fp8_checkpoint.py says when)
                 self._load_block_part(block.experts, target, self._legacy(i, e, which), em[3], tensor, what)
                 return names
             if em[3] == "weight_scale":  # a float8 checkpoint's, per tensor or per channel
@@ -231,11 +245,20 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def _load_expert_scale(self, ex: Experts, e: int, which: int, tensor: torch.Tensor, what: str) -> None:
         """One expert projection's float8 scale: per tensor ([] or [1]) or per output row
-        ([rows] or [rows, 1]); either becomes the per-row scales fused_moe multiplies in."""
+        ([rows] or [rows, 1]); either becomes the per-row scales fused_moe multiplies in. With
+        Experts.block, the projection's block grid [ceil(rows / bn), ceil(cols / bk)], copied
+        as stored (gate's and up's grids each in their own block rows)."""
         scales = ex.down_proj_scale if which == 2 else ex.gate_up_proj_scale
         if scales is None:
             raise ModelLoadError(f"{what} scales a projection the quantization_config keeps unquantized")
         inter = ex.down_proj.shape[2]
+        if ex.block is not None:
+            grid = scales[e] if which == 2 else scales[e].narrow(0, which * (scales.shape[1] // 2), scales.shape[1] // 2)
+            if tuple(tensor.shape) != tuple(grid.shape):
+                raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}; the block scales of this projection "
+                                     f"([{ex.block[0]}, {ex.block[1]}] blocks) are {tuple(grid.shape)}")
+            grid.copy_(tensor.float())  # (checkpoints store fp32, bf16 or fp16 scales: exact in fp32)
+            return
         target = scales[e] if which == 2 else scales[e].narrow(0, which * inter, inter)
         rows = target.shape[0]
         if tuple(tensor.shape) not in {(), (1,), (rows,), (rows, 1)}:
@@ -245,10 +268,11 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def _load_block_part(self, ex: Experts, target: torch.Tensor, name: str, part: str, tensor: torch.Tensor,
                          what: str) -> None:
-        """One part (float8 weight or block scales) of a block-scaled expert projection; once
-        both are in, the fp32 weight they stand for goes into target in the model's dtype."""
-        assert ex.block is not None
-        bn, bk = ex.block
+        """One part (float8 weight or block scales) of a block-scaled expert projection that is
+        dequantized at load (Experts.dequantized_block); once both are in, the fp32 weight they
+        stand for goes into target in the model's dtype."""
+        assert ex.dequantized_block is not None
+        bn, bk = ex.dequantized_block
         rows, cols = target.shape
         if part == "weight":
             want, ok = (rows, cols), tensor.dtype == torch.float8_e4m3fn
@@ -264,7 +288,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             ex.pending[name] = (part, tensor)
             return
         weight, scale = (tensor, other[1]) if part == "weight" else (other[1], tensor)
-        target.copy_(dequantize_blocks(weight, scale, ex.block))
+        target.copy_(dequantize_blocks(weight, scale, ex.dequantized_block))
 
     def expected_weight_names(self) -> set[str]:
         names = super().expected_weight_names()
@@ -275,7 +299,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                 legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
                 names |= legacy
                 ex = self.layers[i].mlp.experts
-                if ex.gate_up_proj_scale is not None or ex.block is not None:  # a float8 checkpoint's
+                if ex.gate_up_proj_scale is not None or ex.dequantized_block is not None:  # a float8 checkpoint's
                     names |= {n + "_scale" for n in legacy}
         return names
 

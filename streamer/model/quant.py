@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu
-from kernels.reference import FP8_MAX, FP8_TINY, quantize_rows_fp8
+from kernels.reference import expand_blocks, quantize_groups_fp8, quantize_rows_fp8
 
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
@@ -72,26 +72,6 @@ def quantize_tensor_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x2.shape
     q, s = quantize_rows_fp8(x2.reshape(1, -1))  # torch ops: one row of M * K is no kernel shape
     return q.view(m, k), s.expand(m, 1).contiguous()
-
-
-def quantize_groups_fp8(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] -> (float8 [M, K], fp32 scales [M, ceil(K / group)]): each row's columns
-    quantized in groups of `group`, every group with its own max |x| / 448 (the last group
-    may be shorter). The same arithmetic as quantize_rows_fp8, group by group."""
-    m, k = x2.shape
-    groups = -(-k // group)
-    xf = F.pad(x2.float(), (0, groups * group - k)).view(m, groups, group)  # zeros change no max
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_TINY)
-    q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, groups * group)
-    if groups * group != k:
-        q = q[:, :k].contiguous()
-    return q, scale.view(m, groups)
-
-
-def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """A [ceil(rows / bn), ceil(cols / bk)] grid of scales as one value per element [rows, cols]."""
-    bn, bk = block
-    return scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
 
 
 def dequantize_blocks(weight: torch.Tensor, block_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -2,9 +2,10 @@
 float8 weight and its per-channel or per-tensor scale become the float8 experts'
 per-row scales (fused_moe's float8 path, inputs quantized per token). A checkpoint of
 the per-row scales quantization "fp8" computes online runs exactly as the online one.
-Block-scaled experts are dequantized as they load, so they run as transformers runs the
-dequantized checkpoint. Per-tensor input scales, partly quantized layers, missing scales
-and unquantized tensors where float8 ones belong are refused by name."""
+Block-scaled experts load as stored (float8, each projection's block grid) and run as
+transformers runs the dequantized checkpoint with the experts' inputs rounded per token and
+group of bk columns. Per-tensor input scales, partly quantized layers, missing or misshapen
+scales and unquantized tensors where float8 ones belong are refused by name."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from streamer import LLM, SamplingParams
 from streamer.errors import ModelLoadError
 from streamer.model.loader import load_model
 from tests.model.test_fp8_checkpoint import ct_config, generate, per_row, per_tensor
-from tests.model.test_greedy_vs_transformers import assert_matches, run_and_compare
+from tests.model.test_greedy_vs_transformers import assert_matches
 from tests.model.test_greedy_vs_transformers import prompts as text_prompts
 from tests.model.test_moe import ARCHS, moe_models  # noqa: F401 - the fixture
+from tests.oracle import Comparison, compare
 
 FP8 = torch.float8_e4m3fn
 TOKEN_ACTS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
@@ -120,34 +122,117 @@ def blocks_32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).clamp(-448, 448).to(FP8), s
 
 
-def test_block_scaled_experts_run_as_transformers_runs_them_dequantized(moe_models, tmp_path):  # noqa: F811
-    """Only the experts block-scaled (quant_method "fp8", weight_block_size [32, 32]): each
-    projection is dequantized as its weight and scale come in, so the model holds the fp32
-    weights the checkpoint stands for, and greedy output equals transformers' generate over
-    those weights saved as a plain checkpoint."""
-    src = moe_models["qwen3_moe"]
+def block_checkpoint(src: Path, tmp_path: Path, edit=None) -> Path:
+    """src (the tiny Qwen3-MoE) with only its experts block-scaled (quant_method "fp8", [32, 32])."""
     qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                "modules_to_not_convert": [r".*self_attn", r"model\.layers\.0\.mlp", "mlp.gate", "lm_head"]}
-    path = write(src, tmp_path / "blocks", qconfig, blocks_32, "weight_scale_inv",
+    return write(src, tmp_path / "blocks", qconfig, blocks_32, "weight_scale_inv", edit=edit,
                  which=lambda n, t: quantized(n, t) and ".experts." in n)
+
+
+def dequantized_blocks(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The fp32 weight a stored float8 weight and its [32, 32] block scales stand for."""
+    return stored[name].float() * stored[name + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(32, 1)
+
+
+def test_block_scaled_experts_load_as_stored_and_run_as_transformers_with_their_roundings(
+        moe_models, tmp_path):  # noqa: F811
+    """Each expert projection's float8 weight and block scales land as stored (the gate's and
+    up's grids stacked: [E, 2, 2]), and greedy output equals transformers' generate over the
+    dequantized weights saved as a plain checkpoint, the experts' inputs rounded per token and
+    group of 32 columns as ours are (tests/oracle.py emulate_block_experts)."""
+    src = moe_models["qwen3_moe"]
+    path = block_checkpoint(moe_models["qwen3_moe"], tmp_path)
     stored = load_file(str(path / "model.safetensors"))
-    plain = {n: t for n, t in stored.items() if not n.endswith("weight_scale_inv")}
-    for n, t in plain.items():
-        if t.dtype == FP8:
-            plain[n] = t.float() * stored[n + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(32, 1)
+    plain = {n: dequantized_blocks(stored, n) if t.dtype == FP8 else t for n, t in stored.items()
+             if not n.endswith("weight_scale_inv")}
     dequantized = shutil.copytree(src, tmp_path / "dequantized")
     save_file(plain, str(dequantized / "model.safetensors"))
-    original = load_file(str(src / "model.safetensors"))
 
     model, _ = load_model(path)
     ex = model.layers[1].mlp.experts
-    assert ex.gate_up_proj.dtype == torch.float32 and ex.gate_up_proj_scale is None and not ex.pending
-    assert torch.equal(ex.down_proj[3], plain["model.layers.1.mlp.experts.3.down_proj.weight"])
-    assert torch.equal(ex.gate_up_proj[5, 32:], plain["model.layers.1.mlp.experts.5.up_proj.weight"])
-    assert not torch.equal(ex.down_proj[3], original["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert ex.gate_up_proj.dtype == FP8 and ex.down_proj.dtype == FP8 and ex.block == (32, 32)
+    assert ex.gate_up_proj_scale.shape == (8, 2, 2) and ex.down_proj_scale.shape == (8, 2, 1) and not ex.pending
+    up = "model.layers.1.mlp.experts.5.up_proj.weight"
+    assert torch.equal(ex.gate_up_proj[5, 32:].view(torch.uint8), stored[up].view(torch.uint8))
+    assert torch.equal(ex.gate_up_proj_scale[5, 1:], stored[up + "_scale_inv"])
+    assert torch.equal(ex.down_proj_scale[3], stored["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"])
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
     with LLM(str(path)) as llm:
         batch = text_prompts(llm.tokenizer, 3, 20, 70, seed=5)
-        assert_matches(run_and_compare(llm, dequantized, batch, PARAMS_GREEDY), 3)
+        outs = llm.generate(batch, PARAMS_GREEDY)
+    cmp = Comparison()
+    for p, o in zip(batch, outs):
+        assert o.error is None, o.error
+        compare(dequantized, p, o.token_ids, cmp, expert_groups=32)
+    assert_matches(cmp, 3)
+
+
+def test_block_scaled_experts_compute_transformers_layer_with_the_roundings(moe_models, tmp_path):  # noqa: F811
+    """One sparse layer given the same hidden states: ours (float8 experts, the reference's
+    block formula) against transformers' experts over the dequantized weights with the inputs
+    rounded per group, to float32 noise; without the roundings it is further off."""
+    from tests.oracle import _hf_model, emulate_block_experts
+
+    path = block_checkpoint(moe_models["qwen3_moe"], tmp_path)
+    stored = load_file(str(path / "model.safetensors"))
+    ours, _ = load_model(path)
+    hf = _hf_model(str(moe_models["qwen3_moe"]))
+    ex = hf.model.layers[1].mlp.experts
+    for e in range(8):
+        prefix = f"model.layers.1.mlp.experts.{e}."
+        ex.gate_up_proj.data[e] = torch.cat([dequantized_blocks(stored, prefix + "gate_proj.weight"),
+                                             dequantized_blocks(stored, prefix + "up_proj.weight")])
+        ex.down_proj.data[e] = dequantized_blocks(stored, prefix + "down_proj.weight")
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        unrounded = hf.model.layers[1].mlp(x[None])[0]
+        emulate_block_experts(hf, 32)
+        want = hf.model.layers[1].mlp(x[None])[0]
+        got = ours.layers[1].mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got - unrounded).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_a_block_scaled_expert_scale_of_the_wrong_grid_is_refused(moe_models, tmp_path):  # noqa: F811
+    name = "model.layers.1.mlp.experts.4.gate_proj.weight_scale_inv"
+    path = block_checkpoint(moe_models["qwen3_moe"], tmp_path,
+                            edit=lambda t: t.update({name: t[name][:, :1].contiguous()}))
+    _refused(path, name.removesuffix("_inv"), "(1, 1)", "block scales of this projection", "(1, 2)")
+
+
+def test_on_cuda_a_bk_no_kernel_tile_divides_is_dequantized_at_load(moe_models, tmp_path):  # noqa: F811
+    """bk 8: the MoE kernels' K tile divides bk and a tl.dot's is at least 16, so on CUDA these
+    experts are dequantized into the model's dtype as each projection's weight and scale come
+    in (prepared for a CUDA device here, loaded on CPU tensors); elsewhere they stay float8."""
+    from types import SimpleNamespace
+
+    from streamer.model import fp8_checkpoint
+    from streamer.model.loader import iter_safetensors
+    from tests.kernels.test_moe_block_fp8 import block_quantize
+
+    def blocks_32x8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = block_quantize(w[None], (32, 8))
+        return q[0], s[0]
+
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 8],
+               "modules_to_not_convert": [r".*self_attn", r"model\.layers\.0\.mlp", "mlp.gate", "lm_head"]}
+    path = write(moe_models["qwen3_moe"], tmp_path / "b8", qconfig, blocks_32x8, "weight_scale_inv",
+                 which=lambda n, t: quantized(n, t) and ".experts." in n)
+    assert load_model(path)[0].layers[1].mlp.experts.down_proj.dtype == FP8  # (on CPU: as stored)
+    scheme = fp8_checkpoint.read_scheme(SimpleNamespace(quantization_config=qconfig), "config.json", None)
+    assert scheme is not None
+    model, _ = load_model(moe_models["qwen3_moe"])
+    names = fp8_checkpoint.prepare(model, scheme, torch.device("cuda"), "config.json")
+    ex = model.layers[1].mlp.experts
+    assert ex.dequantized_block == (32, 8) and ex.block is None and ex.down_proj.dtype == torch.float32
+    with torch.no_grad():
+        model.load_weights(fp8_checkpoint.checkpoint_tensors(iter_safetensors([path / "model.safetensors"]), scheme,
+                                                             names))
+    stored = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    want = stored[name].float() * stored[name + "_scale_inv"].repeat_interleave(32, 0).repeat_interleave(8, 1)
+    assert torch.equal(ex.down_proj[3], want) and not ex.pending
 
 
 def test_a_block_scaled_expert_without_its_scale_is_named(moe_models, tmp_path):  # noqa: F811
