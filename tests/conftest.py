@@ -54,6 +54,8 @@ def make_tiny_model(folder: Path, arch: str, tokenizer_src: Path | None, **overr
         "CohereForCausalLM": "cohere",
         "Cohere2ForCausalLM": "cohere2",
         "GptOssForCausalLM": "gpt_oss",
+        "DeepseekV2ForCausalLM": "deepseek_v2",
+        "DeepseekV3ForCausalLM": "deepseek_v3",
     }[arch]
     kw = dict(
         vocab_size=49152,

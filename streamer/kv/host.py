@@ -3,7 +3,8 @@
 The host pool holds pages in the device pool's page format, as raw bytes: a page is
 [2 (K, V), layers, bytes of one layer's page], the bytes each (layer, page) of the device
 pool's stored K or V tensor keeps (pages.py: the outer two dims of every layout), so a
-float8 page stays float8 and a page round-trips bit for bit. On CUDA the host pool is
+float8 page stays float8 and a page round-trips bit for bit. A pool without V storage
+(pages.py's shared_v: MLA's latent cache) has pages of [1 (K), layers, bytes]. On CUDA the host pool is
 pinned (copies are DMA, asynchronous); on CPU it is a second CPU pool, so the tiering runs
 in CI exactly as on the GPU, with synchronous copies.
 
@@ -52,9 +53,10 @@ class HostPool:
 
     def __init__(self, pool: PagePool, num_pages: int, pin: bool) -> None:
         layers, _, page_bytes = pool.k_bytes.shape
+        parts = len(pool_parts(pool))
         self.num_pages = num_pages
-        self.page_bytes = 2 * layers * page_bytes
-        self.data = torch.empty((num_pages, 2, layers, page_bytes), dtype=torch.uint8)
+        self.page_bytes = parts * layers * page_bytes
+        self.data = torch.empty((num_pages, parts, layers, page_bytes), dtype=torch.uint8)
         if pin and num_pages:
             _pin(self.data)
         self._free: deque[int] = deque(range(num_pages))
@@ -84,6 +86,11 @@ class HostPool:
         assert len(set(held)) == len(held), "a host page is held twice"
         assert set(self._free) | set(held) == set(range(self.num_pages)), "a host page is lost"
         assert not set(self._free) & set(held), "a held host page is on the free list"
+
+
+def pool_parts(pool: PagePool) -> list[torch.Tensor]:
+    """The byte views a host page holds: K and V, or K alone (a latent pool: V is in K)."""
+    return [pool.k_bytes, pool.v_bytes] if pool.v_bytes.shape[2] else [pool.k_bytes]
 
 
 def _pin(t: torch.Tensor) -> None:
@@ -120,7 +127,7 @@ class HostTier:
     def __init__(self, pool: PagePool, num_bytes: int) -> None:
         self.pool = pool
         self.cuda = pool.k.device.type == "cuda"
-        per_page = 2 * pool.k_bytes.shape[0] * pool.k_bytes.shape[2]
+        per_page = len(pool_parts(pool)) * pool.k_bytes.shape[0] * pool.k_bytes.shape[2]
         self.host = HostPool(pool, max(num_bytes // per_page, 0), pin=self.cuda)
         self.d2h: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
@@ -145,12 +152,13 @@ class HostTier:
     def write(self, gpu: list[int], host: list[int]) -> None:
         """Copy device pages `gpu` into host pages `host` (asynchronous on CUDA)."""
         assert len(gpu) == len(host)
-        k, v, data = self.pool.k_bytes, self.pool.v_bytes, self.host.data
+        parts, data = pool_parts(self.pool), self.host.data
+        k = parts[0]
         if not self.cuda:
             g = torch.tensor(gpu)
             h = torch.tensor(host)
-            data[h, 0] = k[:, g].transpose(0, 1)
-            data[h, 1] = v[:, g].transpose(0, 1)
+            for i, part in enumerate(parts):
+                data[h, i] = part[:, g].transpose(0, 1)
         else:
             read = None
             group = max(1, FENCE_STAGE_BYTES // self.host.page_bytes)
@@ -162,7 +170,7 @@ class HostTier:
                     staged = []
                     for s in range(s0, min(s0 + group, len(gpu)), STAGING_PAGES):
                         g = _indices(gpu[s : min(s + STAGING_PAGES, s0 + group)], k.device)
-                        staged.append((s, torch.stack((k[:, g], v[:, g]), dim=0).permute(2, 0, 1, 3).contiguous()))
+                        staged.append((s, torch.stack([p[:, g] for p in parts], dim=0).permute(2, 0, 1, 3).contiguous()))
                     read = torch.cuda.Event()
                     read.record(self.d2h)
                     for s, buf in staged:
@@ -178,14 +186,15 @@ class HostTier:
         """Copy host pages `host` into device pages `gpu`. Returns the event to wait for on
         CUDA (None: done, on CPU)."""
         assert len(gpu) == len(host)
-        k, v, data = self.pool.k_bytes, self.pool.v_bytes, self.host.data
+        parts, data = pool_parts(self.pool), self.host.data
+        k = parts[0]
         self.load_backs += len(gpu)
         self.bytes_loaded += len(gpu) * self.host.page_bytes
         if not self.cuda:
             g = torch.tensor(gpu)
             h = torch.tensor(host)
-            k[:, g] = data[h, 0].transpose(0, 1)
-            v[:, g] = data[h, 1].transpose(0, 1)
+            for i, part in enumerate(parts):
+                part[:, g] = data[h, i].transpose(0, 1)
             return None
         per = self._ring(k.device)
         with torch.cuda.stream(self.h2d):
@@ -207,8 +216,8 @@ class HostTier:
                 self.scatter.wait_event(copied)
                 with torch.cuda.stream(self.scatter):
                     g = _indices(gpu[s : s + per], k.device)
-                    k[:, g] = buf[: len(chunk), 0].transpose(0, 1)
-                    v[:, g] = buf[: len(chunk), 1].transpose(0, 1)
+                    for i, part in enumerate(parts):
+                        part[:, g] = buf[: len(chunk), i].transpose(0, 1)
                     freed = torch.cuda.Event()
                     freed.record(self.scatter)
                     self._staging_free[slot] = freed

@@ -11,7 +11,12 @@ stores them otherwise and shows them through permuted views of that shape:
   head's keys of a page are 2 KB of adjacent bytes rather than 16 rows 1 KB apart (the
   decode kernel reads them per KV head): 438 -> 426 us at batch 512 x 1,500 tokens, run
   at the H200's power cap (`profile_gpu.py power`).
-16-bit pages keep the usual layout (transposing loads serve them). A request
+16-bit pages keep the usual layout (transposing loads serve them).
+
+shared_v > 0 (MLA's latent cache, model/deepseek.py): there is no V storage. K is one
+"head" of head_dim values per token (the compressed kv and the rope key) and V is the view
+of K's first shared_v dims; v_bytes is empty ([layers, pages, 0]), so the host tier copies
+K alone. Float8 latent pools are refused. A request
 holds a page table (its pages, in order); the radix tree holds pages of cached
 prefixes. Ownership is counted per page:
 
@@ -42,13 +47,20 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared_v: int = 0,
     ) -> None:
         if num_pages < 2:
             raise ConfigError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        if shared_v and (dtype == torch.float8_e4m3fn or kv_heads != 1 or not 0 < shared_v <= head_dim):
+            raise ConfigError(f"a latent KV pool (shared_v {shared_v}) is one head of at least {shared_v} "
+                              f"dims, not float8: not {kv_heads} x {head_dim} of {dtype}")
         self.page_size = page_size
         self.num_pages = num_pages
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-        if dtype == torch.float8_e4m3fn:
+        if shared_v:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = self.k[..., :shared_v]
+        elif dtype == torch.float8_e4m3fn:
             k_stored = (num_layers, num_pages, kv_heads, page_size, head_dim)
             self.k = torch.zeros(k_stored, dtype=dtype, device=device).permute(0, 1, 3, 2, 4)
             v_stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
@@ -59,7 +71,8 @@ class PagePool:
         # the raw bytes of each (layer, page) of K and V, whatever the stored layout (the host
         # tier copies pages through them, kv/host.py)
         self.k_bytes = _page_bytes(self.k, num_layers, num_pages)
-        self.v_bytes = _page_bytes(self.v, num_layers, num_pages)
+        self.v_bytes = torch.empty((num_layers, num_pages, 0), dtype=torch.uint8, device=device) if shared_v \
+            else _page_bytes(self.v, num_layers, num_pages)
         self.fence: Any = None
         """A CUDA event the next step waits for before its kernels touch the pool (the host
         tier's last write-back: a page it freed may be reused by that step). None: none."""
@@ -68,9 +81,10 @@ class PagePool:
         self._free: deque[int] = deque(range(1, num_pages))
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       shared_v: int = 0) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * kv_heads * head_dim * itemsize
+        return (1 if shared_v else 2) * num_layers * page_size * kv_heads * head_dim * itemsize
 
     @property
     def capacity(self) -> int:

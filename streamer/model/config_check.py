@@ -14,6 +14,7 @@ from typing import Any
 
 from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from streamer.model.deepseek import DeepseekV2ForCausalLM, check_deepseek
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.gpt_oss import GptOssForCausalLM
@@ -58,6 +59,8 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
     _check_windows(cfg, cls, refuse)
     if issubclass(cls, MoEForCausalLM):
         _check_moe(cfg, cls, refuse)
+    if issubclass(cls, DeepseekV2ForCausalLM):
+        check_deepseek(cfg, cls, refuse)
     if issubclass(cls, CohereForCausalLM) and getattr(cfg, "use_qk_norm", False):
         refuse("use_qk_norm", "the per-head LayerNorm of q and k (Command R+) is not implemented")
     if issubclass(cls, SmolLM3ForCausalLM):

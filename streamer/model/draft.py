@@ -80,6 +80,9 @@ class DraftModel:
         self.model, self.cfg = load_model(model_path, dtype=config.dtype, device=device,
                                           load_format=config.load_format, max_positions=max_model_len,
                                           seed=config.seed + 1)
+        if getattr(self.model, "latent_cache", None) is not None:
+            raise ConfigError(f"speculative_config model {model_path}: a draft with multi-head latent attention "
+                              "(DeepSeek) is not supported")
         if int(self.cfg.vocab_size) != int(target_cfg.vocab_size):
             raise ConfigError(f"speculative_config model {model_path}: its vocabulary has {self.cfg.vocab_size} "
                               f"tokens, the target's {target_cfg.vocab_size}: a draft needs the target's tokenizer")

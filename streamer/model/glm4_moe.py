@@ -94,6 +94,11 @@ class Glm4MoeForCausalLM(MoEForCausalLM):
                                 self.shared_intermediate())
 
     def skips_tensor(self, name: str) -> bool:
-        """A multi-token-prediction layer's (model.layers.N, N >= num_hidden_layers)."""
-        m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
-        return m is not None and int(m[1]) >= int(self.config.num_hidden_layers)
+        return is_mtp_layer(name, int(self.config.num_hidden_layers))
+
+
+def is_mtp_layer(name: str, num_hidden_layers: int) -> bool:
+    """Whether a checkpoint tensor is a multi-token-prediction layer's (model.layers.N, N >=
+    num_hidden_layers: GLM-4.5's and DeepSeek-V3's, which transformers skips)."""
+    m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    return m is not None and int(m[1]) >= num_hidden_layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from streamer.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.gpt_oss import GptOssForCausalLM
@@ -36,6 +37,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

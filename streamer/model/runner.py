@@ -126,10 +126,17 @@ class ModelRunner:
     def _make_pool(self) -> PagePool:
         cfg, c = self.hf_config, self.config
         layers, kvh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim
+        shared_v = 0
+        latent = getattr(self.model, "latent_cache", None)
+        if latent is not None:  # MLA (model/deepseek.py): one latent "head" per token, V its first dims
+            if self.kv_dtype == torch.float8_e4m3fn:
+                raise ConfigError(f"kv_cache_dtype {c.kv_cache_dtype!r}: a float8 latent cache (multi-head latent "
+                                  "attention) is not implemented; use kv_cache_dtype 'auto'")
+            kvh, (hd, shared_v) = 1, latent
         tp = tensor_parallel()
         if tp is not None:  # this rank's KV heads
             kvh = tp.heads(cfg.num_attention_heads, kvh)[1]
-        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype)
+        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype, shared_v)
         if self.draft is not None:  # a page id holds the target's and the draft's KV of its tokens
             per_page += self.draft.bytes_per_page(c.page_size)
         if c.num_pages is not None:
@@ -148,7 +155,7 @@ class ModelRunner:
             n = tp.min_int(n)
         if n < 2:
             raise ConfigError(f"not enough memory for the KV pool ({n} pages of {per_page} bytes)")
-        return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device)
+        return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device, shared_v)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (packing.prepare)."""
