@@ -20,7 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from streamer.errors import RequestError
-from streamer.server.harmony import CHANNEL
+
+HARMONY_CHANNEL = "<|channel|>"
+"""The marker by which a template speaks gpt-oss's harmony format (server/harmony.py reads
+those messages; it imports this, as the server may import this module and not the reverse)."""
 
 RESERVED_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -67,7 +70,7 @@ def tool_format(hf_tokenizer: Any) -> str | None:
     when no known markup shows: the server then needs --tool-call-parser), else hermes (the
     rewriting of this module)."""
     text = template_text(hf_tokenizer)
-    if CHANNEL in text:  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
+    if HARMONY_CHANNEL in text:  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
         return "openai"
     if not renders_tools(text):
         return "hermes"

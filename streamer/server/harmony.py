@@ -26,10 +26,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from streamer.chat_template import HARMONY_CHANNEL as CHANNEL
 from streamer.server.text_pieces import partial_tag
 
-START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
-    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+START, END, MESSAGE, CONSTRAIN, RETURN, CALL = (
+    "<|start|>", "<|end|>", "<|message|>", "<|constrain|>", "<|return|>", "<|call|>")
 HARMONY_MARKERS: tuple[str, ...] = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 """The special tokens that structure a harmony output (gpt-oss ids 200006, 200007, 200008,
 200005, 200003, 200002, 200012): the detokenizer keeps their text for the parsers."""
