@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from kernels import moe, moe_gemv, reference
+from kernels import moe, moe_gemv, moe_route, reference
 
 BANDWIDTH = 4.25e12
 
@@ -73,7 +73,7 @@ def main() -> None:
         floor = 1e6 * hit * per_expert / BANDWIDTH
         grouped = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids))
         gemv = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids))
-        route = time_us(lambda: moe_gemv.route_topk(logits, k, True, dt))
+        route = time_us(lambda: moe_route.route_topk(logits, k, True, dt))
         torch_route = time_us(lambda: reference.route_topk(logits, k, True, dt))
         print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
         for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2)):

@@ -77,24 +77,31 @@ def cells(f, *args) -> str:
 
 def moe() -> None:
     """moe_gemv at top-8 (Qwen3-30B-A3B): GEMM 1's (rows, columns, unroll) with 4 warps, GEMM 2's
-    (rows, columns, unroll, warps); the defaults first."""
+    (rows, columns, unroll, warps); the defaults first; bf16, float8 per row, float8 [128, 128] blocks."""
     print("kernel, config: registers / spill-store bytes")
-    for fp8 in (False, True):
-        w, kind = ("*fp8e4nv", "fp8") if fp8 else ("*bf16", "bf16")
+    for fp8, group in ((False, (1, 0)), (True, (1, 0)), (True, (128, 128))):
+        w, kind = ("*fp8e4nv", "fp8" if group[1] == 0 else "fp8 blocks") if fp8 else ("*bf16", "bf16")
+        gn, gk = group
         sig = {"x_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "out_ptr": "*bf16", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
                "bias_ptr": "*bf16", "H": "i32", "INTER": "i32", "stride_x": "i32", "stride_we": "i32",
-               "stride_wn": "i32", "up_off": "i32", "stride_o": "i32", "stride_se": "i32"}
+               "stride_wn": "i32", "up_off": "i32", "stride_o": "i32", "stride_se": "i32", "stride_sn": "i32",
+               "stride_sx": "i32"}
         for bn, bk, un in [(2, 256, 2), (2, 256, 4), (4, 256, 2), (2, 512, 2), (2, 128, 4)]:
-            consts = dict(TOPK=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, ACT="silu", ALPHA=1.702, LIMIT=7.0,
-                          HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False)
+            if gk and bk > gk:  # (moe_gemv cuts a block-scaled chunk to bk, unrolling further)
+                bk, un = gk, un * bk // gk
+            consts = dict(TOPK=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk, ACT="silu",
+                          ALPHA=1.702, LIMIT=7.0, HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False)
             print(f"moe gate_up {kind} {bn}x{bk}x{un}:", "{}/{}".format(*usage(_gate_up_kernel, sig, consts,
                                                                              num_warps=4, num_stages=1)), flush=True)
         sig = {"h_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
                "sh_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16", "H": "i32", "INTER": "i32",
-               "stride_h": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_o": "i32", "stride_se": "i32"}
+               "stride_h": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_o": "i32", "stride_se": "i32",
+               "stride_sn": "i32", "stride_sh": "i32"}
         for bn, bk, un, warps in [(4, 128, 2, 8), (4, 128, 4, 8), (2, 128, 2, 4), (4, 256, 1, 8), (8, 64, 2, 8)]:
-            consts = dict(TOPK=8, TOPK_PAD=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, HAS_BIAS=False, SCALED=fp8,
-                          DTYPE=tl.bfloat16, INTERP=False)
+            if gk and bk > gk:
+                bk, un = gk, un * bk // gk
+            consts = dict(TOPK=8, TOPK_PAD=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk,
+                          HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False)
             print(f"moe down {kind} {bn}x{bk}x{un} w{warps}:", "{}/{}".format(*usage(_down_kernel, sig, consts,
                                                                                   num_warps=warps, num_stages=1)),
                   flush=True)

@@ -1,9 +1,10 @@
 """`fused_moe`: a mixture-of-experts MLP as two grouped GEMMs (Triton), the semantics of
 kernels.reference.fused_moe.
 
-NOTE the layout. The T*k (token, slot) pairs are numbered p = t * k + j. `_align` sorts
-them by expert and pads each expert's group to a multiple of BLOCK_M with the sentinel
-p = T*k, so that every M-block of `sorted_ids` belongs to one expert (`block_expert`):
+NOTE the layout. The T*k (token, slot) pairs are numbered p = t * k + j. `align_pairs`
+(kernels/moe_align.py) sorts them by expert and pads each expert's group to a multiple of
+BLOCK_M with the sentinel p = T*k, so that every M-block of `sorted_ids` belongs to one
+expert (`block_expert`):
 
     sorted_ids   | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | (tail blocks: expert E) |
     block_expert |      0      |      2      |      2      |   E  (programs return)  |
@@ -38,6 +39,7 @@ from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
+from kernels.moe_align import align_pairs
 from kernels.moe_operands import (
     act_constants,
     bias_operand,
@@ -254,68 +256,6 @@ def _moe_down_kernel(
     tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
 
 
-ALIGN_CHUNK = 128
-"""(token, slot) pairs per program of the alignment kernels (a [128, 128] compare ranks them)."""
-
-
-@triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, PAIRS, PADDED, CHUNK: tl.constexpr,
-                        E_PAD: tl.constexpr, FILL: tl.constexpr):
-    """counts[c, e] = pairs of chunk c routed to expert e; also fills this program's share of
-    sorted_ids with the sentinel (the scatter kernel then writes the real pairs)."""
-    c = tl.program_id(0)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < PAIRS, other=-1).to(tl.int32)
-    experts = tl.arange(0, E_PAD)
-    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + c * E_PAD + experts, counts)
-    fill = c * FILL + tl.arange(0, FILL)
-    tl.store(sorted_ptr + fill, tl.full([FILL], 0, tl.int32) + PAIRS, mask=fill < PADDED)
-
-
-@triton.jit
-def _align_offsets_kernel(counts_ptr, block_expert_ptr, CHUNKS, BLOCKS, E: tl.constexpr, E_PAD: tl.constexpr,
-                          BLOCK_M: tl.constexpr, CB: tl.constexpr, BB: tl.constexpr):
-    """One program: each expert's group start (its padded size, in expert order), then
-    counts[c, e] := where chunk c's pairs of expert e start in sorted_ids; and
-    block_expert[b] = the expert whose padded group holds M-block b (E past the last)."""
-    experts = tl.arange(0, E_PAD)
-    rows = tl.arange(0, CB)
-    totals = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, CHUNKS, CB):
-        ptrs = counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
-        totals += tl.sum(tl.load(ptrs, mask=(c0 + rows < CHUNKS)[:, None], other=0), axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    running = ends - padded
-    for c0 in range(0, CHUNKS, CB):
-        ptrs = counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
-        mask = (c0 + rows < CHUNKS)[:, None]
-        tile = tl.load(ptrs, mask=mask, other=0)
-        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=mask)
-        running += tl.sum(tile, axis=0)
-    blocks = tl.arange(0, BB)
-    for b0 in range(0, BLOCKS, BB):
-        first_row = (b0 + blocks) * BLOCK_M
-        # searchsorted(ends, first_row, right=True): the groups ending at or before the block
-        past = (ends[None, :] <= first_row[:, None]) & (experts < E)[None, :]
-        tl.store(block_expert_ptr + b0 + blocks, tl.sum(past.to(tl.int32), axis=1), mask=b0 + blocks < BLOCKS)
-
-
-@triton.jit
-def _align_scatter_kernel(ids_ptr, starts_ptr, sorted_ptr, PAIRS, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """sorted_ids[start of (chunk, expert) + rank among the chunk's pairs of that expert] = pair."""
-    c = tl.program_id(0)
-    idx = tl.arange(0, CHUNK)
-    offs = c * CHUNK + idx
-    valid = offs < PAIRS
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    before = (ids[:, None] == ids[None, :]) & (idx[None, :] < idx[:, None])
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    start = tl.load(starts_ptr + c * E_PAD + tl.where(valid, ids, 0), mask=valid, other=0)
-    tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=valid)
-
-
 @triton.jit
 def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
                     INTERP: tl.constexpr):
@@ -327,32 +267,6 @@ def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, 
     for j in tl.static_range(TOPK):
         acc += tl.load(y_ptr + (t * TOPK + j) * H + offs, mask=mask, other=0.0)
     tl.store(out_ptr + t * H + offs, _round_to(acc, DTYPE, INTERP), mask=mask)
-
-
-def _align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_ids [padded] int32, block_expert [padded / block_m] int32): the (token, slot)
-    pairs grouped by expert in pair order (a stable sort), each group padded to a multiple
-    of block_m with the sentinel T*k; tail blocks past the last group carry expert E.
-    Three kernels, no host sync: count per chunk of ALIGN_CHUNK pairs (and fill the
-    sentinel), each (chunk, expert)'s start in one program, then each chunk scatters its
-    pairs (rank = earlier pairs of the chunk with the same expert)."""
-    flat = topk_ids.reshape(-1).contiguous()
-    pairs = flat.numel()
-    dev = flat.device
-    padded_len = triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m) * block_m
-    blocks = padded_len // block_m
-    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
-    e_pad = triton.next_power_of_2(experts)
-    counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty((padded_len,), dtype=torch.int32, device=dev)
-    block_expert = torch.empty((blocks,), dtype=torch.int32, device=dev)
-    fill = triton.next_power_of_2(triton.cdiv(padded_len, chunks))
-    _align_count_kernel[(chunks,)](flat, counts, sorted_ids, pairs, padded_len, CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
-                                   FILL=fill)
-    _align_offsets_kernel[(1,)](counts, block_expert, chunks, blocks, E=experts, E_PAD=e_pad, BLOCK_M=block_m,
-                                CB=max(1, min(16, 4096 // e_pad)), BB=max(16, min(256, 8192 // e_pad)))
-    _align_scatter_kernel[(chunks,)](flat, counts, sorted_ids, pairs, CHUNK=ALIGN_CHUNK, E_PAD=e_pad)
-    return sorted_ids, block_expert
 
 
 def fused_moe(
@@ -373,7 +287,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
-    [T, H] in x's dtype. Three small kernels align the pairs (`_align`), two grouped GEMMs, one
+    [T, H] in x's dtype. Three small kernels align the pairs (`align_pairs`), two grouped GEMMs, one
     sum over the slots: no host synchronisation (CUDA-graph capturable).
     config: tile sizes, for tuning and tests (default: `default_config`).
     w_gate_up_scale [E, 2I], w_down_scale [E, H]: float8 experts (the reference's formula):
@@ -403,7 +317,7 @@ def fused_moe(
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    sorted_ids, block_expert = _align(topk_ids, experts, cfg.block_m)
+    sorted_ids, block_expert = align_pairs(topk_ids, experts, cfg.block_m)
     blocks = block_expert.numel()
     dtype = _TL_DTYPES[out_dtype]
     interp = _interpreting()

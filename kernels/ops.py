@@ -199,10 +199,10 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A router: route_topk(F.linear(x, weight), ...); a few tokens on the GPU in one kernel."""
     if _triton(x):
-        from kernels import moe_gemv
+        from kernels import moe_gemv, moe_route
 
         if moe_gemv.use_gemv(x.shape[0]):
-            return moe_gemv.route(x, weight, top_k, renormalize, round_to)
+            return moe_route.route(x, weight, top_k, renormalize, round_to)
     return route_topk(torch.nn.functional.linear(x, weight), top_k, renormalize, round_to)
 
 
@@ -210,7 +210,7 @@ def route_topk(
     logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton(logits):
-        from kernels import moe_gemv
+        from kernels import moe_route
 
-        return moe_gemv.route_topk(logits, top_k, renormalize, round_to)
+        return moe_route.route_topk(logits, top_k, renormalize, round_to)
     return reference.route_topk(logits, top_k, renormalize, round_to)

@@ -21,6 +21,7 @@ import torch
 
 from kernels import moe as M
 from kernels import reference as R
+from kernels.moe_align import align_pairs
 from tests.kernels.device import CUDA, DEVICE, cuda
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
@@ -120,7 +121,7 @@ def test_align_groups_pairs_by_expert(block_m):
     t, k, e = 23, 3, 8
     ids = torch.randint(0, e, (t, k), generator=gen)
     ids[ids == 5] = 4  # expert 5 empty
-    sorted_ids, block_expert = M._align(ids.to(DEVICE), e, block_m)
+    sorted_ids, block_expert = align_pairs(ids.to(DEVICE), e, block_m)
     sorted_ids, block_expert = sorted_ids.cpu().long(), block_expert.cpu().long()
     pairs = t * k
     assert sorted_ids.numel() == block_expert.numel() * block_m
@@ -142,7 +143,7 @@ def test_align_groups_pairs_by_expert(block_m):
 
 
 def _stable_layout(ids: torch.Tensor, e: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout _align must produce, in torch: a stable sort of the pairs by expert, each
+    """The layout align_pairs must produce, in torch: a stable sort of the pairs by expert, each
     group padded to block_m with the sentinel, and the expert of each M-block."""
     flat = ids.reshape(-1).long()
     pairs = flat.numel()
@@ -168,7 +169,7 @@ def test_align_is_a_stable_sort_by_expert(t, k, e, block_m):
     gen = torch.Generator().manual_seed(t * e)
     ids = torch.randint(0, e, (t, k), generator=gen)
     ids[ids == 1] = 0  # an empty expert
-    got = M._align(ids.to(DEVICE), e, block_m)
+    got = align_pairs(ids.to(DEVICE), e, block_m)
     want = _stable_layout(ids, e, block_m)
     assert torch.equal(got[0].cpu().long(), want[0]) and torch.equal(got[1].cpu().long(), want[1])
 

@@ -1,5 +1,5 @@
 """kernels.moe_gemv (issue 30's decode path): moe_gemv == kernels.reference.fused_moe for a
-few tokens, and route_topk == kernels.reference.route_topk.
+few tokens, and kernels.moe_route's route_topk and route == kernels.reference.route_topk.
 
 Tolerances as tests/kernels/test_moe.py: float32 differs by summation order only; in bf16
 both round every stage to bf16, so an intermediate may differ by one ulp (2^-6 on outputs
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import moe_gemv as G
+from kernels import moe_route as MR
 from kernels import reference as R
 from tests.kernels.device import DEVICE, cuda
 from tests.kernels.test_moe import _problem, assert_like_reference
@@ -62,7 +63,7 @@ def test_route_topk_matches_reference(renormalize, round_to, e, k):
     """Softmax, top-k and renormalization in one kernel; E need not be a power of two."""
     gen = torch.Generator().manual_seed(e * k)
     logits = (torch.randn(7, e, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
-    w, ids = G.route_topk(logits, k, renormalize, round_to)
+    w, ids = MR.route_topk(logits, k, renormalize, round_to)
     rw, rids = R.route_topk(logits, k, renormalize, round_to)
     assert ids.dtype == rids.dtype == torch.int32 and w.dtype == rw.dtype == torch.float32
     tol = 1e-6 if round_to is None else 2**-8
@@ -81,7 +82,7 @@ def test_route_is_the_router_linear_then_route_topk(dtype, t, h, e, k):
     w = torch.randn(e, h, generator=gen).to(dtype).to(DEVICE)
     rw, rids = R.route_topk(torch.nn.functional.linear(x, w), k, True, dtype)
     for _ in range(2):
-        got_w, got_ids = G.route(x, w, k, True, dtype)
+        got_w, got_ids = MR.route(x, w, k, True, dtype)
         _same_routing(got_w, got_ids, rw, rids, 1e-6 if dtype == torch.float32 else 2**-7)
 
 
@@ -96,7 +97,7 @@ def _same_routing(w, ids, rw, rids, tol):
 def test_route_topk_ties_take_the_lower_expert():
     logits = torch.zeros(1, 6, device=DEVICE)
     logits[0, 4] = logits[0, 2] = 1.0
-    w, ids = G.route_topk(logits, 3, True)
+    w, ids = MR.route_topk(logits, 3, True)
     assert ids.tolist() == [[2, 4, 0]]
 
 
@@ -110,7 +111,7 @@ def test_route_topk_gives_real_experts_for_non_finite_logits(e):
     logits[2, 1] = float("inf")
     logits[3] = float("-inf")
     logits[4, 0] = float("nan")
-    w, ids = G.route_topk(logits, 2, True)
+    w, ids = MR.route_topk(logits, 2, True)
     assert ((ids >= 0) & (ids < e)).all()
     assert (ids[:, 0] != ids[:, 1]).all()
     rw, rids = R.route_topk(logits[:1], 2, True)
@@ -124,6 +125,6 @@ def test_moe_gemv_model_sized(t):
     args = _problem(t, 2048, 768, 128, 8, torch.bfloat16, seed=t)
     _check(args)
     logits = torch.randn(t, 128, device=DEVICE).to(torch.bfloat16)
-    w, ids = G.route_topk(logits, 8, True, torch.bfloat16)
+    w, ids = MR.route_topk(logits, 8, True, torch.bfloat16)
     rw, rids = R.route_topk(logits, 8, True, torch.bfloat16)
     _same_routing(w, ids, rw, rids, 2**-8)

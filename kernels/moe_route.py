@@ -1,0 +1,178 @@
+"""The router of a mixture of experts on the GPU: its softmax-top-k in one kernel
+(`route_topk`), and for a few tokens (moe_gemv.use_gemv) the router's GEMV with its top-k in
+one kernel (`route`). Same semantics as kernels.reference.route_topk."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
+from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
+
+
+@triton.jit
+def _topk_store(z, offs, valid, weight_ptr, ids_ptr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+                RENORM: tl.constexpr, ROUND: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Softmax (fp32) over one token's logits z [BLOCK_E] (valid: the E real ones), the top k
+    (of equal probabilities the lower expert id first; torch.topk leaves their order
+    unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND), stored in order.
+    Each pick is one max over int64 keys (the probability's bits, which order as the
+    non-negative floats do, above the complement of the id), not a max and then a min."""
+    z = z - tl.max(z, axis=0)
+    num = tl.where(valid, tl.exp(z), 0.0)
+    probs = num / tl.sum(num, axis=0)
+    # a row of NaN or infinite logits (hidden states gone non-finite) would pick no real
+    # expert, and an id past the experts makes the GEMMs' index ops assert on the device,
+    # which ends the whole process. Such a row routes to the lowest experts instead (its
+    # output is non-finite anyway).
+    probs = tl.where(probs == probs, probs, 0.0)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - offs), -1)
+    slots = offs  # (k <= E <= BLOCK_E: the picks kept in a vector of the logits' shape)
+    picked = tl.zeros([BLOCK_E], dtype=tl.float32)
+    picked_ids = tl.zeros([BLOCK_E], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        key = tl.max(keys, axis=0)
+        idx = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+        best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        total += best
+        picked = tl.where(slots == j, best, picked)
+        picked_ids = tl.where(slots == j, idx, picked_ids)
+        keys = tl.where(offs == idx, -1, keys)
+    w = picked / total if RENORM else picked
+    if ROUND:
+        w = _round_to(w, DTYPE, INTERP).to(tl.float32)
+    tl.store(weight_ptr + slots, w, mask=slots < TOPK)
+    tl.store(ids_ptr + slots, picked_ids, mask=slots < TOPK)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weight_ptr,
+    ids_ptr,
+    E,
+    stride_l,
+    TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One token's routing from its logits (`_topk_store`)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    z = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    _topk_store(z, offs, valid, weight_ptr + t * TOPK, ids_ptr + t * TOPK, TOPK, BLOCK_E, RENORM, ROUND, DTYPE, INTERP)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,
+    w_ptr,
+    logits_ptr,
+    count_ptr,
+    weight_ptr,
+    ids_ptr,
+    E,
+    H,
+    stride_x,
+    stride_w,
+    TOPK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
+    DTYPE: tl.constexpr,
+    LOGIT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
+    F.linear's output), into the workspace; the last of the token's programs to finish (an
+    atomic count, reset by that program for the next call) routes the token (`_topk_store`)."""
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    clamped = tl.minimum(rows, E - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + clamped[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k
+        xv = tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
+        acc += tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32) * xv
+    z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
+    tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
+    tl.debug_barrier()  # every thread's logits stored before the count says so
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        tl.store(count_ptr + t, 0)
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        zs = tl.load(logits_ptr + t * BLOCK_E + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        _topk_store(zs, offs, valid, weight_ptr + t * TOPK, ids_ptr + t * TOPK, TOPK, BLOCK_E, RENORM, ROUND, DTYPE,
+                    INTERP)
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.route_topk in one kernel: logits [T, E] -> (weights [T, k] float32,
+    ids [T, k] int32)."""
+    t, experts = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    logits = logits.contiguous()
+    _route_kernel[(t,)](
+        logits, weights, ids, experts, logits.stride(0),
+        TOPK=top_k, BLOCK_E=triton.next_power_of_2(experts), RENORM=renormalize,
+        ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32], INTERP=_interpreting(),
+        num_warps=1,
+    )  # fmt: skip
+    return weights, ids
+
+
+ROUTER_ROWS = 1
+ROUTER_K = 2048
+"""`route`: one router row per program, up to 2,048 columns per load (Qwen3-30B-A3B's whole
+row: 128 programs with one load each). 4 rows x 256-column chunks took 10.2 us per layer on
+the H200, more than cuBLAS + the top-k kernel (8.0): 8 dependent loads per program."""
+
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_topk(F.linear(x, weight), ...) for a few tokens (use_gemv) in one kernel: the
+    router's GEMV and the top-k, the last program of each token doing its top-k. Its counts
+    live in one zeroed buffer per device, left zeroed by every call, so calls on one device
+    must not run concurrently (the engine runs its model on one stream)."""
+    t, hidden = x.shape
+    experts = weight.shape[0]
+    assert use_gemv(t) and weight.shape == (experts, hidden)
+    counts = _counts.get(x.device)
+    if counts is None:
+        counts = _counts[x.device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=x.device)
+    block_e = triton.next_power_of_2(experts)
+    logits = torch.empty((t, block_e), dtype=torch.float32, device=x.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    x = x.contiguous()
+    weight = weight.contiguous()
+    _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
+        x, weight, logits, counts, weights, ids, experts, hidden, x.stride(0), weight.stride(0),
+        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(ROUTER_K, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
+        RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
+        LOGIT_DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
