@@ -31,10 +31,15 @@ n_shared_experts experts' worth of ungated dense MLP beside the routed experts.
 - V3's is GLM-4.5's (glm4_moe.SharedExpertsMoE: sigmoid, e_score_correction_bias,
   noaux_tc); its multi-token-prediction layers are skipped (glm4_moe.is_mtp_layer).
 
+Float8 checkpoints (DeepSeek-V3/R1's [128, 128] blocks) load as model/fp8_checkpoint.py
+loads any, except kv_b_proj: absorbed attention reads it as two dense matrices per head, so
+a float8 kv_b_proj is dequantized into the model's dtype once loaded (`LatentProjection`),
+and the compressed kv is not rounded to float8 (transformers' float8 layer would quantize
+its input c; DeepSeek's own absorbed inference code does not). quantization "fp8" leaves
+kv_b_proj in the model's dtype likewise.
+
 Not supported, refused by name: tensor parallelism, float8 KV cache (runner.py), a
-DeepSeek draft model (draft.py), float8 checkpoints (quantization_config: kv_b_proj is read
-as dense weights). quantization "fp8" quantizes the Linear layers and leaves kv_b_proj
-(LatentWeight) in the model's dtype.
+DeepSeek draft model (draft.py).
 CUDA graphs are off for these models (kernels/mla.py synchronizes); they run eagerly.
 """
 
@@ -51,11 +56,13 @@ from torch import nn
 from kernels import ops
 from kernels.mla import paged_mla, store_latent
 from streamer.errors import ConfigError, ModelLoadError
+from streamer.model import quant
 from streamer.model.context import get_context
 from streamer.model.glm4_moe import SharedExpertsMoE, is_mtp_layer
 from streamer.model.layers import MLP, Linear, RMSNorm
 from streamer.model.moe import MoEForCausalLM, SparseMoE
 from streamer.model.rope import rope_params, rope_type
+from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
 LATENT_NORM_EPS = 1e-6
@@ -74,13 +81,24 @@ def softmax_scale(cfg: Any) -> float:
     return scale
 
 
-class LatentWeight(nn.Module):
-    """kv_b_proj's weight, read as two matrices per head (W_UK, W_UV), never as a layer: not a
-    Linear, so quantization "fp8" leaves it in the model's dtype."""
+class LatentProjection(Linear):
+    """kv_b_proj: its weight is read as two matrices per head (W_UK, W_UV), never run as a
+    layer. A Linear, so that a float8 checkpoint's loads through model/fp8_checkpoint.py's
+    weight loaders (then `dequantize`); quantization "fp8" leaves it as it is."""
 
-    def __init__(self, rows: int, cols: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, cols))
+    def quantize_fp8(self, split_rows: TPGroup | None = None) -> bool:
+        return False
+
+    def dequantize(self, dtype: torch.dtype) -> None:
+        """A float8 weight (per-row or block scales) -> the dense weight it stands for, in dtype."""
+        if self.weight.dtype != torch.float8_e4m3fn:
+            return
+        scale = self.weight_scale
+        assert scale is not None
+        dense = quant.dequantize_blocks(self.weight, scale, self.block) if self.block is not None \
+            else self.weight.float() * scale.view(-1, 1)
+        self.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
+        self.weight_scale, self.block = None, None
 
 
 class MLAttention(nn.Module):
@@ -101,7 +119,7 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(int(self.q_lora_rank), q_out, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = LatentWeight(self.heads * (self.nope + self.v_dim), self.rank)
+        self.kv_b_proj = LatentProjection(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.scale = softmax_scale(cfg)
 
@@ -202,17 +220,25 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         return SoftmaxSharedMoE(self.config, self.act) if self.is_sparse(i) else None
 
     def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
-        """Also self_attn.q_proj, which the Llama loader would take for a shard of its fused qkv_proj."""
-        if name.endswith(".self_attn.q_proj.weight"):
-            target = self.get_parameter(name).data
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-            target.copy_(tensor)
+        """Also self_attn.q_proj's weight (and a float8 checkpoint's scale), which the Llama loader
+        would take for a shard of its fused qkv_proj."""
+        if ".self_attn.q_proj." in name:
+            param = self.get_parameter(name)
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # (model/fp8_checkpoint.py's)
+                loader(param, tensor, 0, self.get_submodule(name.rsplit(".", 1)[0]).out_features, what)
+                return {name}
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
             return {name}
         return super().load_expert(name, tensor, what)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
         super().load_weights(weights)
+        for layer in self.layers:
+            attn: Any = layer.self_attn
+            attn.kv_b_proj.dequantize(self.norm.weight.dtype)
         if self.rope_interleaved:
             self._deinterleave_rope()
 
@@ -256,9 +282,6 @@ def check_deepseek(cfg: Any, cls: type[DeepseekV2ForCausalLM], refuse: Any) -> N
     """config_check's part for these classes: the values transformers' classes ignore or
     compute otherwise than DeepSeek's own code, refused by name."""
     v3 = issubclass(cls, DeepseekV3ForCausalLM)
-    if getattr(cfg, "quantization_config", None):
-        refuse("quantization_config", "float8 DeepSeek checkpoints are not implemented (multi-head latent attention "
-                                      "reads kv_b_proj as dense weights); use a bf16 checkpoint, or --quantization fp8")
     if getattr(cfg, "head_dim", None) != cfg.qk_rope_head_dim:
         refuse("head_dim", f"transformers' rotary tables are head_dim wide; the rope dims are qk_rope_head_dim "
                            f"({cfg.qk_rope_head_dim})")

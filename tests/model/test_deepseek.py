@@ -2,7 +2,8 @@
 experts) equal transformers (float32, CPU): greedy output token for token, batched, with
 chunked prefill, page size 1 and 16 and from the radix cache; prompt logprobs within 1e-4.
 The KV pool holds the latent (kv_lora_rank + qk_rope_head_dim values per token and layer),
-and kernels/mla.py equals the expanded attention it stands for.
+also through the host tier; kernels/mla.py equals the expanded attention it stands for; a
+block-scaled float8 checkpoint (DeepSeek-V3's layout) runs with kv_b_proj dequantized.
 
 The tiny models make each piece visible: V2 without q_lora_rank and with
 group_limited_greedy routing; V3 with q_lora_rank, noaux_tc routing (a perturbed
@@ -225,6 +226,100 @@ def test_unsupported_settings_are_refused_by_name(models, tmp_path):
         (bad / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelLoadError, match=field):
             LLM(str(bad))
+
+
+EXPERTS = r"model\.layers\.\d+\.mlp\.experts"
+KV_B = r"model\.layers\.\d+\.self_attn\.kv_b_proj"
+
+
+def block_fp8_checkpoint(src: Path, dst: Path, dense: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """dst: src's model with its projections float8 in [16, 16] blocks (weight_scale_inv, as
+    DeepSeek-V3's checkpoints store them), except those matching a pattern of `dense`
+    (modules_to_not_convert), stored as the values their blocks would stand for. Returns
+    every tensor as the values it stands for."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    out, plain = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith(("_proj.weight", "_mqa.weight")):
+            out[name] = plain[name] = w
+            continue
+        blocks = w.unflatten(0, (-1, 16)).unflatten(2, (-1, 16))  # [N/16, 16, K/16, 16]
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        plain[name] = (q.float() * scale[:, None, :, None]).flatten(2).flatten(0, 1)
+        if any(re.match(p, name) for p in dense):
+            out[name] = plain[name]
+        else:
+            out[name], out[name + "_scale_inv"] = q.flatten(2).flatten(0, 1), scale
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16], "modules_to_not_convert": list(dense)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return plain
+
+
+def round_groups_16(x: torch.Tensor) -> torch.Tensor:
+    """What block_fp8_linear makes of its input: float8 per token and group of 16 columns."""
+    from streamer.model import quant
+
+    flat = x.reshape(-1, x.shape[-1])
+    q, s = quant.quantize_groups_fp8(flat, 16)
+    return (q.float() * s.repeat_interleave(16, 1)).view(x.shape)
+
+
+def test_a_block_fp8_checkpoint_dequantizes_kv_b_proj_and_runs_the_rest_as_stored(default_model, tmp_path):
+    """DeepSeek-V3's float8 layout: kv_b_proj is dequantized at load, to exactly the values a
+    checkpoint storing it dense gives; the other projections stay float8 and compute what
+    transformers computes with their inputs rounded to float8 (all but kv_b_proj's: the
+    compressed kv stays as it is). (The routed experts are kept dense here: transformers'
+    experts are no Linear layers to round the inputs of; their float8 path is moe.py's.)"""
+    from safetensors.torch import save_file
+
+    cfg = dict(CONFIGS["DeepseekV3ForCausalLM"], qk_rope_head_dim=16, head_dim=16, q_lora_rank=32)  # (16s)
+    src = make_tiny_model(tmp_path / "src", "DeepseekV3ForCausalLM", default_model, **cfg)
+    plain = block_fp8_checkpoint(src, tmp_path / "fp8", (EXPERTS,))
+    block_fp8_checkpoint(src, tmp_path / "dense_kv_b", (EXPERTS, KV_B))
+    (ids,) = prompts(AutoTokenizer(default_model), 1, 60, 60, seed=7)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1)
+    with LLM(str(tmp_path / "fp8")) as engine:
+        attn = engine.engine.runner.model.layers[1].self_attn
+        assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.q_a_proj.block == (16, 16)
+        assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.weight_scale is None
+        assert torch.equal(attn.kv_b_proj.weight, plain["model.layers.1.self_attn.kv_b_proj.weight"])
+        (a,) = engine.generate([ids], params)
+    with LLM(str(tmp_path / "dense_kv_b")) as engine:
+        (b,) = engine.generate([ids], params)
+    assert a.error is None and b.error is None
+    assert a.prompt_logprobs == b.prompt_logprobs
+
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dense / f.name).write_bytes(f.read_bytes())
+    save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    hf = _hf_model(str(dense))
+    for name, m in hf.named_modules():
+        if isinstance(m, torch.nn.Linear) and not name.endswith(("lm_head", "kv_b_proj")):
+            m.register_forward_pre_hook(lambda mod, args: (round_groups_16(args[0]),))
+    diff = (torch.tensor(a.prompt_logprobs) - logprobs(hf, ids)).abs()
+    # (2e-6 here; a last-bit difference that moved an input across a float8 rounding boundary
+    # would move a logprob further: tests/model/test_fp8_checkpoint.py)
+    assert diff.max() < 1e-3, diff
+
+
+def AutoTokenizer(path: Path):  # noqa: N802 - (transformers' loader, imported late)
+    from transformers import AutoTokenizer as tok
+
+    return tok.from_pretrained(str(path))
 
 
 def naive_mla(q_nope, q_rope, c, k_rope, w_uk, w_uv, scale, q_pos, k_pos):
