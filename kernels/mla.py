@@ -7,10 +7,12 @@ q [T, H, kv_lora_rank + rope_dim] is (q_nope . W_UK, q_rope), so a score is q . 
 the values are the latent's first kv_lora_rank dims; the output [T, H, kv_lora_rank] is
 taken back to each head's v dims by W_UV (by the caller).
 
-These are torch functions on any device: the engine's CPU path and its CUDA path both run
-them. On CUDA they are correct, not fast (one sequence at a time, host synchronisation on
-the lengths: no CUDA-graph capture; the models using them say so through cuda_graphs_ok).
-A Triton kernel for latent attention does not exist yet.
+These are torch functions on any device: the engine's CPU path runs them whole, and they
+are the oracle. On CUDA, paged_mla sends the sequences with one query token (decodes) to
+the Triton kernel kernels/mla_decode.py, tested against this reference in the interpreter
+only so far; prefill chunks still run here in torch, one sequence at a time: correct, not
+fast. Both synchronize with the host on the lengths: no CUDA-graph capture (the models using
+them say so through cuda_graphs_ok).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def paged_mla(
     cu_q_lens: torch.Tensor,
     scale: float,
     v_dim: int,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Causal attention of packed latent queries over the latent cache.
 
@@ -47,14 +50,27 @@ def paged_mla(
     sits at position seq_lens[b] - q_len_b + i and sees the keys up to its own. Values are
     each key's first v_dim dims. Scores and softmax in float32 (the score is a sum over
     D = 576 products in the released models); returns [T, H, v_dim] in q's dtype.
+    kernel: on CUDA, the decodes go to kernels/mla_decode.py where it takes the shapes.
     """
     t, h, d = q.shape
     out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
     lens = seq_lens.tolist()
     starts = cu_q_lens.tolist()
+    decodes: list[int] = []
+    if kernel and q.is_cuda:
+        from kernels import mla_decode
+
+        if mla_decode.supported(q, cache, v_dim):
+            decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+            if decodes:
+                idx = torch.tensor(decodes, device=q.device)
+                rows = cu_q_lens[idx].contiguous()
+                out[rows.long()] = mla_decode.mla_decode(q, cache, page_table[idx].contiguous(),
+                                                         seq_lens[idx].contiguous(), rows, scale, v_dim)
+    skip = set(decodes)
     for b, length in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
-        if q1 == q0:
+        if q1 == q0 or b in skip:
             continue
         ql = q1 - q0
         kv = gather_kv(cache, page_table[b], length)[:, 0].float()  # [L, D]

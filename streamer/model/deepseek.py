@@ -40,7 +40,8 @@ kv_b_proj in the model's dtype likewise.
 
 Not supported, refused by name: tensor parallelism, float8 KV cache (runner.py), a
 DeepSeek draft model (draft.py).
-CUDA graphs are off for these models (kernels/mla.py synchronizes); they run eagerly.
+Attention: kernels/mla.py (torch; on CUDA its decodes go to kernels/mla_decode.py's Triton
+kernel). CUDA graphs are off for these models (paged_mla synchronizes); they run eagerly.
 """
 
 from __future__ import annotations

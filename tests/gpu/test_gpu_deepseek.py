@@ -1,5 +1,5 @@
-"""DeepSeek-V2/V3 on the GPU (bf16; kernels/mla.py's torch attention, the fused MoE kernel,
-no CUDA graphs): greedy output follows transformers up to the first near-tie; the latent
+"""DeepSeek-V2/V3 on the GPU (bf16; kernels/mla_decode.py for decodes, kernels/mla.py's torch
+attention for prefill, the fused MoE kernel, no CUDA graphs): greedy output follows transformers up to the first near-tie; the latent
 pool's pages round-trip through the pinned host tier. Skipped without CUDA."""
 
 from __future__ import annotations
