@@ -122,6 +122,9 @@ def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
     head_dim = llm.engine.runner.model.head_dim
     kv_item = llm.engine.runner.pool.k.element_size()  # 1 with kv_cache_dtype fp8
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * kv_item
+    latent = getattr(llm.engine.runner.model, "latent_cache", None)
+    if latent is not None:  # MLA (model/deepseek.py): one latent of latent[0] values per token and layer
+        kv_per_token = cfg.num_hidden_layers * latent[0] * kv_item
     total_out = sum(w.outputs)
     steps = max(max(w.outputs), total_out / max(concurrency, 1))
     kv = sum(kv_per_token * (len(p) * o + o * (o - 1) / 2) for p, o in zip(w.prompts, w.outputs))
