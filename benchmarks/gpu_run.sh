@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
-#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer)
+#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -54,6 +54,10 @@
 # ~9 min) installs the peer with it, then W2 (--model-dir benchmarks/configs/qwen3-30b-a3b, vLLM through
 # benchmarks/peer_vllm.py) and W8 (its own model), each with vLLM beside it (MOE_QUANT=fp8: float8 experts;
 # MOE_WORKLOADS=W2 or W8: one of them).
+# deepseek: issue 30's DeepSeek (MLA) and block-scaled float8 experts, after moeso on the same warm machine
+# (carry .peer and .whl, ~9 min): their GPU and kernel tests (none has run on a GPU yet), then W2 (batch 1)
+# and W8's requests on the DeepSeek-V2-Lite shape (benchmarks/configs/deepseek-v2-lite, 15.7B, dummy bf16),
+# each with vLLM beside it.
 # rows: issue 28's verify steps as decode rows, compiled (~2 min): the per-row GEMV, multi-row gemv_glu
 # and split_batch=1 decode tests bit for bit, and bf16 greedy with ngram = plain greedy at batch 1
 # (tests/gpu/test_gpu_speculation.py); then gguf1 + w7 for W7's identical outputs on the real weights.
@@ -292,6 +296,15 @@ if [ "$part" = moepeer ]; then
   [[ $w == *W2* ]] && bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b $q --peer vllm \
       --json "$OUT/moe_w2_peer$tag.json" | tail -1
   [[ $w == *W8* ]] && bench --workload W8 --num-requests "${W8_N:-256}" $q --peer vllm --json "$OUT/moe_w8_peer$tag.json" | tail -1
+fi
+if [ "$part" = deepseek ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
+      tests/kernels/test_mla*.py tests/kernels/test_moe_block_fp8.py 2>&1 | tail -8
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  cp /tmp/moeso/*.so .peer/site/vllm/ || { echo "no /tmp/moeso: run the moeso part first, on this machine"; exit 3; }
+  ds="--model-dir benchmarks/configs/deepseek-v2-lite"
+  bench --workload W2 $ds --peer vllm --json "$OUT/ds_w2_peer.json" | tail -1
+  bench --workload W8 $ds --num-requests "${W8_N:-256}" --peer vllm --json "$OUT/ds_w8_peer.json" | tail -1
 fi
 if [ "$part" = rows ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py tests/kernels/test_gemv.py \
