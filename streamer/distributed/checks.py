@@ -15,11 +15,13 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
              "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
              "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "SmolLM3ForCausalLM",
              "Glm4MoeForCausalLM", "GraniteForCausalLM",
-             "GraniteMoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+             "GraniteMoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+             "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The decoders built of model/layers.py's Attention and MLP, which model/tp_layers.py shards
 (Gemma's extra norms act on the whole hidden state, its scaled embedding and capped logits
 on the all-reduced and gathered ones; Phi-3's fused checkpoint tensors are read in parts;
-a mixture of experts splits every expert's intermediate size)."""
+a mixture of experts splits every expert's intermediate size), and DeepSeek's latent
+attention (model/deepseek.py: its heads split, the latent whole on every rank)."""
 
 
 def check_model(config: EngineConfig, hf_config: Any, source: Path) -> None:

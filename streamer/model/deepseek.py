@@ -38,8 +38,16 @@ and the compressed kv is not rounded to float8 (transformers' float8 layer would
 its input c; DeepSeek's own absorbed inference code does not). quantization "fp8" leaves
 kv_b_proj in the model's dtype likewise.
 
-Not supported, refused by name: tensor parallelism, float8 KV cache (runner.py), a
-DeepSeek draft model (draft.py).
+Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj (each head's W_UK and
+W_UV) by this rank's heads (model/tp_layers.py reads their slices by `tp_head_sizes`), o_proj
+row-parallel with its all-reduce. q_a_proj, kv_a_proj_with_mqa and their norms are whole on
+every rank: the latent is shared by all heads, so every rank computes and caches all of it
+(each rank's pool holds the whole latent of its tokens). The experts, the shared experts and
+the dense first layers split as moe.py's do; the routers are whole.
+
+Not supported, refused by name: float8 KV cache (runner.py), a DeepSeek draft model
+(draft.py), float8 checkpoints under tensor parallelism (distributed/checks.py, as for every
+model).
 Attention: kernels/mla.py (torch; on CUDA its decodes go to kernels/mla_decode.py's Triton
 kernel). CUDA graphs are off for these models (paged_mla synchronizes); they run eagerly.
 """
@@ -106,7 +114,10 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.tp = tensor_parallel()
         self.heads = int(cfg.num_attention_heads)
+        if self.tp is not None:  # this rank's heads (the latent's projections stay whole)
+            self.heads = self.tp.heads(self.heads, self.heads)[0]
         self.nope, self.rope = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
         self.rank, self.v_dim = int(cfg.kv_lora_rank), int(cfg.v_head_dim)
         hidden, bias = cfg.hidden_size, bool(getattr(cfg, "attention_bias", False))
@@ -143,7 +154,8 @@ class MLAttention(nn.Module):
         store_latent(torch.cat((c[:, None, :], k_rope), dim=-1), cache, ctx.slot_mapping)
         o = paged_mla(torch.cat((q_latent, q_rope), dim=-1), cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens,
                       self.scale, self.rank)
-        return self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, self.heads * self.v_dim))
+        out = self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, self.heads * self.v_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, limited: bool, scale: float
@@ -204,12 +216,20 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     rope_interleaved = True
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
-        if tensor_parallel() is not None:
-            raise ConfigError(f"{type(self).__name__}: tensor parallelism is not implemented for multi-head latent "
-                              "attention; use tensor_parallel_size 1")
+        tp = tensor_parallel()
+        if tp is not None and int(cfg.num_attention_heads) % tp.size:
+            raise ConfigError(f"{type(self).__name__}: tensor_parallel_size={tp.size} must divide the number of "
+                              f"attention heads ({cfg.num_attention_heads})")
         super().__init__(cfg, max_positions)
         self.latent_cache = (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim), int(cfg.kv_lora_rank))
         """(values per token and layer, the first of them that are V): the PagePool's layout."""
+        nope, rope, v = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
+        self.tp_head_sizes = {"q_proj": nope + rope, "q_b_proj": nope + rope, "kv_b_proj": nope + v, "o_proj": v}
+        """Rows per head of the projections split by heads (o_proj: columns), for model/tp_layers.py."""
+
+    def shared_intermediate(self) -> int:
+        """The shared experts' dense MLP (tensor parallelism splits it as a dense MLP)."""
+        return int(self.config.moe_intermediate_size) * int(self.config.n_shared_experts)
 
     def make_attention(self, i: int) -> MLAttention:  # type: ignore[override]
         return MLAttention(self.config, i)

@@ -19,6 +19,11 @@
 Each rank reads only its slices of the checkpoint (checkpoint_slice, on safetensors'
 lazy slices): no rank holds a whole copy of a sharded weight. A fused checkpoint tensor
 (Phi-3's qkv_proj and gate_up_proj) is read as its parts' slices, concatenated.
+
+A model whose attention projections are not head_dim per head (multi-head latent attention,
+model/deepseek.py) names them in `tp_head_sizes`: projection -> rows per head (o_proj: its
+columns per head), split by this rank's heads; its tensors that no rule names (the latent's
+projections and norms) are read whole.
 """
 
 from __future__ import annotations
@@ -96,6 +101,11 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
         if stacked == "gate_up_proj":  # [E, gate | up, H]
             return torch.cat([t[:, first : first + n], t[:, inter + first : inter + first + n]], dim=1)
         return t[:, :, first : first + n]  # down_proj [E, H, I]
+    sizes: dict[str, int] = getattr(model, "tp_head_sizes", {})
+    proj = re.search(r"\.self_attn\.(\w+)\.weight$", name)
+    if proj is not None and proj[1] in sizes:  # projections of other per-head sizes (latent attention's)
+        size = sizes[proj[1]]
+        return _take(t, 1 if proj[1] == "o_proj" else 0, q0 * size, q * size)
     if ".self_attn.qkv_proj." in name:  # a fused checkpoint tensor (Phi-3): [q | k | v] rows
         q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         return torch.cat([_take(t, 0, q0 * hd, q * hd), _take(t, 0, q_rows + kv0 * hd, kv * hd),
