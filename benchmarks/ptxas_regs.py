@@ -5,6 +5,7 @@ for checking a new config before device time is spent on it.
 
     python3 benchmarks/ptxas_regs.py            # per-row GEMV and gemv_glu, 1-4 rows per program
     python3 benchmarks/ptxas_regs.py moe        # moe_gemv's two kernels (batch-1 MoE), tile variants
+    python3 benchmarks/ptxas_regs.py mla        # latent attention's decode, extend and split merge
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kernels.attention.splits import _decode_reduce_kernel  # noqa: E402
 from kernels.gemv.glu import _gemv_glu_kernel  # noqa: E402
 from kernels.gemv.linear import _gemv_kernel  # noqa: E402
+from kernels.mla_decode import _mla_decode_kernel  # noqa: E402
+from kernels.mla_extend import _mla_extend_kernel  # noqa: E402
 from kernels.moe_gemv import _down_kernel, _gate_up_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -107,9 +111,62 @@ def moe() -> None:
                   flush=True)
 
 
+def mla() -> None:
+    """Latent attention at the released shape (kv_lora_rank 512 + rope 64, page 16, bf16): the
+    decode kernel's default (16 heads, 16 keys a block, 4 warps) with and without splits; the
+    extend kernel's rows (16 heads x queries) and warps; the split merge at 512 value dims."""
+    print("kernel, config: registers / spill-store bytes")
+    common = {"cache_ptr": "*bf16", "pt_ptr": "*i32", "seq_lens_ptr": "*i32", "stride_cp": "i32", "stride_cs": "i32",
+              "stride_pb": "i32", "H": "i32", "qk_scale": "fp32"}
+    sig = {"q_ptr": "*bf16", **common, "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "num_splits": "i32"}
+    for split in (False, True):
+        for block_n, stages in ((16, 3), (16, 2), (32, 2)):
+            consts = dict(V=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=block_n, SPLIT=split, COMPUTE=tl.bfloat16,
+                          OUT_DTYPE=tl.bfloat16, PRECISION="tf32", ROPE_DOT=True, INTERP=False, PDL=True)
+            print(f"mla decode split={split} n{block_n} s{stages} w4:",
+                  "{}/{}".format(*usage(_mla_decode_kernel, sig, consts, num_warps=4, num_stages=stages)), flush=True)
+    sig = {"q_ptr": "*bf16", **common, "cu_ptr": "*i32", "tiles_ptr": "*i32", "out_ptr": "*bf16",
+           "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+    for tokens, block_n, warps, tiled in ((2, 32, 8, True), (2, 32, 8, False), (2, 16, 8, True), (2, 16, 4, True),
+                                          (4, 16, 8, True), (1, 16, 4, True)):
+        consts = dict(V=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_T=tokens, BLOCK_N=block_n, TILE_M=64, TILED=tiled,
+                      COMPUTE=tl.bfloat16, OUT_DTYPE=tl.bfloat16, PRECISION="tf32", ROPE_DOT=True, INTERP=False,
+                      PDL=True)
+        print(f"mla extend rows {tokens}x16 n{block_n} w{warps}{' tiles' if tiled else ''}:",
+              "{}/{}".format(*usage(_mla_extend_kernel, sig, consts, num_warps=warps, num_stages=2)), flush=True)
+    # the GPU tests' shapes: tiny models (4 heads, 32 + 8: the rope's broadcast product) and
+    # the kernel tests' float32 (ieee products)
+    for dtype, ty in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
+        typed = {**sig, "q_ptr": ty, "cache_ptr": ty, "out_ptr": ty}
+        consts = dict(V=32, R=8, PAGE=16, BLOCK_H=4, BLOCK_T=8, BLOCK_N=32, TILE_M=64, TILED=True, COMPUTE=dtype,
+                      OUT_DTYPE=dtype, PRECISION="tf32" if dtype == tl.bfloat16 else "ieee", ROPE_DOT=False,
+                      INTERP=False, PDL=True)
+        print(f"mla extend 32 + 8, 8x4 rows, {ty[1:]}:",
+              "{}/{}".format(*usage(_mla_extend_kernel, typed, consts, num_warps=4, num_stages=2)), flush=True)
+    dsig = {"q_ptr": "*bf16", **common, "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "num_splits": "i32"}
+    for dtype, ty in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
+        typed = {**dsig, "q_ptr": ty, "cache_ptr": ty, "out_ptr": ty}
+        consts = dict(V=32, R=8, PAGE=16, BLOCK_H=16, BLOCK_N=32, SPLIT=True, COMPUTE=dtype, OUT_DTYPE=dtype,
+                      PRECISION="tf32" if dtype == tl.bfloat16 else "ieee", ROPE_DOT=False, INTERP=False, PDL=True)
+        print(f"mla decode 32 + 8, split, {ty[1:]}:",
+              "{}/{}".format(*usage(_mla_decode_kernel, typed, consts, num_warps=4, num_stages=3)), flush=True)
+    sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
+           "stride_ob": "i32", "stride_oh": "i32", "num_splits": "i32"}
+    for splits in (8, 64):
+        consts = dict(H=16, HEAD_DIM=512, BLOCK_S=splits, BLOCK_D=256, OUT_DTYPE=tl.bfloat16, INTERP=False, PDL=True,
+                      HAS_SINKS=False)
+        print(f"merge 512 dims, {splits} splits:",
+              "{}/{}".format(*usage(_decode_reduce_kernel, sig, consts, num_warps=4)), flush=True)
+
+
 def main() -> None:
     if sys.argv[1:] == ["moe"]:
         moe()
+        return
+    if sys.argv[1:] == ["mla"]:
+        mla()
         return
     # M = 1's configs (kernels/gemv/config.py gemv_config, glu_config)
     cases = [("bf16 16x256x4 w8", False, 16, 256, 4, 8), ("bf16 4x256x4 w4", False, 4, 256, 4, 4),

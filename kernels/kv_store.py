@@ -2,7 +2,8 @@
 
 k, v: [T, KVH, D] (any strides with a contiguous last dim); k_cache, v_cache:
 [P, S, KVH, D] (v_cache may be token-major: stride 1 over S); slot_mapping: [T], slot = page * S + offset, -1 = skip (padding
-of captured CUDA graphs). One launch, no host synchronisation.
+of captured CUDA graphs). One launch, no host synchronisation. v and v_cache None: K alone
+(latent attention's cache, whose V is K's first dims: kernels/mla.py store_latent).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _store_kv_kernel(
     CAST: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_V: tl.constexpr = True,
 ):
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -57,25 +59,31 @@ def _store_kv_kernel(
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if CAST:
         k = _round_to(k.to(tl.float32), CACHE_DTYPE, INTERP)
-        v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
     kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
     tl.store(kc, k, mask=mask)
-    tl.store(vc, v, mask=mask)
+    if HAS_V:
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        if CAST:
+            v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
+        vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+        tl.store(vc, v, mask=mask)
 
 
 def store_kv(
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, KVH, D] into k_cache, v_cache [P, S, KVH, D] at slots [T] (-1 skipped)."""
+    """Write k, v [T, KVH, D] into k_cache, v_cache [P, S, KVH, D] at slots [T] (-1 skipped);
+    v and v_cache None: k alone."""
     t, kvh, d = k.shape
+    has_v = v is not None and v_cache is not None
+    if v is None or v_cache is None:  # (the kernel's V pointers are then K's, never read)
+        v, v_cache = k, k_cache
     assert v.shape == k.shape and k_cache.shape[-2:] == (kvh, d) and v_cache.shape == k_cache.shape
     assert k_cache.stride(-1) == 1  # V: any strides
     if k.stride(-1) != 1:
@@ -113,6 +121,7 @@ def store_kv(
         CAST=cast,
         INTERP=_interpreting(),
         PDL=pdl,
+        HAS_V=has_v,
         num_warps=4,
         launch_pdl=pdl,
     )

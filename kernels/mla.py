@@ -7,24 +7,35 @@ q [T, H, kv_lora_rank + rope_dim] is (q_nope . W_UK, q_rope), so a score is q . 
 the values are the latent's first kv_lora_rank dims; the output [T, H, kv_lora_rank] is
 taken back to each head's v dims by W_UV (by the caller).
 
-These are torch functions on any device: the engine's CPU path runs them whole, and they
-are the oracle. On CUDA, paged_mla sends the sequences with one query token (decodes) to
-the Triton kernel kernels/mla_decode.py, tested against this reference in the interpreter
-only so far; prefill chunks still run here in torch, one sequence at a time: correct, not
-fast. Both synchronize with the host on the lengths: no CUDA-graph capture (the models using
-them say so through cuda_graphs_ok).
+On CUDA, where the shapes suit them (kernels/mla_decode.py supported: power-of-two latent
+and rope dims, the cache in q's dtype), paged_mla runs Triton kernels with no host
+synchronisation, so a CUDA graph can capture it: a step of one query per sequence goes to the
+split-KV decode kernel (kernels/mla_decode.py), any other to the extend kernel
+(kernels/mla_extend.py), and a mixed step whose first num_decodes sequences are decodes sends
+those to the decode kernel and the rest to the extend kernel (as kernels/ops.py
+paged_attention does). store_latent writes through the Triton KV store there. Elsewhere (the
+engine's CPU path, other shapes) these torch functions run whole: one sequence at a time,
+synchronizing with the host on the lengths. They are the kernels' oracle
+(tests/kernels/test_mla_decode.py, test_mla_extend.py: under TRITON_INTERPRET=1 only so far).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.common import TL_DTYPES
 from kernels.reference import gather_kv
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write latent [T, 1, D] into cache [P, S, 1, D] at slots [T] (page * S + offset); a
-    slot of -1 is skipped (padding)."""
+    slot of -1 is skipped (padding). On CUDA one Triton launch, no host synchronisation (the
+    boolean indexing here waits for the device)."""
+    if latent.is_cuda and cache.dtype in TL_DTYPES:
+        from kernels import kv_store
+
+        kv_store.store_kv(latent, None, cache, None, slot_mapping)
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page_size = cache.shape[1]
@@ -40,6 +51,11 @@ def paged_mla(
     scale: float,
     v_dim: int,
     kernel: bool = True,
+    max_q_len: int | None = None,
+    num_decodes: int = 0,
+    tiles: torch.Tensor | None = None,
+    block_m: int = 0,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed latent queries over the latent cache.
 
@@ -50,27 +66,27 @@ def paged_mla(
     sits at position seq_lens[b] - q_len_b + i and sees the keys up to its own. Values are
     each key's first v_dim dims. Scores and softmax in float32 (the score is a sum over
     D = 576 products in the released models); returns [T, H, v_dim] in q's dtype.
-    kernel: on CUDA, the decodes go to kernels/mla_decode.py where it takes the shapes.
+
+    kernel: on CUDA, the Triton kernels where they take the shapes (else this torch loop).
+    For them: max_q_len, a host bound of the per-sequence query counts (1: every sequence a
+    decode; None: read from cu_q_lens, which synchronizes); num_decodes: the first sequences
+    have one query each and go to the decode kernel, the rest to the extend kernel; tiles and
+    block_m: a CUDA-graph step's tile list (kernels/mla_extend.py); split_batch: the decode's
+    split count as for a batch of this size (kernels/mla_decode.py).
     """
-    t, h, d = q.shape
-    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
-    lens = seq_lens.tolist()
-    starts = cu_q_lens.tolist()
-    decodes: list[int] = []
     if kernel and q.is_cuda:
         from kernels import mla_decode
 
         if mla_decode.supported(q, cache, v_dim):
-            decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-            if decodes:
-                idx = torch.tensor(decodes, device=q.device)
-                rows = cu_q_lens[idx].contiguous()
-                out[rows.long()] = mla_decode.mla_decode(q, cache, page_table[idx].contiguous(),
-                                                         seq_lens[idx].contiguous(), rows, scale, v_dim)
-    skip = set(decodes)
+            return _triton_mla(q, cache, page_table, seq_lens, cu_q_lens, scale, v_dim, max_q_len, num_decodes,
+                               tiles, block_m, split_batch)
+    t, h, d = q.shape
+    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
+    lens = seq_lens.tolist()
+    starts = cu_q_lens.tolist()
     for b, length in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
-        if q1 == q0 or b in skip:
+        if q1 == q0:
             continue
         ql = q1 - q0
         kv = gather_kv(cache, page_table[b], length)[:, 0].float()  # [L, D]
@@ -81,4 +97,32 @@ def paged_mla(
             scores = scores.masked_fill(~(kpos <= qpos)[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = (probs.view(ql * h, length) @ kv[:, :v_dim]).view(ql, h, v_dim).to(q.dtype)
+    return out
+
+
+def _triton_mla(
+    q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor,
+    scale: float, v_dim: int, max_q_len: int | None, num_decodes: int, tiles: torch.Tensor | None, block_m: int,
+    split_batch: int | None,
+) -> torch.Tensor:
+    """paged_mla through the Triton kernels (no host synchronisation once max_q_len is given)."""
+    from kernels.mla_decode import mla_decode
+    from kernels.mla_extend import mla_extend
+
+    t, h, _ = q.shape
+    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
+    batch = seq_lens.shape[0]
+    if max_q_len is None:
+        max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max()) if batch else 0
+    if tiles is None and 0 < num_decodes < batch:
+        nd = num_decodes
+        # each kernel writes its rows of `out` in place
+        mla_decode(q[:nd], cache, page_table[:nd], seq_lens[:nd], scale, v_dim, split_batch=split_batch, out=out[:nd])
+        mla_extend(q[nd:], cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale, v_dim, max_q_len,
+                   out=out[nd:])
+    elif tiles is None and max_q_len == 1:
+        # (one query per sequence: q's rows are the sequences')
+        mla_decode(q, cache, page_table, seq_lens, scale, v_dim, split_batch=split_batch, out=out)
+    else:
+        mla_extend(q, cache, page_table, seq_lens, cu_q_lens, scale, v_dim, max_q_len, tiles, block_m, out=out)
     return out

@@ -32,7 +32,8 @@ from kernels.attention.common import (
     _sinks_arg,
     _softcap,
 )
-from kernels.attention.splits import _choose_splits, _decode_reduce_kernel
+from kernels.attention.splits import _choose_splits
+from kernels.attention.splits import merge_splits as _merge_splits
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
@@ -388,10 +389,5 @@ def paged_decode(
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, h)](
-            part_o, part_lse, sinks_t, out, out.stride(0), out.stride(1),
-            H=h, HEAD_DIM=d, num_splits=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, OUT_DTYPE=_TL_DTYPES[q.dtype], INTERP=interp, PDL=pdl, HAS_SINKS=sinks is not None,
-            num_warps=4 if block_d * num_splits >= 2048 else 1, launch_pdl=pdl,
-        )
+        _merge_splits(part_o, part_lse, out, sinks_t, sinks is not None, pdl)
     return out

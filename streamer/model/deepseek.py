@@ -48,8 +48,10 @@ the dense first layers split as moe.py's do; the routers are whole.
 Not supported, refused by name: float8 KV cache (runner.py), a DeepSeek draft model
 (draft.py), float8 checkpoints under tensor parallelism (distributed/checks.py, as for every
 model).
-Attention: kernels/mla.py (torch; on CUDA its decodes go to kernels/mla_decode.py's Triton
-kernel). CUDA graphs are off for these models (paged_mla synchronizes); they run eagerly.
+Attention: kernels/mla.py; on CUDA its Triton kernels (split-KV decode, extend), which
+synchronize nothing, so decode and extend steps are captured in CUDA graphs where those
+kernels take the dims (power-of-two kv_lora_rank and qk_rope_head_dim: `cuda_graphs_ok`);
+elsewhere its torch loop, eagerly.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from kernels import ops
 from kernels.mla import paged_mla, store_latent
 from streamer.errors import ConfigError, ModelLoadError
 from streamer.model import quant
-from streamer.model.context import get_context
+from streamer.model.context import get_context, rows_as_decode
 from streamer.model.glm4_moe import SharedExpertsMoE, is_mtp_layer
 from streamer.model.layers import MLP, Linear, RMSNorm
 from streamer.model.moe import MoEForCausalLM, SparseMoE
@@ -153,7 +155,8 @@ class MLAttention(nn.Module):
         cache = ctx.k_cache[self.layer]
         store_latent(torch.cat((c[:, None, :], k_rope), dim=-1), cache, ctx.slot_mapping)
         o = paged_mla(torch.cat((q_latent, q_rope), dim=-1), cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens,
-                      self.scale, self.rank)
+                      self.scale, self.rank, max_q_len=ctx.max_q_len, num_decodes=ctx.num_decodes, tiles=ctx.tiles,
+                      block_m=ctx.block_m, split_batch=1 if rows_as_decode() else None)
         out = self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, self.heads * self.v_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -211,9 +214,17 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     """head_dim is qk_rope_head_dim (the config's own: the rotary table's width)."""
 
     experts_field = "n_routed_experts"
-    cuda_graphs_ok = False  # type: ignore[assignment]
-    """kernels/mla.py synchronizes on the sequence lengths: no graph capture."""
     rope_interleaved = True
+
+    @property
+    def cuda_graphs_ok(self) -> bool:
+        """The MoE's Triton kernels (moe.py's condition) and latent attention's: kernels/mla.py's
+        torch loop, which runs for dims its kernels do not take, synchronizes on the lengths."""
+        from kernels.mla_decode import supported_dims
+
+        cfg = self.config
+        return super().cuda_graphs_ok and supported_dims(int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim),
+                                                         self.embed_tokens.weight.dtype)
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
         tp = tensor_parallel()

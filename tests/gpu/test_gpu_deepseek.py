@@ -1,6 +1,8 @@
-"""DeepSeek-V2/V3 on the GPU (bf16; kernels/mla_decode.py for decodes, kernels/mla.py's torch
-attention for prefill, the fused MoE kernel, no CUDA graphs): greedy output follows transformers up to the first near-tie; the latent
-pool's pages round-trip through the pinned host tier. Skipped without CUDA."""
+"""DeepSeek-V2/V3 on the GPU (bf16; latent attention through kernels/mla_decode.py and
+kernels/mla_extend.py, the fused MoE kernel, CUDA graphs of decode and extend steps): greedy
+output follows transformers up to the first near-tie; graphs and eager steps give the same
+tokens up to a tie or a router flip; the latent pool's pages round-trip through the pinned
+host tier. Skipped without CUDA (written, not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, arch):
     path = models[arch]
     batch = prompts()
     with LLM(str(path), dtype="bfloat16", num_pages=4096) as llm:
-        assert llm.engine.runner.graphs is None, "MLA runs eagerly (kernels/mla.py synchronizes)"
+        assert llm.engine.runner.graphs is not None, "decode steps replay CUDA graphs (the Triton MLA path)"
         outs = llm.generate(batch, PARAMS) + [llm.generate([batch[-1]], PARAMS)[0]]
     batch = batch + [batch[-1]]
     agreed = 0
@@ -55,6 +57,41 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, arch):
                 break
             agreed += 1
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_cuda_graphs_and_eager_give_the_same_tokens(models, arch):
+    """Decode steps replayed from graphs (split-KV decode at the graph's page-table width,
+    padding rows writing no latent) and prefill / mixed steps from the extend graphs (the tile
+    list) against eager steps: the same tokens up to an exact tie, or a router flip to a
+    runner-up within MOE_PARTING (a padded batch may run another MoE path)."""
+    batch = prompts(8)
+    shared = [p[:100] + [7, 8, 9] for p in batch[-3:]]  # (from the radix cache: a cached prefix)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(graphs: bool):
+        with LLM(str(models[arch]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, cuda_graphs=graphs) as llm:
+            runner = llm.engine.runner
+            assert (runner.graphs is not None) == graphs and (runner.extend_graphs is not None) == graphs
+            before = runner.extend_graphs.replays if graphs else 0
+            out = llm.generate(batch, params) + llm.generate(shared, params)
+            out += [llm.generate([p], params)[0] for p in batch[:3]]
+            if graphs:
+                assert runner.extend_graphs.replays - before >= 3
+            return out
+
+    a, b = run(False), run(True)
+    compared = 0
+    for x, y in zip(a, b):
+        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)):
+            top = x.logprobs[i].top_logprobs
+            if abs(top[0][1] - top[1][1]) < 1e-4:
+                break
+            if s != t:
+                assert t == top[1][0] and top[0][1] - top[1][1] <= MOE_PARTING, (arch, x.request_id, i, top)
+                break
+            compared += 1
+    assert compared >= 0.4 * len(a) * params.max_tokens
 
 
 def test_latent_pages_round_trip_through_the_pinned_host_tier():
