@@ -25,6 +25,13 @@ HARMONY_CHANNEL = "<|channel|>"
 """The marker by which a template speaks gpt-oss's harmony format (server/harmony.py reads
 those messages; it imports this, as the server may import this module and not the reverse)."""
 
+DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>")
+"""DeepSeek's tool-call markers: calls begin and end, one call's begin and end, the separator
+after its header (U+FF5C fullwidth bars, U+2581 where a space would be). Special tokens of
+DeepSeek's tokenizers; server/tool_parsers_deepseek.py reads them."""
+
 RESERVED_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
     "tokenize", "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask",
@@ -64,16 +71,16 @@ def renders_tools(template: str) -> bool:
         return "tools" in template
 
 
-def tool_format(hf_tokenizer: Any) -> str | None:
-    """The tool-call markup the model is told to write: openai for a harmony template (one
-    that writes `<|channel|>`: gpt-oss), else from the template where it renders tools (None
-    when no known markup shows: the server then needs --tool-call-parser), else hermes (the
-    rewriting of this module)."""
-    text = template_text(hf_tokenizer)
-    if HARMONY_CHANNEL in text:  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
+def markup_format(text: str) -> str | None:
+    """The tool-call markup a template's text writes, by the markers it contains (None: none
+    streamer knows). DeepSeek's: deepseek_v3 where the call is a fenced ```json block after
+    `function<｜tool▁sep｜>NAME` (V3, V3-0324, R1-0528), else deepseek_v31 (V3.1 and later:
+    NAME right after the call's begin marker, the JSON after the separator, unfenced)."""
+    if HARMONY_CHANNEL in text:
         return "openai"
-    if not renders_tools(text):
-        return "hermes"
+    _, _, call_begin, _, sep = DEEPSEEK_MARKERS
+    if call_begin in text and sep in text:
+        return "deepseek_v3" if "```json" in text else "deepseek_v31"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:
@@ -81,6 +88,25 @@ def tool_format(hf_tokenizer: Any) -> str | None:
     if "<|python_tag|>" in text or '"parameters"' in text:
         return "llama3_json"
     return None
+
+
+def tool_format(hf_tokenizer: Any) -> str | None:
+    """The tool-call markup the model is told to write: openai for a harmony template (one
+    that writes `<|channel|>`: gpt-oss), else from the template where it renders tools
+    (markup_format; None when no known markup shows: the server then needs
+    --tool-call-parser), else hermes (the rewriting of this module).
+
+    NOTE DeepSeek's own templates (V3, V3.1) write calls in their markup but never read
+    `tools`: they get the hermes rewriting like any such template, so the model is told the
+    hermes format and its calls are parsed as hermes. The deepseek formats are picked for a
+    template that reads tools (R1-0528's, vLLM's tool templates, a --chat-template)."""
+    text = template_text(hf_tokenizer)
+    fmt = markup_format(text)
+    if fmt == "openai":  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
+        return fmt
+    if not renders_tools(text):
+        return "hermes"
+    return fmt
 
 
 def _arguments(call: Mapping[str, Any]) -> Any:
@@ -158,14 +184,26 @@ def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dic
     continue_final_message: the last (assistant) message is left open for the answer to
     continue (transformers cuts the rendered text after its content)."""
     extra = check_kwargs(kwargs)
-    if renders_tools(template_text(hf_tokenizer)):
+    decoded = renders_tools(template_text(hf_tokenizer))
+    if decoded:
         msgs, call_tools = template_messages(messages), tools or None
     else:
         msgs, call_tools = hermes_messages(messages, tools), None
+
+    def apply(msgs: list[dict[str, Any]]) -> Any:
+        return hf_tokenizer.apply_chat_template(msgs, tools=call_tools, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, **extra)
+
     try:
-        ids = hf_tokenizer.apply_chat_template(msgs, tools=call_tools, tokenize=True,
-                                               add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message, **extra)
+        try:
+            ids = apply(msgs)
+        except TypeError:
+            # a template that concatenates a call's arguments as text (DeepSeek-V3.1's:
+            # `name + '<｜tool▁sep｜>' + arguments`) gets them as the client sent them
+            if not decoded or msgs == messages:
+                raise
+            ids = apply(messages)
     except Exception as e:  # noqa: BLE001 - template errors come from user messages
         raise RequestError(f"cannot apply the chat template to these messages: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -29,7 +29,7 @@ from streamer.speculative_config import parse_speculative_config
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "deepseek_v31")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 CACHE_ISOLATIONS = ("none", "per-key")
 GENERATION_CONFIGS = ("auto", "none")
@@ -320,8 +320,10 @@ class ServerConfig:
     takes the cores, and a second process would only add its ~350 MB)."""
     tool_call_parser: str = "auto"
     """The markup of tool calls in the model's output: hermes, llama3_json, mistral, openai
-    (gpt-oss's harmony messages to functions.NAME), or auto (from the chat template: openai
-    for a harmony one; a template that does not read tools gets hermes)."""
+    (gpt-oss's harmony messages to functions.NAME), deepseek_v3 (DeepSeek-V3, V3-0324,
+    R1-0528) or deepseek_v31 (V3.1 and later), or auto (from the chat template: openai for a
+    harmony one, a deepseek format for one that writes DeepSeek's markers; a template that
+    does not read tools gets hermes)."""
     reasoning_parser: str | None = None
     """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
     grammars (response_format, tools) apply from its end. openai_gptoss: gpt-oss's analysis

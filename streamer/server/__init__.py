@@ -11,6 +11,7 @@
   responses.py   response bodies (msgspec Structs)
   chat_output.py tools and reasoning of a chat request: parsers and grammar chosen once, per-choice output
   tool_parsers.py, tool_stream.py  tool-call markup (hermes, llama3_json, mistral, openai) -> calls, whole or streamed
+  tool_parsers_deepseek.py  DeepSeek's tool-call markup (deepseek_v3, deepseek_v31), as a tool_stream.ToolStream
   tool_grammar.py  the grammar of tool_choice (xgrammar structural tags), and grammars after reasoning
   reasoning.py   <think> text -> reasoning_content (qwen3, deepseek_r1; openai_gptoss), whole or streamed
   harmony.py     gpt-oss's harmony markers, and its messages read as they stream

@@ -34,7 +34,8 @@ class ChatSetup:
     """The request's constraint: tool_choice's, or the body's own; after the reasoning."""
     keep_special: tuple[str, ...] = ()
     """Special tokens whose text the parsers read, kept in the output's text under
-    skip_special_tokens (SamplingParams.keep_special_tokens): the harmony markers."""
+    skip_special_tokens (SamplingParams.keep_special_tokens): the tool parser's markers
+    (ToolParser.markers: harmony's, DeepSeek's), or the harmony reasoning parser's."""
 
     @classmethod
     def of(cls, *, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool, grammar: GrammarSpec | None,
@@ -57,8 +58,7 @@ class ChatSetup:
                 constraint = tool_call_grammar(tools, choice, parallel, fmt)
             except (RequestError, ValueError) as e:
                 raise ApiError(str(e), param="tool_choice") from None
-            if fmt == "openai":
-                setup.keep_special = HARMONY_MARKERS
+            setup.keep_special = setup.tools.markers  # (harmony's, DeepSeek's: special tokens)
             if choice != "auto":
                 if grammar is not None:
                     raise ApiError("tool_choice required or a named function cannot be combined with "

@@ -16,6 +16,12 @@ json_schema spec, grammar_build.py says how):
   hermes        <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>   calls joined by "\\n"
   llama3_json   {"name": NAME, "parameters": ARGS}                             calls joined by "; "
   mistral       [TOOL_CALLS][{"name": NAME, "arguments": ARGS}, ...]           one array of all calls
+  deepseek_v3   CALLS_BEGIN (CALL_BEGIN function SEP N \n```json\n ARGS \n``` CALL_END)+ CALLS_END   joined by "\n"
+  deepseek_v31  CALLS_BEGIN (CALL_BEGIN N SEP ARGS CALL_END)+ CALLS_END        calls joined by ""
+
+(DeepSeek's: N is the tool's name as written, not a JSON string, so it may hold neither
+whitespace nor "｜", the marker's bar: RequestError for a tool whose name does; the markers
+are chat_template.DEEPSEEK_MARKERS, "<｜tool▁calls▁begin｜>" and so on.)
 
 tool_choice:
 
@@ -24,7 +30,7 @@ tool_choice:
   "none"        None: no constraint.
   "auto"        Free text, then optionally the calls, then the end of the output. The text
                 ends where the format's trigger first appears ("<tool_call>", '{"name": ',
-                "[TOOL_CALLS]"); from there the calls are constrained as for "required".
+                "[TOOL_CALLS]", CALLS_BEGIN); from there the calls are constrained as for "required".
                 llama3_json has no begin token, so its trigger is the call's own opening:
                 plain text cannot contain '{"name": ' (it would start a call). None when
                 there are no tools (nothing to call).
@@ -43,6 +49,8 @@ is empty. So the braces move out of the calls: each tool's tag is `NAME, "KEY": 
 the block's begin is OPEN + '{"name": ', the separator '}' + SEP + '{"name": ', the end
 '}' + CLOSE (never empty). The language is the same; each tool's tag is one of the
 alternatives after '{"name": ', so the name is an enumeration of the tools' names.
+DeepSeek's calls are tags of their own (their begin names the tool, their end is CALL_END),
+so they need no such move: the block is a tag CALLS_BEGIN ... CALLS_END around them.
 """
 
 from __future__ import annotations
@@ -51,11 +59,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from streamer.chat_template import DEEPSEEK_MARKERS
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
 from streamer.sampling.grammar_build import format_of
 
-FORMATS = ("hermes", "llama3_json", "mistral")
+FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31")
 UNCONSTRAINED = "openai"
 """gpt-oss's harmony calls (tool_parsers.py): no grammar is built for them (the calls come
 after analysis messages, in markup of special tokens); "none" and "auto" only."""
@@ -81,6 +90,31 @@ _MARKUP = {
     "hermes": _Markup("<tool_call>", "<tool_call>\n", "arguments", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
     "llama3_json": _Markup(_HEAD, "", "parameters", "; ", ""),
     "mistral": _Markup("[TOOL_CALLS]", "[TOOL_CALLS][", "arguments", ", ", "]"),
+}
+
+_CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP = DEEPSEEK_MARKERS
+
+
+@dataclass(frozen=True, slots=True)
+class _Tagged:
+    """A format whose calls are tags: call_head NAME call_mid ARGS call_end, joined by sep,
+    between the block's open (also the "auto" trigger) and close."""
+
+    call_head: str
+    call_mid: str
+    call_end: str
+    sep: str
+    open: str = _CALLS_BEGIN
+    close: str = _CALLS_END
+
+    @property
+    def trigger(self) -> str:
+        return self.open
+
+
+_TAGGED = {
+    "deepseek_v3": _Tagged(_CALL_BEGIN + "function" + _SEP, "\n```json\n", "\n```" + _CALL_END, "\n"),
+    "deepseek_v31": _Tagged(_CALL_BEGIN, _SEP, _CALL_END, ""),
 }
 
 
@@ -129,15 +163,30 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", name
 
 
-def _calls(m: _Markup, functions: dict[str, dict | bool], many: bool) -> dict:
+def _calls(m: _Markup | _Tagged, functions: dict[str, dict | bool], many: bool) -> dict:
     """The tag matching a block of calls: one call, or one or more when many."""
-    tags = [{"type": "tag", "begin": f"{json.dumps(name, ensure_ascii=False)}, \"{m.key}\": ",
-             "content": {"type": "json_schema", "json_schema": params}, "end": ""}
-            for name, params in functions.items()]
-    return {"type": "tag", "begin": m.open + _HEAD,
-            "content": {"type": "tags_with_separator", "tags": tags, "separator": "}" + m.sep + _HEAD,
+    if isinstance(m, _Tagged):
+        tags = [{"type": "tag", "begin": m.call_head + name + m.call_mid,
+                 "content": {"type": "json_schema", "json_schema": params}, "end": m.call_end}
+                for name, params in functions.items()]
+        begin, sep, end = m.open, m.sep, m.close
+    else:
+        tags = [{"type": "tag", "begin": f"{json.dumps(name, ensure_ascii=False)}, \"{m.key}\": ",
+                 "content": {"type": "json_schema", "json_schema": params}, "end": ""}
+                for name, params in functions.items()]
+        begin, sep, end = m.open + _HEAD, "}" + m.sep + _HEAD, "}" + m.close
+    return {"type": "tag", "begin": begin,
+            "content": {"type": "tags_with_separator", "tags": tags, "separator": sep,
                         "at_least_one": True, "stop_after_first": not many},
-            "end": "}" + m.close}
+            "end": end}
+
+
+def _bare_names(functions: dict[str, dict | bool], fmt: str) -> None:
+    """RequestError for a name that markup writing it bare could not delimit."""
+    for i, name in enumerate(functions):
+        if any(c.isspace() or c == _SEP[1] for c in name):
+            raise RequestError(f"tools[{i}]: the name {name!r} cannot be written in {fmt}'s tool-call markup "
+                               "(no whitespace or \"\uff5c\" in a name there)")
 
 
 def _spec(fmt: dict) -> GrammarSpec:
@@ -157,10 +206,12 @@ def tool_call_grammar(tools: list[dict], tool_choice: str | dict, parallel_tool_
         raise RequestError(f"tool_choice {tool_choice if isinstance(tool_choice, str) else 'naming a function'} "
                            "is not supported with gpt-oss's harmony tool calls (--tool-call-parser openai): "
                            'use "auto" or "none"')
-    m = _MARKUP.get(fmt)
+    m: _Markup | _Tagged | None = _MARKUP.get(fmt) or _TAGGED.get(fmt)
     if m is None:
         raise RequestError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
     functions = _functions(tools)
+    if isinstance(m, _Tagged):
+        _bare_names(functions, fmt)
     mode, name = _choice(tool_choice, list(functions))
     if mode == "none" or (mode == "auto" and not functions):
         return None

@@ -1,5 +1,6 @@
-"""Tool calls out of model output text, for the formats hermes, llama3_json, mistral and openai
-(gpt-oss's harmony messages, harmony.py).
+"""Tool calls out of model output text, for the formats hermes, llama3_json, mistral, openai
+(gpt-oss's harmony messages, harmony.py), and deepseek_v3 and deepseek_v31
+(tool_parsers_deepseek.py).
 
 Each format is one incremental grammar, a ToolStream (tool_stream.py says what a stream
 holds back and when it emits): feed() it the output as it is detokenized, finish() it at
@@ -11,7 +12,9 @@ re-dumped (json.dumps, ensure_ascii=False), emitted in one delta when the call c
 
 Tags are matched as text, so the detokenizer must keep them: "<tool_call>" is an ordinary
 added token, but "[TOOL_CALLS]" and "<|python_tag|>" are special tokens in most
-tokenizers and vanish under skip_special_tokens=True.
+tokenizers and vanish under skip_special_tokens=True. A parser's `markers` are the special
+tokens it reads: the server keeps them in the text of the requests it parses
+(SamplingParams.keep_special_tokens).
 """
 
 from __future__ import annotations
@@ -20,21 +23,34 @@ import json
 import re
 import secrets
 import string
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from streamer.server.harmony import CHANNEL, Body, Close, Event, HarmonyReader, Open, Text, verbatim_open
-from streamer.server.tool_stream import ToolCall, ToolCallDelta, ToolStream, collect_calls
+from streamer.chat_template import DEEPSEEK_MARKERS, markup_format
+from streamer.server.harmony import (
+    HARMONY_MARKERS,
+    Body,
+    Close,
+    Event,
+    HarmonyReader,
+    Open,
+    Text,
+    verbatim_open,
+)
+from streamer.server.tool_parsers_deepseek import DeepSeekV3Stream, DeepSeekV31Stream
+from streamer.server.tool_stream import (
+    ToolCall,
+    ToolCallDelta,
+    ToolStream,
+    collect_calls,
+    decode_json,
+    new_call_id,
+)
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallDelta", "ToolParser", "ToolStream", "collect_calls", "parser_for"]
 
 
 # ---- call objects ------------------------------------------------------------------------
-
-
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -48,13 +64,6 @@ def _mistral_id(given: Any) -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-def _decode(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
 def _as_call(obj: Any, call_id: str) -> ToolCall | None:
     """The call one decoded object describes, or None when it is not one: no name, or
     arguments that are not an object (a JSON-encoded object string is accepted)."""
@@ -62,7 +71,7 @@ def _as_call(obj: Any, call_id: str) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        args = _decode(args)
+        args = decode_json(args)
     if not isinstance(args, dict):
         return None
     return ToolCall(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
@@ -105,7 +114,7 @@ class HermesStream(ToolStream):
                 if final:
                     self._fail("text")
                 return final
-            self._call = _as_call(_decode(buf[:end]), _call_id())
+            self._call = _as_call(decode_json(buf[:end]), new_call_id())
             if self._call is None:
                 self._fail("text")
             else:
@@ -155,7 +164,7 @@ class Llama3JsonStream(ToolStream):
             end = self._scan.end(buf)
             if end is None and not final:
                 return False
-            call = None if end is None else _as_call(_decode(buf[:end]), _call_id())
+            call = None if end is None else _as_call(decode_json(buf[:end]), new_call_id())
             if call is None:
                 self._fail("content")
             else:
@@ -236,7 +245,7 @@ class MistralStream(ToolStream):
     def _calls(self, text: str) -> list[ToolCall | None]:
         """The calls a closed array (or the object after NAME[ARGS]) spells: None for an
         item that is not a call."""
-        value = _decode(text)
+        value = decode_json(text)
         if self._state == "object":
             return [_as_call({"name": self._name, "arguments": value}, _mistral_id(self._id))]
         if not isinstance(value, list):
@@ -301,7 +310,7 @@ class HarmonyStream(ToolStream):
                     self._content(e.text)
             elif isinstance(e, Close):
                 if self._kind == "call":
-                    self._emit(ToolCall(_call_id(), self._name, "".join(self._args).strip() or "{}"))
+                    self._emit(ToolCall(new_call_id(), self._name, "".join(self._args).strip() or "{}"))
                 elif self._kind == "markup":
                     self._content(e.terminator)
                 self._kind = ""
@@ -316,6 +325,8 @@ class ToolParser:
 
     name: str
     stream_type: type[ToolStream]
+    markers: tuple[str, ...] = ()
+    """Special tokens the stream reads, to be kept in the text under skip_special_tokens."""
 
     def stream(self) -> ToolStream:
         return self.stream_type()
@@ -334,26 +345,22 @@ PARSERS: dict[str, ToolParser] = {
         ToolParser("hermes", HermesStream),
         ToolParser("llama3_json", Llama3JsonStream),
         ToolParser("mistral", MistralStream),
-        ToolParser("openai", HarmonyStream),
+        ToolParser("openai", HarmonyStream, HARMONY_MARKERS),
+        ToolParser("deepseek_v3", DeepSeekV3Stream, DEEPSEEK_MARKERS),
+        ToolParser("deepseek_v31", DeepSeekV31Stream, DEEPSEEK_MARKERS),
     )
 }
 
 
 def parser_for(name: str, chat_template: str | None) -> ToolParser:
     """The parser called `name`, or for "auto" the one whose markup the chat template
-    writes (the template is what taught the model its format)."""
+    writes (the template is what taught the model its format; chat_template.markup_format)."""
     choices = ", ".join(["auto", *PARSERS])
     if name in PARSERS:
         return PARSERS[name]
     if name != "auto":
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {choices}")
-    t = chat_template or ""
-    if CHANNEL in t:  # (gpt-oss's harmony, whose template mentions <tool_call> nowhere)
-        return PARSERS["openai"]
-    if "<tool_call>" in t:
-        return PARSERS["hermes"]
-    if "[TOOL_CALLS]" in t:
-        return PARSERS["mistral"]
-    if "<|python_tag|>" in t or ('"parameters"' in t and "ipython" in t):
-        return PARSERS["llama3_json"]
-    raise ValueError(f"no tool-call format recognized in the chat template; choose one of: {choices}")
+    fmt = markup_format(chat_template or "")
+    if fmt is None:
+        raise ValueError(f"no tool-call format recognized in the chat template; choose one of: {choices}")
+    return PARSERS[fmt]

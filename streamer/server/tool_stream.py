@@ -18,6 +18,10 @@ a call already streamed could not be taken back. Content streams as it arrives, 
 
 from __future__ import annotations
 
+import json
+import uuid
+from typing import Any
+
 import msgspec
 
 from streamer.server.text_pieces import Stripped, partial_tag
@@ -48,6 +52,19 @@ def collect_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
         call = calls.setdefault(d.index, ToolCall(d.id or "", d.name or "", ""))
         call.arguments += d.arguments
     return [calls[i] for i in sorted(calls)]
+
+
+def new_call_id() -> str:
+    """A fresh call id, where the format carries none of the model's own."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def decode_json(text: str) -> Any:
+    """The JSON value text spells, or None where it is not JSON (a malformed call)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 # ---- the stream ------------------------------------------------------------------------

@@ -1,13 +1,17 @@
-"""A fake engine for tests of the server alone: no model, every request answered "ok"."""
+"""Fake engines for tests of the server alone: no model. RecordingEngine answers every
+request "ok"; Detokenizing answers a fixed text through a real tokenizer and detokenizer."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
+from streamer.engine.detokenizer import Stream
 from streamer.engine.protocol import Engine, ModelInfo
 from streamer.engine_stats import EngineStats
-from streamer.messages import GenerateRequest, RequestOutput
+from streamer.messages import GenerateRequest, RequestOutput, TokenDelta
 
 
 class NoTokenizer:
@@ -53,6 +57,35 @@ class RecordingEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 10, 10, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+
+
+class Detokenizing(RecordingEngine):
+    """Answers every request with `text`, tokenized and detokenized under the request's own
+    params, token by token, as the engine's detokenizer would."""
+
+    def __init__(self, tok: Any, text: str, name: str = "detokenizing-fake") -> None:
+        super().__init__(ModelInfo(name, 4096, len(tok), [0], tok))
+        self.tok, self.text = tok, text
+
+    async def submit(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        self.sent.append(request)
+        ids = self.tok(self.text, add_special_tokens=False)["input_ids"]
+        stream = Stream(self.tok, request.params, asyncio.Queue())
+        for k, t in enumerate(ids):
+            out, _ = stream.update(TokenDelta(request.request_id, [t], finish_reason="stop" if k == len(ids) - 1
+                                              else None, prompt_tokens=3))
+            yield out
+
+
+def marker_tokenizer(model: Path, markers: tuple[str, ...] | list[str], chat_template: str) -> Any:
+    """The model's tokenizer with `markers` as special tokens (each one token, which
+    skip_special_tokens drops) and `chat_template` as its template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    tok.add_special_tokens({"additional_special_tokens": list(markers)})
+    tok.chat_template = chat_template
+    return tok
 
 
 def _typed(engine: RecordingEngine) -> Engine:

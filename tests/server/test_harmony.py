@@ -5,10 +5,9 @@ chat API end to end over a fake engine that detokenizes with a tokenizer that ha
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,16 +19,14 @@ from starlette.testclient import TestClient
 
 from streamer.chat_template import tool_format
 from streamer.config import ServerConfig
-from streamer.engine.detokenizer import IncrementalText, Stream
-from streamer.engine.protocol import ModelInfo
-from streamer.messages import GenerateRequest, RequestOutput, TokenDelta
+from streamer.engine.detokenizer import IncrementalText
 from streamer.server.app import create_app
 from streamer.server.chat_output import ChatSetup
 from streamer.server.harmony import HARMONY_MARKERS
 from streamer.server.protocol import ApiError
 from streamer.server.reasoning import REASONING_PARSERS
 from streamer.server.tool_parsers import PARSERS, collect_calls, parser_for
-from tests.server.fakes import RecordingEngine
+from tests.server.fakes import Detokenizing, marker_tokenizer
 
 GPTOSS = REASONING_PARSERS["openai_gptoss"]
 OPENAI = PARSERS["openai"]
@@ -259,12 +256,7 @@ def test_the_config_and_the_cli_name_the_parsers():
 @pytest.fixture(scope="module")
 def harmony_tok(default_model: Path) -> Any:
     """The default model's tokenizer with the harmony markers as special tokens."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(default_model))
-    tok.add_special_tokens({"additional_special_tokens": list(HARMONY_MARKERS)})
-    tok.chat_template = HARMONY_TEMPLATE
-    return tok
+    return marker_tokenizer(default_model, HARMONY_MARKERS, HARMONY_TEMPLATE)
 
 
 SAMPLE = f"{A}The user wants weather.{NEXT}<|channel|>commentary to=functions.get_weather <|constrain|>json" \
@@ -279,24 +271,6 @@ def test_the_detokenizer_keeps_only_the_markers_asked_for(harmony_tok):
     assert "".join(plain.push([i]) for i in ids) == harmony_tok.decode(ids, skip_special_tokens=True)
     every = IncrementalText(harmony_tok, False, HARMONY_MARKERS)
     assert "".join(every.push([i]) for i in ids) == SAMPLE + "<|im_end|>"
-
-
-class Detokenizing(RecordingEngine):
-    """Answers every request with `text`, tokenized and detokenized under the request's own
-    params, token by token, as the engine's detokenizer would."""
-
-    def __init__(self, tok: Any, text: str) -> None:
-        super().__init__(ModelInfo("gpt-oss-fake", 4096, len(tok), [0], tok))
-        self.tok, self.text = tok, text
-
-    async def submit(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
-        self.sent.append(request)
-        ids = self.tok(self.text, add_special_tokens=False)["input_ids"]
-        stream = Stream(self.tok, request.params, asyncio.Queue())
-        for k, t in enumerate(ids):
-            out, _ = stream.update(TokenDelta(request.request_id, [t], finish_reason="stop" if k == len(ids) - 1
-                                              else None, prompt_tokens=3))
-            yield out
 
 
 @pytest.fixture

@@ -5,12 +5,14 @@ a random walk through it writes is a well-formed call with valid arguments."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
 import pytest
 import torch
 
+from streamer.chat_template import DEEPSEEK_MARKERS
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
 from streamer.sampling.grammar import GrammarCompiler, GrammarState, fill_bitmask
@@ -46,11 +48,22 @@ NAMED = {"type": "function", "function": {"name": "set_alarm"}}
 Call = tuple[str, dict[str, Any]]
 """(tool name, arguments)"""
 KEY = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
-TRIGGER = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]"}
+CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP = DEEPSEEK_MARKERS
+TRIGGER = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]",
+           "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN}
 """Where "auto" text gives way to a call."""
+DEEPSEEK_CALL = {  # (the head before a call's name, what comes between it and the JSON, the call's end)
+    "deepseek_v3": (CALL_BEGIN + "function" + SEP, "\n```json\n", "\n```" + CALL_END, "\n"),
+    "deepseek_v31": (CALL_BEGIN, SEP, CALL_END, ""),
+}
+"""DeepSeek's calls: head NAME mid ARGS end, joined by the last, in CALLS_BEGIN ... CALLS_END."""
 
 
 def render(fmt: str, calls: list[Call]) -> str:
+    if fmt in DEEPSEEK_CALL:
+        head, mid, end, sep = DEEPSEEK_CALL[fmt]
+        return CALLS_BEGIN + sep.join(head + name + mid + json.dumps(args, ensure_ascii=False) + end
+                                      for name, args in calls) + CALLS_END
     objs = [json.dumps({"name": name, KEY[fmt]: args}) for name, args in calls]
     if fmt == "hermes":
         return "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
@@ -61,6 +74,8 @@ def render(fmt: str, calls: list[Call]) -> str:
 
 def parse(fmt: str, text: str) -> list[Call]:
     """The calls in text, which must be exactly the markup of fmt (AssertionError if not)."""
+    if fmt in DEEPSEEK_CALL:
+        return parse_deepseek(fmt, text)
     open_, sep, close = {"hermes": ("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
                          "llama3_json": ("", "; ", ""), "mistral": ("[TOOL_CALLS][", ", ", "]")}[fmt]
     assert text.startswith(open_), text
@@ -71,6 +86,24 @@ def parse(fmt: str, text: str) -> list[Call]:
         calls.append((obj["name"], obj[KEY[fmt]]))
         if not text.startswith(sep, pos):
             assert text[pos:] == close, text
+            return calls
+        pos += len(sep)
+
+
+def parse_deepseek(fmt: str, text: str) -> list[Call]:
+    head, mid, end, sep = DEEPSEEK_CALL[fmt]
+    name = re.compile(re.escape(head) + r"([^\s｜]+)" + re.escape(mid))
+    decoder, pos, calls = json.JSONDecoder(), len(CALLS_BEGIN), []
+    assert text.startswith(CALLS_BEGIN), text
+    while True:
+        m = name.match(text, pos)
+        assert m, text
+        args, pos = decoder.raw_decode(text, m.end())
+        assert isinstance(args, dict) and text.startswith(end, pos), text
+        calls.append((m.group(1), args))
+        pos += len(end)
+        if not text.startswith(sep + head, pos):
+            assert text[pos:] == CALLS_END, text
             return calls
         pos += len(sep)
 
