@@ -214,3 +214,13 @@ def route_topk(
 
         return moe_route.route_topk(logits, top_k, renormalize, round_to)
     return reference.route_topk(logits, top_k, renormalize, round_to)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                per_row: bool = False) -> torch.Tensor:
+    """W4A16: x @ W^T with W in kernels/int4.py's layout (per_row: each row as decode's one)."""
+    from kernels import int4
+
+    if _triton(x):
+        return int4.linear(x, qweight, scales, zeros, group, per_row)
+    return int4.reference_linear(x, qweight, scales, zeros, group)

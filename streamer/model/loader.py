@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from streamer.errors import ModelLoadError
-from streamer.model import fp8_checkpoint
+from streamer.model import fp8_checkpoint, int4_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
@@ -122,7 +122,8 @@ def load_model(
     """(model in eval mode on device, transformers config). quantization "fp8": the
     decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py).
     A checkpoint whose config.json has a quantization_config is loaded as it is stored,
-    whatever `quantization` says (model/fp8_checkpoint.py: float8 or refused)."""
+    whatever `quantization` says (model/fp8_checkpoint.py: float8, int4 through
+    model/int4_checkpoint.py, or refused)."""
     path = Path(path)
     device = torch.device(device)
     if quantization not in (None, "fp8"):
@@ -149,14 +150,16 @@ def load_model(
             p.data = p.data.float()
     for n, b in tables.items():
         setattr(model, n, b.to(device))  # rotary tables stay float32
-    quantized = set() if scheme is None else fp8_checkpoint.prepare(model, scheme, device, str(path / "config.json"))
+    # (one module per kind of quantized checkpoint, with the same four steps)
+    ckpt: Any = int4_checkpoint if isinstance(scheme, int4_checkpoint.Int4Scheme) else fp8_checkpoint
+    quantized = set() if scheme is None else ckpt.prepare(model, scheme, device, str(path / "config.json"))
     with torch.no_grad():
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
             norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
             for name, p in model.named_parameters():
-                if name in norms:
-                    continue  # (norms keep their neutral weight: 1, or 0 with an offset)
+                if name in norms or not p.is_floating_point():
+                    continue  # (norms keep their neutral weight: 1, or 0 with an offset; int4 layers below)
                 if p.dtype == torch.float8_e4m3fn:  # a float8 checkpoint's layer: W ~ N(0, 0.02) with the scale below
                     p.copy_(torch.randn(p.shape, generator=gen, device=device).to(p.dtype))
                 elif name.endswith("weight_scale"):
@@ -167,12 +170,13 @@ def load_model(
                 if isinstance(m, Experts) and m.gate_up_proj_scale is not None:  # float8 experts' scales
                     m.gate_up_proj_scale.fill_(0.02)
                     m.down_proj_scale.fill_(0.02)
+            int4_checkpoint.fill_dummy(model, gen)
         else:
             tensors = (x for x in iter_safetensors(files, lazy=tensor_parallel() is not None)
                        if not model.skips_tensor(x[0]))
-            model.load_weights(tensors if scheme is None else fp8_checkpoint.checkpoint_tensors(tensors, scheme, quantized))
+            model.load_weights(tensors if scheme is None else ckpt.checkpoint_tensors(tensors, scheme, quantized))
         if scheme is not None:
-            fp8_checkpoint.finish(model)
+            ckpt.finish(model)
         elif quantization == "fp8":
             tp = tensor_parallel()
             for name, m in model.named_modules():

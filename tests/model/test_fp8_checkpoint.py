@@ -261,8 +261,8 @@ def with_config(tiny: Path, dst: Path, qconfig: dict) -> Path:
 
 
 @pytest.mark.parametrize("qconfig, fragments", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, ["quant_method 'awq' is not supported"]),
-    ({"quant_method": "gptq", "bits": 4}, ["quant_method 'gptq' is not supported"]),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["quant_method 'bitsandbytes' is not supported"]),
+    ({"quant_method": "hqq", "bits": 4}, ["quant_method 'hqq' is not supported"]),
     (ct_config({"strategy": "channel", "type": "int"}, {"num_bits": 8, "type": "int", "strategy": "token",
                                                          "dynamic": True}), ["type 'int'", "float8 only"]),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None},

@@ -1,0 +1,434 @@
+"""Checkpoints with 4-bit weights and 16-bit activations (W4A16): config.json's
+`quantization_config` read at load (fp8_checkpoint.read_scheme sends these methods here).
+
+Three formats, each packing int4 values 0..15 eight to an int32, W[n, k] = (q - z) * s with
+one scale s and zero z per row n and group of G consecutive k:
+
+- quant_method "awq" (AutoAWQ, version "gemm", zero_point true): per linear layer `qweight`
+  [K, N / 8] and `qzeros` [K / G, N / 8], both packed along N with the nibbles of a word in
+  AWQ's interleaved order (nibble i holds column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]), `scales`
+  fp16 [K / G, N].
+- quant_method "gptq" (checkpoint_format "gptq", or "gptq_v2"): `qweight` [K / 8, N] packed
+  along K in order, `qzeros` [K / G, N / 8] packed along N in order and storing z - 1 (v1;
+  v2 stores z), `scales` [K / G, N], `g_idx` [K]: the group of each k. With desc_act the
+  groups are not runs of k: the layer's K is permuted at load so that they are (each group
+  must have exactly G members), and its inputs are permuted by the same order at run time.
+- quant_method "compressed-tensors", format "pack-quantized", weights {num_bits 4, type
+  int, strategy group (group_size) or channel}: `weight_packed` [N, K / 8] packed along K in
+  order, values stored + 8 (signed -8..7 offset to unsigned), `weight_scale` [N, K / G],
+  `weight_zero_point` [N / 8, K / G] packed along N (+ 8 as well) when asymmetric, else the
+  zero is 8; `weight_shape` [N, K] is checked and dropped.
+
+Every quantized linear layer becomes an `Int4Linear` holding kernels/int4.py's one layout
+(`qweight` [N, K / 8] packed along K in order, scales in the model's dtype, zeros uint8),
+rows along N so that the parts of a fused q/k/v or gate/up layer each fill their row range
+(scales and zeros concatenate along N; all parts share K and G). The LM head, embeddings and
+norms stay in the model's dtype. Refused by name: other bits, methods' variants and fields
+this module does not know, quantized LM heads, int4 experts of a mixture of experts,
+quantization "fp8" on top, models that permute q/k rows after loading (partial rotary,
+Cohere), layers whose shape the format cannot pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import ops
+from streamer.errors import ModelLoadError
+from streamer.model.context import rows_as_decode
+from streamer.model.fp8_checkpoint import (
+    CT_ARGS_FIELDS,
+    CT_FIELDS,
+    CT_GROUP_FIELDS,
+    _ct_matches,
+    hf_names,
+    refuse,
+)
+from streamer.model.layers import Linear
+from streamer.model.llama import LlamaForCausalLM
+from streamer.model.moe import MoEForCausalLM
+from streamer.model.tp_group import current as tensor_parallel
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AWQ's packing: nibble i of a word holds column 8c + AWQ_ORDER[i]."""
+AWQ_FIELDS = {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version", "backend",
+              "modules_to_not_convert", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
+# calibration settings and runtime kernel choices, which do not change what the file stores
+GPTQ_FIELDS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format", "lm_head",
+               "dynamic", "pack_dtype", "modules_in_block_to_quantize", "block_name_to_quantize", "true_sequential",
+               "static_groups", "damp_percent", "damp_auto_increment", "model_name_or_path", "model_file_base_name",
+               "meta", "tokenizer", "dataset", "use_exllama", "exllama_config", "max_input_length",
+               "cache_block_outputs", "module_name_preceding_first_block", "batch_size", "pad_token_id",
+               "use_cuda_fp16", "backend", "disable_exllama"}
+# checkpoint tensor leaf -> Int4Linear's parameter, per method
+NAMES = {
+    "awq": {"qweight": "weight", "qzeros": "weight_zero", "scales": "weight_scale"},
+    "gptq": {"qweight": "weight", "qzeros": "weight_zero", "scales": "weight_scale", "g_idx": "g_idx"},
+    "compressed-tensors": {"weight_packed": "weight", "weight_zero_point": "weight_zero",
+                           "weight_scale": "weight_scale", "weight_shape": "weight_shape"},
+}
+FOREIGN = ("weight_scale_inv", "input_scale", "weight_global_scale", "weight_g_idx", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Scheme:
+    """How a checkpoint's int4 layers are stored."""
+
+    method: str
+    group: int
+    """Consecutive k per scale and zero; -1: one group per row (K)."""
+    zeros: bool
+    """Whether zeros are stored (else every zero is 8: symmetric compressed-tensors)."""
+    zero_offset: int = 0
+    """Added to a stored zero (GPTQ v1 stores z - 1)."""
+    skip: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("Linear",)
+
+    def quantized(self, module: str) -> bool:
+        """Whether the linear layer of this transformers name is int4 in the checkpoint."""
+        if module == "lm_head" or module.endswith(".lm_head"):
+            return False  # (read_scheme refuses the configs that quantize it)
+        if self.method == "awq":  # AutoAWQ skips a module whose name contains an entry
+            return not any(p in module for p in self.skip)
+        if self.method == "gptq":
+            return True
+        if any(_ct_matches(module, p) for p in self.skip):
+            return False
+        return any(t == "Linear" or _ct_matches(module, t) for t in self.targets)
+
+
+def is_int4(qc: dict) -> bool:
+    """Whether fp8_checkpoint.read_scheme should send this quantization_config here."""
+    if qc.get("quant_method") in ("awq", "gptq"):
+        return True
+    groups = qc.get("config_groups") or {}
+    return qc.get("quant_method") == "compressed-tensors" and "pack-quantized" in (
+        qc.get("format"), *(g.get("format") for g in groups.values() if isinstance(g, dict)))
+
+
+def read_scheme(qc: dict, source: str, requested: str | None) -> Int4Scheme:
+    method = qc["quant_method"]
+    if requested is not None:
+        raise refuse(source, f"quant_method {method!r} conflicts with quantization={requested!r} (its int4 weights "
+                     "run as stored: pass no quantization)")
+    if method == "awq":
+        return _awq(qc, source)
+    if method == "gptq":
+        return _gptq(qc, source)
+    return _compressed_tensors(qc, source)
+
+
+def _group(g: Any, source: str) -> int:
+    if g == -1 or g is None:
+        return -1
+    if not isinstance(g, int) or g <= 0 or g % 8:
+        raise refuse(source, f"group_size {g!r} is not supported (a positive multiple of 8, or -1)")
+    return g
+
+
+def _awq(qc: dict, source: str) -> Int4Scheme:
+    unknown = sorted(set(qc) - AWQ_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (quant_method 'awq')")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise refuse(source, f"bits {bits!r} is not supported (quant_method 'awq': 4 only)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise refuse(source, f"AWQ version {qc.get('version')!r} is not supported (the 'gemm' packing only)")
+    if qc.get("zero_point", True) is not True:
+        raise refuse(source, "zero_point false is not supported (quant_method 'awq' with zero points only)")
+    group = _group(qc.get("group_size", qc.get("q_group_size")), source)
+    return Int4Scheme("awq", group, True, skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _gptq(qc: dict, source: str) -> Int4Scheme:
+    unknown = sorted(set(qc) - GPTQ_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (quant_method 'gptq')")
+    if qc.get("bits") != 4:
+        raise refuse(source, f"bits {qc.get('bits')!r} is not supported (quant_method 'gptq': 4 only)")
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise refuse(source, f"checkpoint_format {fmt!r} is not supported (GPTQ's 'gptq' or 'gptq_v2' packing)")
+    if qc.get("lm_head"):
+        raise refuse(source, "lm_head true is not supported: the LM head stays in the model's dtype")
+    if qc.get("dynamic"):
+        raise refuse(source, "dynamic (per-module bits or group sizes) is not supported")
+    if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise refuse(source, f"pack_dtype {qc['pack_dtype']!r} is not supported (int32)")
+    if qc.get("modules_in_block_to_quantize"):
+        raise refuse(source, "modules_in_block_to_quantize is not supported (every linear layer of the decoder "
+                     "must be quantized)")
+    if qc.get("block_name_to_quantize") not in (None, "model.layers"):
+        raise refuse(source, f"block_name_to_quantize {qc['block_name_to_quantize']!r} is not supported")
+    return Int4Scheme("gptq", _group(qc.get("group_size"), source), True, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
+    unknown = sorted(set(qc) - CT_FIELDS)
+    if unknown:
+        raise refuse(source, f"field {unknown[0]!r} is not understood (compressed-tensors)")
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise refuse(source, f"{field} is not supported (compressed-tensors)")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise refuse(source, f"has {len(groups)} config_groups; one int4 group is supported")
+    (name, group), = groups.items()
+    where = f"config_groups.{name}"
+    unknown = sorted(set(group) - CT_GROUP_FIELDS)
+    if unknown:
+        raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
+    fmt = group.get("format") or qc.get("format")
+    if fmt != "pack-quantized":
+        raise refuse(source, f"{where} format {fmt!r} is not supported with int4 weights (pack-quantized)")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise refuse(source, f"{where} quantizes activations: only weight-only int4 (W4A16) is implemented")
+    w = group.get("weights") or {}
+    unknown = sorted(set(w) - CT_ARGS_FIELDS)
+    if unknown:
+        raise refuse(source, f"{where}.weights field {unknown[0]!r} is not understood")
+    if w.get("type") != "int" or w.get("num_bits") != 4:
+        raise refuse(source, f"{where}.weights type {w.get('type')!r} with num_bits {w.get('num_bits')!r} is not "
+                     "supported (pack-quantized: type 'int', num_bits 4)")
+    if w.get("dynamic"):
+        raise refuse(source, f"{where}.weights dynamic {w['dynamic']!r} is not supported")
+    if w.get("actorder") not in (None, "weight", "static"):
+        raise refuse(source, f"{where}.weights actorder {w['actorder']!r} (weight_g_idx) is not implemented")
+    strategy = w.get("strategy")
+    if strategy == "group":
+        g = _group(w.get("group_size"), source)
+    elif strategy == "channel":
+        g = -1
+    else:
+        raise refuse(source, f"{where}.weights strategy {strategy!r} is not supported (group or channel)")
+    targets = tuple(group.get("targets") or ())
+    if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
+        raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
+    skip = tuple(qc.get("ignore") or ())
+    scheme = Int4Scheme("compressed-tensors", g, w.get("symmetric", True) is not True, skip=skip, targets=targets)
+    if not any(_ct_matches("lm_head", p) for p in skip) and any(t == "Linear" or _ct_matches("lm_head", t)
+                                                                 for t in targets):
+        raise refuse(source, "quantizes lm_head (not in ignore): the LM head stays in the model's dtype")
+    return scheme
+
+
+class Int4Linear(nn.Module):
+    """A linear layer of int4 weights (kernels/int4.py's layout), its inputs and output in the
+    model's dtype. `perm` (GPTQ desc_act): the order of K the weights were permuted into."""
+
+    decode_gemv = False  # (MLP's fused GEMV + SiLU epilogue reads bf16 or float8 weights only)
+    block = None
+
+    def __init__(self, linear: Linear, scheme: Int4Scheme) -> None:
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        self.in_features, self.out_features = k, n
+        self.group = k if scheme.group == -1 else scheme.group
+        dev, dtype = linear.weight.device, linear.weight.dtype
+
+        def param(shape: tuple[int, ...], dt: torch.dtype, loader) -> nn.Parameter:
+            p = nn.Parameter(torch.zeros(shape, dtype=dt, device=dev), requires_grad=False)
+            p.weight_loader = partial(loader, scheme=scheme, k=k, group=self.group)  # type: ignore[attr-defined]
+            return p
+
+        self.weight = param((n, k // 8), torch.int32, _load_qweight)
+        self.weight_scale = param((n, k // self.group), dtype, _load_scales)
+        self.weight_zero: torch.Tensor
+        if scheme.zeros:
+            self.weight_zero = param((n, k // self.group), torch.uint8, _load_zeros)
+        else:
+            self.register_buffer("weight_zero", torch.full((n, k // self.group), 8, dtype=torch.uint8, device=dev))
+        self.g_idx = param((k,), torch.int32, _load_g_idx) if scheme.method == "gptq" else None
+        if self.g_idx is not None:
+            self.g_idx.data.fill_(-1)  # (not yet loaded: the first part of a fused layer fills it)
+        if scheme.method == "compressed-tensors":
+            self.weight_shape = param((2,), torch.int64, _check_shape)
+        self.bias = linear.bias
+        self.perm: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        y = ops.int4_linear(x, self.weight, self.weight_scale, self.weight_zero, self.group, rows_as_decode())
+        return y if self.bias is None else y + self.bias
+
+
+def _unpack(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] packed along C -> int32 [R, 8 C], nibble i of word c at column 8c + i
+    (or 8c + order[i])."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
+    if order is not None:
+        nib = nib[..., [order.index(j) for j in range(8)]]
+    return nib.reshape(packed.shape[0], -1)
+
+
+def _pack(values: torch.Tensor) -> torch.Tensor:
+    """int [R, C] of 0..15 -> int32 [R, C / 8] packed along C in order (kernels/int4.py)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
+    words = (values.to(torch.int64).reshape(values.shape[0], -1, 8) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _expect(tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    if tensor.dtype not in dtypes:
+        raise ModelLoadError(f"{what} is {tensor.dtype}; the quantization_config's int4 format stores "
+                             f"{' or '.join(str(d) for d in dtypes)} here")
+    if tuple(tensor.shape) != shape:
+        raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {shape}")
+
+
+def _load_qweight(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
+                  scheme: Int4Scheme, k: int, group: int) -> None:
+    if scheme.method == "awq":
+        _expect(t, (k, rows // 8), (torch.int32,), what)
+        q = _pack(_unpack(t, AWQ_ORDER).t())
+    elif scheme.method == "gptq":
+        _expect(t, (k // 8, rows), (torch.int32,), what)
+        q = t.t()  # (packed along K in order: our layout, transposed)
+    else:
+        _expect(t, (rows, k // 8), (torch.int32,), what)
+        q = t
+    param.data.narrow(0, start, rows).copy_(q)
+
+
+def _load_scales(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
+                 scheme: Int4Scheme, k: int, group: int) -> None:
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if scheme.method == "compressed-tensors":
+        _expect(t, (rows, k // group), floats, what)
+    else:
+        _expect(t, (k // group, rows), floats, what)
+        t = t.t()
+    param.data.narrow(0, start, rows).copy_(t)  # (into the model's dtype: the kernels' operand dtype)
+
+
+def _load_zeros(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
+                scheme: Int4Scheme, k: int, group: int) -> None:
+    if scheme.method == "compressed-tensors":  # packed along N: [ceil(N / 8), groups]
+        _expect(t, (-(-rows // 8), k // group), (torch.int32,), what)
+        z = _unpack(t.t())[:, :rows].t()
+    else:
+        _expect(t, (k // group, rows // 8), (torch.int32,), what)
+        z = _unpack(t, AWQ_ORDER if scheme.method == "awq" else None).t() + scheme.zero_offset
+    param.data.narrow(0, start, rows).copy_(z)
+
+
+def _load_g_idx(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
+                scheme: Int4Scheme, k: int, group: int) -> None:
+    _expect(t, (k,), (torch.int32, torch.int64), what)
+    if bool((param < 0).all()):
+        param.data.copy_(t)
+    elif not torch.equal(param.data, t.to(param.dtype)):
+        raise ModelLoadError(f"{what} differs from the g_idx of the other parts of its fused layer (q/k/v or "
+                             "gate/up): their input columns would need different orders")
+
+
+def _check_shape(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
+                 scheme: Int4Scheme, k: int, group: int) -> None:
+    if t.tolist() != [rows, k]:
+        raise ModelLoadError(f"{what} is {t.tolist()}, the model's layer is [{rows}, {k}]")
+
+
+def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, source: str) -> set[str]:
+    """Replace each linear layer the checkpoint stores as int4 by an Int4Linear awaiting its
+    tensors. Returns those layers' transformers names."""
+    name_of = type(model).__name__
+    if tensor_parallel() is not None:
+        raise refuse(source, f"int4 weights ({scheme.method}) under tensor parallelism are not implemented")
+    if isinstance(model, MoEForCausalLM):
+        for i, layer in enumerate(model.layers):
+            if getattr(layer.mlp, "experts", None) is not None:
+                expert = f"model.layers.{i}.{model.legacy_block}.experts.0.{model.expert_names[0]}"
+                if scheme.quantized(expert):
+                    raise refuse(source, f"quantizes the experts of {name_of} to int4 ({scheme.method}): int4 "
+                                 "experts are not implemented")
+    if model.rotary_permutation() is not None:
+        raise refuse(source, f"int4 weights in {name_of}, whose q/k rows are permuted after loading (partial or "
+                     "interleaved rotary), are not implemented")
+    quantized: set[str] = set()
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, Linear):
+            continue
+        names = hf_names(name)
+        flags = {scheme.quantized(n) for n in names}
+        if len(flags) > 1:
+            raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")
+        if not flags.pop():
+            continue
+        if type(m) is not Linear:
+            raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
+        k, group = m.in_features, (m.in_features if scheme.group == -1 else scheme.group)
+        if k % group or (scheme.method != "compressed-tensors" and m.out_features % 8):
+            raise refuse(source, f"quantizes {name} of shape {tuple(m.weight.shape)} with group_size {scheme.group}; "
+                         "int4 layers need K a multiple of the group size (and N of 8 for AWQ and GPTQ)")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme))
+        quantized.update(names)
+    return quantized
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor, str]], scheme: Int4Scheme,
+                       quantized: set[str]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """The checkpoint's tensors with each int4 layer's under Int4Linear's names, refusing what
+    contradicts the quantization_config."""
+    names = NAMES[scheme.method]
+    for name, tensor, source in weights:
+        module, _, leaf = name.rpartition(".")
+        if leaf in names:
+            if module not in quantized:
+                raise ModelLoadError(f"{source}: tensor {name!r} is int4 ({scheme.method}) but the "
+                                     f"quantization_config keeps {module} unquantized")
+            yield f"{module}.{names[leaf]}", tensor, source
+        elif leaf in FOREIGN or any(leaf in other for other in NAMES.values()):
+            raise ModelLoadError(f"{source}: tensor {name!r} belongs to a quantization scheme other than the "
+                                 f"quantization_config's ({scheme.method} int4)")
+        elif leaf == "weight" and module in quantized:
+            raise ModelLoadError(f"{source}: tensor {name!r} is unquantized but the quantization_config makes "
+                                 f"{module} int4 ({scheme.method})")
+        else:
+            yield name, tensor, source
+
+
+def finish(model: nn.Module) -> None:
+    """After loading: GPTQ's act-order layers permuted so that each group is a run of K."""
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear) and m.g_idx is not None:
+            _order_groups(m, name)
+
+
+def _order_groups(m: Int4Linear, name: str) -> None:
+    assert m.g_idx is not None
+    k, group = m.in_features, m.group
+    g = m.g_idx.data.long()
+    if torch.equal(g, torch.arange(k, device=g.device) // group):
+        return
+    counts = torch.bincount(g.clamp(0, k // group), minlength=k // group + 1)
+    if bool((g < 0).any() or (g >= k // group).any()) or not bool((counts[: k // group] == group).all()):
+        raise ModelLoadError(f"{name}.g_idx: not {k // group} groups of {group} columns each (GPTQ act order "
+                             "with groups of other sizes is not supported)")
+    perm = torch.argsort(g, stable=True)
+    q = _unpack(m.weight.data)[:, perm]
+    m.weight.data.copy_(_pack(q))
+    m.perm = perm
+
+
+def fill_dummy(model: nn.Module, gen: torch.Generator) -> None:
+    """load_format "dummy": random int4 values, zeros 8, scales that give W about N(0, 0.02)."""
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.weight.data.random_(generator=gen)  # (every bit pattern is a valid word of 8 values)
+            m.weight_scale.data.fill_(0.005)
+            m.weight_zero.data.fill_(8)
+            if m.g_idx is not None:
+                m.g_idx.data.copy_(torch.arange(m.in_features, device=m.g_idx.device) // m.group)
+            if m.bias is not None:
+                m.bias.data.zero_()
