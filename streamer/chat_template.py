@@ -10,6 +10,10 @@ template the messages are rewritten first, in the hermes format the model can be
 to follow (and that the hermes parser and grammar expect): the tool signatures appended
 to the system message, each assistant call written as `<tool_call>` markup in its content,
 tool results as a user turn of `<tool_response>` blocks. Nothing the client sent is lost.
+DeepSeek's own templates (V3's, V3.1's) are the exception: they render calls and results in
+DeepSeek's markup but never read `tools`, so only the tool signatures are written, into the
+system message in the layout of DeepSeek's model cards (`deepseek_messages`), and the model
+is asked for its own markup (deepseek_v3 / deepseek_v31).
 """
 
 from __future__ import annotations
@@ -92,17 +96,14 @@ def markup_format(text: str) -> str | None:
 
 def tool_format(hf_tokenizer: Any) -> str | None:
     """The tool-call markup the model is told to write: openai for a harmony template (one
-    that writes `<|channel|>`: gpt-oss), else from the template where it renders tools
-    (markup_format; None when no known markup shows: the server then needs
-    --tool-call-parser), else hermes (the rewriting of this module).
-
-    NOTE DeepSeek's own templates (V3, V3.1) write calls in their markup but never read
-    `tools`: they get the hermes rewriting like any such template, so the model is told the
-    hermes format and its calls are parsed as hermes. The deepseek formats are picked for a
-    template that reads tools (R1-0528's, vLLM's tool templates, a --chat-template)."""
+    that writes `<|channel|>`: gpt-oss), a deepseek format for one that writes DeepSeek's
+    markers (reading tools or not: see deepseek_messages), else from the template where it
+    renders tools (markup_format; None when no known markup shows: the server then needs
+    --tool-call-parser), else hermes (the rewriting of this module). `render` decides by
+    the same markup_format, so the prompt and the parser cannot disagree."""
     text = template_text(hf_tokenizer)
     fmt = markup_format(text)
-    if fmt == "openai":  # gpt-oss's harmony (server/harmony.py): its messages, whatever the template
+    if fmt in ("openai", "deepseek_v3", "deepseek_v31"):  # (their messages or markup, whatever the template)
         return fmt
     if not renders_tools(text):
         return "hermes"
@@ -177,6 +178,38 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def deepseek_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      fmt: str) -> list[dict[str, Any]]:
+    """Messages for a DeepSeek template that does not read tools: the signatures appended to
+    the system message under "## Tools" (a "### NAME" section each, with its description and
+    parameters), then the call format of fmt. Calls and results stay as sent: the template
+    writes them in its markup (and concatenates the arguments as the client's string)."""
+    if not tools:
+        return list(messages)
+    calls_begin, calls_end, call_begin, call_end, sep = DEEPSEEK_MARKERS
+    sections = []
+    for t in tools:
+        fn = t.get("function") or {}
+        sections.append(f"### {fn.get('name')}\nDescription: {fn.get('description') or ''}\n\n"
+                        f"Parameters: {json.dumps(fn.get('parameters', {'type': 'object'}), ensure_ascii=False)}")
+    if fmt == "deepseek_v3":
+        call = f"{call_begin}function{sep}<tool name>\n```json\n<arguments as a JSON object>\n```{call_end}"
+        joined = "one per line"
+    else:
+        call = f"{call_begin}<tool name>{sep}<arguments as a JSON object>{call_end}"
+        joined = "with nothing between them"
+    text = ("## Tools\nYou have access to the following tools:\n\n" + "\n\n".join(sections)
+            + f"\n\nTo use tools, answer in exactly this format:\n{calls_begin}{call}{calls_end}\n\n"
+            "The tool name must be one of the tools above, and the arguments valid JSON following its "
+            f"Parameters schema. Several calls go in one {calls_begin} ... {calls_end} block, {joined}.")
+    out = list(messages)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
 def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
            kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
            continue_final_message: bool = False) -> list[int]:
@@ -184,9 +217,13 @@ def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dic
     continue_final_message: the last (assistant) message is left open for the answer to
     continue (transformers cuts the rendered text after its content)."""
     extra = check_kwargs(kwargs)
-    decoded = renders_tools(template_text(hf_tokenizer))
+    text = template_text(hf_tokenizer)
+    decoded = renders_tools(text)
+    fmt = markup_format(text)
     if decoded:
         msgs, call_tools = template_messages(messages), tools or None
+    elif fmt in ("deepseek_v3", "deepseek_v31"):
+        msgs, call_tools = deepseek_messages(messages, tools, fmt), None
     else:
         msgs, call_tools = hermes_messages(messages, tools), None
 

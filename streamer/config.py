@@ -322,8 +322,8 @@ class ServerConfig:
     """The markup of tool calls in the model's output: hermes, llama3_json, mistral, openai
     (gpt-oss's harmony messages to functions.NAME), deepseek_v3 (DeepSeek-V3, V3-0324,
     R1-0528) or deepseek_v31 (V3.1 and later), or auto (from the chat template: openai for a
-    harmony one, a deepseek format for one that writes DeepSeek's markers; a template that
-    does not read tools gets hermes)."""
+    harmony one, a deepseek format for one that writes DeepSeek's markers; another template
+    that does not read tools gets hermes)."""
     reasoning_parser: str | None = None
     """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
     grammars (response_format, tools) apply from its end. openai_gptoss: gpt-oss's analysis

@@ -63,7 +63,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
                    help="the markup of tool calls in the model's output (default auto: from the chat template, "
                         "openai for gpt-oss's harmony, deepseek_v3 or deepseek_v31 for DeepSeek's markers; "
-                        "hermes where the template does not read tools)")
+                        "hermes where another template does not read tools)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
                    help="answer the model's <think> text (openai_gptoss: gpt-oss's analysis messages) as "
                         "reasoning_content; grammars apply from its end (default: none, all text is content)")

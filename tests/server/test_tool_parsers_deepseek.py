@@ -237,7 +237,11 @@ V31_TEMPLATE = ("{%- if tools is defined and tools is not none %}{{ 'IMPORTANT: 
                 f"{{{{ m.content }}}}{{%- if m.tool_calls %}}{{{{ '{CALLS_BEGIN}' }}}}{{%- for tool in m.tool_calls %}}"
                 f"{{{{ '{CALL_BEGIN}' + tool['function']['name'] + '{SEP}' + tool['function']['arguments'] + "
                 f"'{CALL_END}' }}}}{{%- endfor %}}{{{{ '{CALLS_END}' }}}}{{%- endif %}}{{%- endfor %}}")
-NO_TOOLS_V3 = V3_TEMPLATE.replace("{%- if tools %}", "{%- if false %}").replace("for t in tools", "for t in []")
+NO_TOOLS = {  # (as DeepSeek's own templates: calls in their markup, arguments concatenated, tools never read)
+    "deepseek_v3": V3_TEMPLATE.replace("{%- if tools %}", "{%- if false %}").replace("for t in tools", "for t in []")
+    .replace("(tool['function']['arguments'] | tojson)", "tool['function']['arguments']"),
+    "deepseek_v31": V31_TEMPLATE.replace("tools is defined and tools is not none", "false"),
+}
 
 
 class Tok:
@@ -252,9 +256,26 @@ def test_auto_picks_the_deepseek_format_the_template_writes(template, fmt):
     assert parser_for("auto", template) is PARSERS[fmt]
 
 
-def test_a_deepseek_template_that_does_not_read_tools_gets_the_hermes_rewriting():
-    assert markup_format(NO_TOOLS_V3) == "deepseek_v3"
-    assert tool_format(Tok(NO_TOOLS_V3)) == "hermes"  # (render writes the tools in hermes; the parser follows)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_deepseeks_own_templates_get_the_tools_written_in_their_layout(default_model, fmt):
+    """A DeepSeek template that never reads tools: auto still picks its markup, and render
+    writes the signatures into the system message, asking for that markup."""
+    from streamer.chat_template import render, renders_tools
+
+    template = NO_TOOLS[fmt]
+    assert not renders_tools(template) and tool_format(Tok(template)) == fmt
+    tok = marker_tokenizer(default_model, DEEPSEEK_MARKERS, template)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    text = tok.decode(render(tok, history, tools=[function("get_weather", SCHEMAS["get_weather"])]))
+    system, rest = text.split("Weather?")
+    assert "Be brief.\n\n## Tools\n" in system and "### get_weather\nDescription: the get_weather tool" in system
+    assert json.dumps(SCHEMAS["get_weather"]) in system
+    fmt_line = system[system.index(CALLS_BEGIN):]
+    assert ("```json" in fmt_line) == (fmt == "deepseek_v3") and CALLS_END in fmt_line
+    assert [(c.name, c.arguments) for c in PARSERS[fmt].parse(rest)[1]] == [("get_weather", '{"city": "Paris"}')]
+    assert "<tool_call>" not in text  # (not the hermes rewriting)
 
 
 def test_the_templates_render_calls_the_parsers_read():
