@@ -58,7 +58,7 @@ class ChatSetup:
                 constraint = tool_call_grammar(tools, choice, parallel, fmt)
             except (RequestError, ValueError) as e:
                 raise ApiError(str(e), param="tool_choice") from None
-            setup.keep_special = setup.tools.markers  # (harmony's, DeepSeek's: special tokens)
+            setup.keep_special = setup.tools.markers  # (harmony's, DeepSeek's, Mistral's: special tokens)
             if choice != "auto":
                 if grammar is not None:
                     raise ApiError("tool_choice required or a named function cannot be combined with "

@@ -191,6 +191,8 @@ class MistralStream(ToolStream):
     once per call. An array's calls go out together when the array closes."""
 
     TAG = "[TOOL_CALLS]"
+    MARKERS = (TAG, "[ARGS]", "[CALL_ID]")
+    """Control tokens of Mistral's tokenizers (dropped by skip_special_tokens unless kept)."""
     _HEADER = re.compile(r"([\w.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
     _HEADER_SO_FAR = re.compile(r"[\w.\-\[\]]{0,200}")  # what a header not yet complete may be
 
@@ -342,9 +344,9 @@ class ToolParser:
 PARSERS: dict[str, ToolParser] = {
     p.name: p
     for p in (
-        ToolParser("hermes", HermesStream),
-        ToolParser("llama3_json", Llama3JsonStream),
-        ToolParser("mistral", MistralStream),
+        ToolParser("hermes", HermesStream, (HermesStream.OPEN, HermesStream.CLOSE)),
+        ToolParser("llama3_json", Llama3JsonStream, (Llama3JsonStream.TAG,)),
+        ToolParser("mistral", MistralStream, MistralStream.MARKERS),
         ToolParser("openai", HarmonyStream, HARMONY_MARKERS),
         ToolParser("deepseek_v3", DeepSeekV3Stream, DEEPSEEK_MARKERS),
         ToolParser("deepseek_v31", DeepSeekV31Stream, DEEPSEEK_MARKERS),

@@ -221,7 +221,7 @@ def test_the_harmony_parsers_keep_the_markers_and_no_other_setup_does():
     assert s.keep_special == HARMONY_MARKERS
     assert setup(tools=None).keep_special == HARMONY_MARKERS  # (the reasoning parser reads them)
     assert setup(reasoning_parser=None).keep_special == HARMONY_MARKERS
-    assert setup(tool_parser="hermes", reasoning_parser="qwen3").keep_special == ()
+    assert setup(tool_parser="hermes", reasoning_parser="qwen3").keep_special == ("<tool_call>", "</tool_call>")
     assert setup(tools=None, reasoning_parser=None).keep_special == ()
 
 

@@ -275,3 +275,42 @@ def test_a_named_parser_ignores_the_template():
 def test_an_unknown_name_or_an_unrecognized_template_names_the_choices(name, template):
     with pytest.raises(ValueError, match="auto, hermes, llama3_json, mistral"):
         parser_for(name, template)
+
+
+# ---- the markers as special tokens, through the chat API ------------------------------------
+
+MARKS = {"mistral": ("[TOOL_CALLS]", "[ARGS]"), "llama3_json": ("<|python_tag|>",),
+         "hermes": ("<tool_call>", "</tool_call>")}
+"""Each format's tags as special tokens, as the real tokenizers have them (whatever the parser declares)."""
+MARKER_OUTPUTS = {
+    "mistral": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "{{ '[TOOL_CALLS]' }}"),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "{{ '<|python_tag|>' }}"),
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+               "{{ '<tool_call>' }}{% for t in tools %}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(MARKER_OUTPUTS))
+def test_a_format_whose_markers_are_special_tokens_still_parses(fmt, default_model):
+    """Mistral's [TOOL_CALLS] / [ARGS] and Llama 3's <|python_tag|> are special tokens of
+    their tokenizers (as hermes' tags are of some): skip_special_tokens would drop them
+    before the parser saw them, unless the server keeps its parser's markers."""
+    from starlette.testclient import TestClient
+
+    from streamer.config import ServerConfig
+    from streamer.server.app import create_app
+    from tests.server.fakes import Detokenizing, marker_tokenizer
+
+    text, template = MARKER_OUTPUTS[fmt]
+    tok = marker_tokenizer(default_model, MARKS[fmt],
+                           "{% for m in messages %}{{ m.content }}{% endfor %}" + template)
+    engine = Detokenizing(tok, text)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    config = ServerConfig(allowed_hosts=("testserver",), tool_call_parser=fmt)
+    with TestClient(create_app(engine, config)) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Paris?"}],
+                                                      "tools": tools})
+    assert r.status_code == 200, r.text
+    assert set(PARSERS[fmt].markers) <= set(engine.sent[-1].params.keep_special_tokens)
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Paris"})

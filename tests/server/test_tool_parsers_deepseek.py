@@ -357,7 +357,7 @@ def test_a_deepseek_parser_keeps_its_markers_and_constrains_its_calls():
     r = setup(tool_parser="deepseek_v3", tool_choice="required", hf_tokenizer=Tok(""))
     assert r.tools is PARSERS["deepseek_v3"] and r.keep_special == DEEPSEEK_MARKERS
     assert r.grammar is not None and "```json" in r.grammar.value
-    assert setup(tool_parser="hermes").keep_special == ()
+    assert setup(tool_parser="hermes").keep_special == ("<tool_call>", "</tool_call>")
     assert setup(tools=None).keep_special == ()
 
 
