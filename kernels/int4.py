@@ -11,8 +11,8 @@ checkpoints into it at load):
   computed in fp32 and rounded to x's dtype once (what `dequantize` gives the reference).
 
 Rows along N like nn.Linear's weight, so that the parts of a fused q/k/v or gate/up layer
-are row ranges of every tensor. K must be a multiple of G and G of 8; the kernels' K tile
-divides G (one scale and zero per row per tile).
+are row ranges of every tensor. K must be a multiple of G and G of 16 (the GEMM's K tile,
+which divides G so that a tile has one scale and zero per row, is at least tl.dot's 16).
 
 `int4_gemm` (any M, tl.dot on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles of dequantized W)
 serves prefill and batches; `int4_gemv` (a few rows; each row its own program along the grid's
@@ -109,7 +109,7 @@ def _int4_gemv_kernel(
 
 def _block_k(group: int, cap: int) -> int:
     """The largest power of two <= cap dividing the group (each K tile inside one group)."""
-    b = 8
+    b = 16
     while b * 2 <= cap and group % (b * 2) == 0:
         b *= 2
     return b
@@ -118,7 +118,7 @@ def _block_k(group: int, cap: int) -> int:
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> None:
     n, k = qweight.shape[0], x.shape[-1]
     assert qweight.dtype == torch.int32 and qweight.shape[1] * 8 == k, (tuple(qweight.shape), k)
-    assert group % 8 == 0 and k % group == 0, (group, k)
+    assert group % 16 == 0 and k % group == 0, (group, k)
     assert scales.shape == zeros.shape == (n, k // group), (tuple(scales.shape), tuple(zeros.shape))
     assert scales.dtype == x.dtype and zeros.dtype == torch.uint8 and x.dtype in TL_DTYPES
     assert qweight.stride(-1) == scales.stride(-1) == zeros.stride(-1) == 1
@@ -138,7 +138,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         bm, bn, bk = block or (min(64, max(16, triton.next_power_of_2(m))), 128 if m > 16 else 64, _block_k(group, 64))
-        assert group % bk == 0 and bk % 8 == 0, (group, bk)
+        assert group % bk == 0 and bk % 16 == 0, (group, bk)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _int4_gemm_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), qweight.stride(0),
                                 scales.stride(0), out.stride(0), G=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -17,9 +17,11 @@ one scale s and zero z per row n and group of G consecutive k:
   int, strategy group (group_size) or channel}: `weight_packed` [N, K / 8] packed along K in
   order, values stored + 8 (signed -8..7 offset to unsigned), `weight_scale` [N, K / G],
   `weight_zero_point` [N / 8, K / G] packed along N (+ 8 as well) when asymmetric, else the
-  zero is 8; `weight_shape` [N, K] is checked and dropped.
+  zero is 8; `weight_shape` [N, K] is checked and dropped; with actorder "group",
+  `weight_g_idx` [K] is GPTQ's g_idx and handled as it is.
 
-Every quantized linear layer becomes an `Int4Linear` holding kernels/int4.py's one layout
+Every quantized linear layer becomes an `Int4Linear` (model/int4_linear.py: the layer and the
+loaders that repack each format) holding kernels/int4.py's one layout
 (`qweight` [N, K / 8] packed along K in order, scales in the model's dtype, zeros uint8),
 rows along N so that the parts of a fused q/k/v or gate/up layer each fill their row range
 (scales and zeros concatenate along N; all parts share K and G). The LM head, embeddings and
@@ -33,15 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels import ops
 from streamer.errors import ModelLoadError
-from streamer.model.context import rows_as_decode
 from streamer.model.fp8_checkpoint import (
     CT_ARGS_FIELDS,
     CT_FIELDS,
@@ -50,13 +49,12 @@ from streamer.model.fp8_checkpoint import (
     hf_names,
     refuse,
 )
+from streamer.model.int4_linear import Int4Linear, pack, unpack
 from streamer.model.layers import Linear
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import MoEForCausalLM
 from streamer.model.tp_group import current as tensor_parallel
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-"""AWQ's packing: nibble i of a word holds column 8c + AWQ_ORDER[i]."""
 AWQ_FIELDS = {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version", "backend",
               "modules_to_not_convert", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
 # calibration settings and runtime kernel choices, which do not change what the file stores
@@ -71,9 +69,9 @@ NAMES = {
     "awq": {"qweight": "weight", "qzeros": "weight_zero", "scales": "weight_scale"},
     "gptq": {"qweight": "weight", "qzeros": "weight_zero", "scales": "weight_scale", "g_idx": "g_idx"},
     "compressed-tensors": {"weight_packed": "weight", "weight_zero_point": "weight_zero",
-                           "weight_scale": "weight_scale", "weight_shape": "weight_shape"},
+                           "weight_scale": "weight_scale", "weight_shape": "weight_shape", "weight_g_idx": "g_idx"},
 }
-FOREIGN = ("weight_scale_inv", "input_scale", "weight_global_scale", "weight_g_idx", "k_scale", "v_scale")
+FOREIGN = ("weight_scale_inv", "input_scale", "weight_global_scale", "k_scale", "v_scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +85,8 @@ class Int4Scheme:
     """Whether zeros are stored (else every zero is 8: symmetric compressed-tensors)."""
     zero_offset: int = 0
     """Added to a stored zero (GPTQ v1 stores z - 1)."""
+    g_idx: bool = False
+    """Whether each layer stores the group of each k (GPTQ's g_idx, compressed-tensors' weight_g_idx)."""
     skip: tuple[str, ...] = ()
     targets: tuple[str, ...] = ("Linear",)
 
@@ -127,8 +127,8 @@ def read_scheme(qc: dict, source: str, requested: str | None) -> Int4Scheme:
 def _group(g: Any, source: str) -> int:
     if g == -1 or g is None:
         return -1
-    if not isinstance(g, int) or g <= 0 or g % 8:
-        raise refuse(source, f"group_size {g!r} is not supported (a positive multiple of 8, or -1)")
+    if not isinstance(g, int) or g <= 0 or g % 16:  # (the GEMM's K tile divides it: tl.dot takes 16 or more)
+        raise refuse(source, f"group_size {g!r} is not supported (a positive multiple of 16, or -1)")
     return g
 
 
@@ -168,7 +168,8 @@ def _gptq(qc: dict, source: str) -> Int4Scheme:
                      "must be quantized)")
     if qc.get("block_name_to_quantize") not in (None, "model.layers"):
         raise refuse(source, f"block_name_to_quantize {qc['block_name_to_quantize']!r} is not supported")
-    return Int4Scheme("gptq", _group(qc.get("group_size"), source), True, zero_offset=1 if fmt == "gptq" else 0)
+    return Int4Scheme("gptq", _group(qc.get("group_size"), source), True, zero_offset=1 if fmt == "gptq" else 0,
+                      g_idx=True)
 
 
 def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
@@ -200,8 +201,8 @@ def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
                      "supported (pack-quantized: type 'int', num_bits 4)")
     if w.get("dynamic"):
         raise refuse(source, f"{where}.weights dynamic {w['dynamic']!r} is not supported")
-    if w.get("actorder") not in (None, "weight", "static"):
-        raise refuse(source, f"{where}.weights actorder {w['actorder']!r} (weight_g_idx) is not implemented")
+    if w.get("actorder") not in (None, "weight", "static", "group"):
+        raise refuse(source, f"{where}.weights actorder {w['actorder']!r} is not supported (group, weight or static)")
     strategy = w.get("strategy")
     if strategy == "group":
         g = _group(w.get("group_size"), source)
@@ -213,129 +214,13 @@ def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
     if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
         raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
     skip = tuple(qc.get("ignore") or ())
-    scheme = Int4Scheme("compressed-tensors", g, w.get("symmetric", True) is not True, skip=skip, targets=targets)
+    # (actorder "group" stores weight_g_idx, GPTQ's g_idx; "weight" and "static" only ordered the quantization)
+    scheme = Int4Scheme("compressed-tensors", g, w.get("symmetric", True) is not True, skip=skip, targets=targets,
+                        g_idx=w.get("actorder") == "group")
     if not any(_ct_matches("lm_head", p) for p in skip) and any(t == "Linear" or _ct_matches("lm_head", t)
                                                                  for t in targets):
         raise refuse(source, "quantizes lm_head (not in ignore): the LM head stays in the model's dtype")
     return scheme
-
-
-class Int4Linear(nn.Module):
-    """A linear layer of int4 weights (kernels/int4.py's layout), its inputs and output in the
-    model's dtype. `perm` (GPTQ desc_act): the order of K the weights were permuted into."""
-
-    decode_gemv = False  # (MLP's fused GEMV + SiLU epilogue reads bf16 or float8 weights only)
-    block = None
-
-    def __init__(self, linear: Linear, scheme: Int4Scheme) -> None:
-        super().__init__()
-        n, k = linear.out_features, linear.in_features
-        self.in_features, self.out_features = k, n
-        self.group = k if scheme.group == -1 else scheme.group
-        dev, dtype = linear.weight.device, linear.weight.dtype
-
-        def param(shape: tuple[int, ...], dt: torch.dtype, loader) -> nn.Parameter:
-            p = nn.Parameter(torch.zeros(shape, dtype=dt, device=dev), requires_grad=False)
-            p.weight_loader = partial(loader, scheme=scheme, k=k, group=self.group)  # type: ignore[attr-defined]
-            return p
-
-        self.weight = param((n, k // 8), torch.int32, _load_qweight)
-        self.weight_scale = param((n, k // self.group), dtype, _load_scales)
-        self.weight_zero: torch.Tensor
-        if scheme.zeros:
-            self.weight_zero = param((n, k // self.group), torch.uint8, _load_zeros)
-        else:
-            self.register_buffer("weight_zero", torch.full((n, k // self.group), 8, dtype=torch.uint8, device=dev))
-        self.g_idx = param((k,), torch.int32, _load_g_idx) if scheme.method == "gptq" else None
-        if self.g_idx is not None:
-            self.g_idx.data.fill_(-1)  # (not yet loaded: the first part of a fused layer fills it)
-        if scheme.method == "compressed-tensors":
-            self.weight_shape = param((2,), torch.int64, _check_shape)
-        self.bias = linear.bias
-        self.perm: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        y = ops.int4_linear(x, self.weight, self.weight_scale, self.weight_zero, self.group, rows_as_decode())
-        return y if self.bias is None else y + self.bias
-
-
-def _unpack(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] packed along C -> int32 [R, 8 C], nibble i of word c at column 8c + i
-    (or 8c + order[i])."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nib = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
-    if order is not None:
-        nib = nib[..., [order.index(j) for j in range(8)]]
-    return nib.reshape(packed.shape[0], -1)
-
-
-def _pack(values: torch.Tensor) -> torch.Tensor:
-    """int [R, C] of 0..15 -> int32 [R, C / 8] packed along C in order (kernels/int4.py)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
-    words = (values.to(torch.int64).reshape(values.shape[0], -1, 8) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _expect(tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], what: str) -> None:
-    if tensor.dtype not in dtypes:
-        raise ModelLoadError(f"{what} is {tensor.dtype}; the quantization_config's int4 format stores "
-                             f"{' or '.join(str(d) for d in dtypes)} here")
-    if tuple(tensor.shape) != shape:
-        raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {shape}")
-
-
-def _load_qweight(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
-                  scheme: Int4Scheme, k: int, group: int) -> None:
-    if scheme.method == "awq":
-        _expect(t, (k, rows // 8), (torch.int32,), what)
-        q = _pack(_unpack(t, AWQ_ORDER).t())
-    elif scheme.method == "gptq":
-        _expect(t, (k // 8, rows), (torch.int32,), what)
-        q = t.t()  # (packed along K in order: our layout, transposed)
-    else:
-        _expect(t, (rows, k // 8), (torch.int32,), what)
-        q = t
-    param.data.narrow(0, start, rows).copy_(q)
-
-
-def _load_scales(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
-                 scheme: Int4Scheme, k: int, group: int) -> None:
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    if scheme.method == "compressed-tensors":
-        _expect(t, (rows, k // group), floats, what)
-    else:
-        _expect(t, (k // group, rows), floats, what)
-        t = t.t()
-    param.data.narrow(0, start, rows).copy_(t)  # (into the model's dtype: the kernels' operand dtype)
-
-
-def _load_zeros(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
-                scheme: Int4Scheme, k: int, group: int) -> None:
-    if scheme.method == "compressed-tensors":  # packed along N: [ceil(N / 8), groups]
-        _expect(t, (-(-rows // 8), k // group), (torch.int32,), what)
-        z = _unpack(t.t())[:, :rows].t()
-    else:
-        _expect(t, (k // group, rows // 8), (torch.int32,), what)
-        z = _unpack(t, AWQ_ORDER if scheme.method == "awq" else None).t() + scheme.zero_offset
-    param.data.narrow(0, start, rows).copy_(z)
-
-
-def _load_g_idx(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
-                scheme: Int4Scheme, k: int, group: int) -> None:
-    _expect(t, (k,), (torch.int32, torch.int64), what)
-    if bool((param < 0).all()):
-        param.data.copy_(t)
-    elif not torch.equal(param.data, t.to(param.dtype)):
-        raise ModelLoadError(f"{what} differs from the g_idx of the other parts of its fused layer (q/k/v or "
-                             "gate/up): their input columns would need different orders")
-
-
-def _check_shape(param: torch.Tensor, t: torch.Tensor, start: int, rows: int, what: str, *,
-                 scheme: Int4Scheme, k: int, group: int) -> None:
-    if t.tolist() != [rows, k]:
-        raise ModelLoadError(f"{what} is {t.tolist()}, the model's layer is [{rows}, {k}]")
 
 
 def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, source: str) -> set[str]:
@@ -367,9 +252,10 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
         if type(m) is not Linear:
             raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
         k, group = m.in_features, (m.in_features if scheme.group == -1 else scheme.group)
-        if k % group or (scheme.method != "compressed-tensors" and m.out_features % 8):
+        if k % group or group % 16 or (scheme.method != "compressed-tensors" and m.out_features % 8):
             raise refuse(source, f"quantizes {name} of shape {tuple(m.weight.shape)} with group_size {scheme.group}; "
-                         "int4 layers need K a multiple of the group size (and N of 8 for AWQ and GPTQ)")
+                         "int4 layers need K a multiple of the group size, itself of 16 (and N of 8 for AWQ "
+                         "and GPTQ)")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme))
         quantized.update(names)
@@ -413,11 +299,11 @@ def _order_groups(m: Int4Linear, name: str) -> None:
         return
     counts = torch.bincount(g.clamp(0, k // group), minlength=k // group + 1)
     if bool((g < 0).any() or (g >= k // group).any()) or not bool((counts[: k // group] == group).all()):
-        raise ModelLoadError(f"{name}.g_idx: not {k // group} groups of {group} columns each (GPTQ act order "
+        raise ModelLoadError(f"{name}.g_idx: not {k // group} groups of {group} columns each (act order "
                              "with groups of other sizes is not supported)")
     perm = torch.argsort(g, stable=True)
-    q = _unpack(m.weight.data)[:, perm]
-    m.weight.data.copy_(_pack(q))
+    q = unpack(m.weight.data)[:, perm]
+    m.weight.data.copy_(pack(q))
     m.perm = perm
 
 

@@ -19,7 +19,7 @@ from kernels.int4 import dequantize
 from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError, ModelLoadError
 from streamer.model.fp8_checkpoint import hf_names
-from streamer.model.int4_checkpoint import Int4Linear
+from streamer.model.int4_linear import Int4Linear
 from streamer.model.loader import load_model
 from tests.conftest import make_tiny_model
 
@@ -66,9 +66,11 @@ def quantize(w: torch.Tensor, group: int, sym: bool, scale_dtype, g_idx: torch.T
     return q, zeros, scales, (q - z).float() * s
 
 
-def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int, desc_act: bool = False,
+def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int | None, desc_act: bool = False,
                         sym: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """src's decoder linear layers written in fmt; also returns the dequantized weights."""
+    """src's decoder linear layers written in fmt (group None: one per row, compressed-tensors'
+    channel strategy); also returns the dequantized weights."""
+    per_row = group is None
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
     out, deq = {}, {}
@@ -80,6 +82,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int, desc_act: bo
             out[name] = t
             continue
         n, k = t.shape
+        group = k if per_row else group
         g_idx = None
         if desc_act:  # one order per input (q/k/v share theirs, gate/up theirs), as GPTQ's Hessian gives
             parent, leaf = base.rsplit(".", 1)
@@ -106,13 +109,16 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int, desc_act: bo
             out[base + ".weight_shape"] = torch.tensor([n, k])
             if not sym:
                 out[base + ".weight_zero_point"] = pack((zeros - 8) + 8, 0)
+            if desc_act:
+                out[base + ".weight_g_idx"] = g_idx.to(torch.int32)
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qconfig(fmt, group, desc_act, sym)}))
+    qc = qconfig(fmt, None if per_row else group, desc_act, sym)
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     return dst, deq
 
 
-def qconfig(fmt: str, group: int, desc_act: bool = False, sym: bool = False) -> dict:
+def qconfig(fmt: str, group: int | None, desc_act: bool = False, sym: bool = False) -> dict:
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}
@@ -121,8 +127,9 @@ def qconfig(fmt: str, group: int, desc_act: bool = False, sym: bool = False) -> 
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group,
-                "dynamic": False, "actorder": None, "observer": "minmax"}, "input_activations": None}}}
+                "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if group is None else "group",
+                "group_size": group, "dynamic": False, "actorder": "group" if desc_act else None,
+                "observer": "minmax"}, "input_activations": None}}}
 
 
 PROMPTS = [[5, 17, 300, 42, 9], list(range(3, 40)), [7] * 3 + list(range(100, 160))]
@@ -139,18 +146,20 @@ def hf_dequantized(src: Path, deq: dict[str, torch.Tensor]):
 
 
 VARIANTS = [("awq", 32, False, False), ("gptq", 32, False, False), ("gptq", 64, True, False),
-            ("gptq", 32, False, True), ("ct", 32, False, True), ("ct", 64, False, False)]
+            ("gptq", 32, False, True), ("ct", 32, False, True), ("ct", 64, False, False), ("ct", 32, True, False),
+            ("ct", None, False, True)]
 
 
 @pytest.mark.parametrize("fmt,group,desc_act,sym", VARIANTS,
-                         ids=["awq", "gptq", "gptq-desc_act", "gptq-sym", "ct-sym", "ct-asym"])
+                         ids=["awq", "gptq", "gptq-desc_act", "gptq-sym", "ct-sym", "ct-asym", "ct-actorder",
+                              "ct-channel"])
 def test_int4_checkpoint_runs_as_transformers_on_its_dequantized_weights(tiny, tmp_path, fmt, group, desc_act, sym):
     path, deq = quantize_checkpoint(tiny, tmp_path / fmt, fmt, group, desc_act, sym)
     model, _ = load_model(path)
     qkv = model.layers[0].self_attn.qkv_proj
     n, k = qkv.out_features, qkv.in_features
     assert isinstance(qkv, Int4Linear) and qkv.weight.dtype == torch.int32 and qkv.weight.shape == (n, k // 8)
-    assert qkv.weight_scale.shape == qkv.weight_zero.shape == (n, k // group)
+    assert qkv.weight_scale.shape == qkv.weight_zero.shape == (n, 1 if group is None else k // group)
     assert (qkv.perm is not None) == desc_act
     assert model.lm_head.weight.dtype == torch.float32 and not isinstance(model.lm_head, Int4Linear)
     # the layout in memory is the packer's weights, fused parts side by side (and K in the act order)
@@ -174,6 +183,26 @@ def test_int4_checkpoint_runs_as_transformers_on_its_dequantized_weights(tiny, t
         torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs]), ref, rtol=0, atol=1e-3)
 
 
+def test_qwen2_awq_with_qkv_biases(tmp_path):
+    """Qwen2's q/k/v biases (unquantized in AWQ and GPTQ checkpoints) add to the int4 layer's output."""
+    tiny = make_tiny_model(tmp_path / "qwen2", "Qwen2ForCausalLM", None, **SHAPES)
+    tensors = load_file(str(tiny / "model.safetensors"))  # (transformers initializes biases to zero)
+    g = torch.Generator().manual_seed(9)
+    tensors = {n: torch.randn(t.shape, generator=g) * 0.3 if n.endswith("bias") else t for n, t in tensors.items()}
+    save_file(tensors, str(tiny / "model.safetensors"))
+    path, deq = quantize_checkpoint(tiny, tmp_path / "awq", "awq", 32)
+    model, _ = load_model(path)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)
+    hf = hf_dequantized(tiny, deq)
+    with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for p, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+        assert o.token_ids == want.tolist()
+
+
 def with_config(tiny: Path, dst: Path, qc: dict, arch_overrides: dict | None = None) -> Path:
     shutil.copytree(tiny, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -190,7 +219,7 @@ REFUSALS = [
     ({**qconfig("gptq", 32), "some_new_knob": 1}, "field 'some_new_knob' is not understood (quant_method 'gptq')"),
     ({**qconfig("gptq", 32), "lm_head": True}, "lm_head true is not supported"),
     ({**qconfig("gptq", 32), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
-    ({**qconfig("gptq", 12)}, "group_size 12 is not supported"),
+    ({**qconfig("gptq", 24)}, "group_size 24 is not supported"),
     ({**qconfig("ct", 32), "ignore": []}, "quantizes lm_head"),
     ({**qconfig("ct", 32), "config_groups": {"group_0": {**qconfig("ct", 32)["config_groups"]["group_0"],
                                                          "weights": {"num_bits": 8, "type": "int",

@@ -1,0 +1,53 @@
+"""Times kernels/int4.py's W4A16 layers against bf16 F.linear (cuBLAS) on Llama-3.1-8B's
+shapes (group 128), after checking each against the torch reference:
+
+    python3 benchmarks/int4_bench.py        # on a CUDA GPU
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels import int4  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def layer(n: int, k: int, group: int = 128):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
+    scales = (torch.rand(n, k // group, device="cuda", generator=g) * 0.004).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // group), device="cuda", generator=g).to(torch.uint8)
+    return qweight, scales, zeros
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}; us per call (int4 / bf16 cuBLAS), int4 weight GB/s at M = 1")
+    for name, (n, k) in SHAPES.items():
+        qweight, scales, zeros = layer(n, k)
+        dense = int4.dequantize(qweight, scales, zeros, 128, torch.bfloat16)
+        for m in (1, 4, 16, 128, 1024, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            got = int4.linear(x, qweight, scales, zeros, 128)
+            ref = F.linear(x.float(), dense.float())
+            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, (name, m, err)
+            args = (x, qweight, scales, zeros, 128)
+            t4 = do_bench(lambda a=args: int4.linear(*a), warmup=25, rep=100) * 1e3
+            t16 = do_bench(lambda a=(x, dense): F.linear(*a), warmup=25, rep=100) * 1e3
+            extra = ""
+            if m == 1:
+                nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
+                extra = f"  {nbytes / t4 / 1e3:.0f} GB/s"
+            print(f"{name} {n}x{k} M={m}: {t4:.1f} / {t16:.1f}{extra}  (max rel err {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
