@@ -45,7 +45,8 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
     if getattr(cfg, "vision_config", None) is not None or getattr(cfg, "text_config", None) is not None:
         refuse("vision_config", "multimodal configs are not supported; use a text-only config "
                                 "(for Gemma 3: model_type gemma3_text, Gemma3ForCausalLM)")
-    # (quantization_config: model/fp8_checkpoint.py loads float8 checkpoints and refuses the rest)
+    # (quantization_config: model/fp8_checkpoint.py loads float8 checkpoints, int4 ones through
+    # model/int4_checkpoint.py, and refuses the rest)
     act = getattr(cfg, cls.act_field, None) or "silu"
     if act not in GATED_ACTIVATIONS:
         refuse(cls.act_field, f"supported activations: {', '.join(sorted(GATED_ACTIVATIONS))}")

@@ -62,7 +62,7 @@ GPTQ_FIELDS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpo
                "dynamic", "pack_dtype", "modules_in_block_to_quantize", "block_name_to_quantize", "true_sequential",
                "static_groups", "damp_percent", "damp_auto_increment", "model_name_or_path", "model_file_base_name",
                "meta", "tokenizer", "dataset", "use_exllama", "exllama_config", "max_input_length",
-               "cache_block_outputs", "module_name_preceding_first_block", "batch_size", "pad_token_id",
+               "cache_block_outputs", "module_name_preceding_first_block", "batch_size", "pad_token_id", "model_seqlen",
                "use_cuda_fp16", "backend", "disable_exllama"}
 # checkpoint tensor leaf -> Int4Linear's parameter, per method
 NAMES = {
