@@ -77,9 +77,12 @@ class ServerProcess:
         return self.proc.poll() is None
 
     def rss(self) -> int:
-        """Resident bytes of the server process (and of any children it started)."""
+        """Resident bytes of the server process and of any children it started, each shared
+        page counted once: the proportional set size (PSS), summed. (A sum of RSS would count
+        twice the library pages that the grammar worker, a process of its own that imports
+        xgrammar and so torch, shares with the server: ~130 MB of the default model's server.)"""
         p = psutil.Process(self.pid)
-        return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        return sum(q.memory_full_info().pss for q in [p, *p.children(recursive=True)])
 
     def metrics(self) -> dict[str, float]:
         r = httpx.get(self.url + "/metrics", timeout=10)

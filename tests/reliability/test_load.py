@@ -4,7 +4,7 @@ The same traffic runs twice: a short burst to warm up (allocator pools,
 tokenizer and grammar caches, the prefix cache filling), then the measured
 15 s run. It must end with no failure, and the server's resident memory after
 it must be within 10% of its value after the warm-up (no growth under steady
-load), and under 2 GB for the default model.
+load), and under 2 GB for the default model (PSS of the server and its children: conftest.py).
 """
 
 from __future__ import annotations
