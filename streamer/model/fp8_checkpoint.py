@@ -240,10 +240,11 @@ def _check_args(args: dict, where: str, source: str) -> None:
         raise refuse(source, f"{where} symmetric false (zero points) is not supported")
 
 
-def hf_names(name: str) -> list[str]:
-    """The transformers names of our linear layer `name` (a fused one has several)."""
+def hf_names(name: str, fused_checkpoint: bool = False) -> list[str]:
+    """The transformers names of our linear layer `name` (a fused one has several, unless
+    the checkpoint stores it fused too: fused_checkpoint, Phi-3's qkv_proj and gate_up_proj)."""
     prefix = "" if name == "lm_head" else "model."
-    for fused in {g for g, _ in STACKED.values()}:
+    for fused in set() if fused_checkpoint else {g for g, _ in STACKED.values()}:
         if name.endswith(fused):
             base = name.removesuffix(fused)
             return [f"{prefix}{base}{frag}" for frag, (g, _) in STACKED.items() if g == fused]
@@ -257,7 +258,7 @@ def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, so
     for name, m in model.named_modules():
         if not isinstance(m, Linear):
             continue
-        names = hf_names(name)
+        names = hf_names(name, model.fused_checkpoint)
         flags = {scheme.quantized(n) for n in names}
         if len(flags) > 1:
             raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")

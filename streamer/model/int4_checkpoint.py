@@ -243,7 +243,7 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
     for name, m in list(model.named_modules()):
         if not isinstance(m, Linear):
             continue
-        names = hf_names(name)
+        names = hf_names(name, model.fused_checkpoint)
         flags = {scheme.quantized(n) for n in names}
         if len(flags) > 1:
             raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")

@@ -66,6 +66,9 @@ class LlamaForCausalLM(nn.Module):
     partial_rotary = False
     """Whether partial_rotary_factor < 1 is implemented (rope.py; config_check refuses it
     elsewhere, where transformers' class would rotate whole heads)."""
+    fused_checkpoint = False
+    """Whether checkpoints store qkv_proj and gate_up_proj fused, as this model does (Phi-3),
+    rather than as q/k/v and gate/up (STACKED): the quantized checkpoints' names follow."""
     norm_offset = 0.0
     act_field = "hidden_act"
     """The config field naming the MLP's activation (config_check refuses the ones
@@ -224,12 +227,31 @@ class LlamaForCausalLM(nn.Module):
             n_qk = attn.heads + attn.kv_heads
             qk = w[: n_qk * self.head_dim].view(n_qk, self.head_dim, -1)
             qk.copy_(qk[:, perm.to(w.device)].clone())
+            self._permute_rotary_scales(attn.qkv_proj, n_qk, perm)
             if attn.qkv_proj.bias is not None:
                 b = attn.qkv_proj.bias.data[: n_qk * self.head_dim].view(n_qk, self.head_dim)
                 b.copy_(b[:, perm.to(w.device)].clone())
             for norm in (attn.q_norm, attn.k_norm):  # per-head q/k norms: their weights follow the dims
                 if norm is not None:
                     norm.weight.data.copy_(norm.weight.data[perm.to(w.device)].clone())
+
+    def _permute_rotary_scales(self, qkv: Linear, n_qk: int, perm: torch.Tensor) -> None:
+        """A float8 checkpoint's weight scales follow the rows they scale: one per row (per
+        channel, or a per-tensor scale spread over the rows) moves with its row; a block
+        scale covers bn rows, so a permutation that takes a row out of its block is refused."""
+        scale, hd = qkv.weight_scale, self.head_dim
+        if scale is None:
+            return
+        if qkv.block is None:
+            if scale.numel() == qkv.out_features:
+                s = scale.view(-1)[: n_qk * hd].view(n_qk, hd)
+                s.copy_(s[:, perm.to(s.device)].clone())
+            return
+        rows = torch.arange(n_qk * hd).view(n_qk, hd)
+        if not torch.equal(rows // qkv.block[0], rows[:, perm] // qkv.block[0]):
+            raise ModelLoadError(f"a block-scaled float8 checkpoint with [{qkv.block[0]}, {qkv.block[1]}] blocks "
+                                 f"cannot take {type(self).__name__}'s rotary reordering of q/k rows (head_dim "
+                                 f"{hd}): a row would leave the block its scale covers")
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))

@@ -13,6 +13,7 @@ from streamer.model.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     partial_rotary = True
+    fused_checkpoint = True
 
     def attention_biases(self) -> tuple[bool, bool]:
         return False, False

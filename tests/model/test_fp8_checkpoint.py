@@ -329,3 +329,34 @@ def test_dummy_weights_of_a_float8_config(tiny, tmp_path):
     assert o.weight.dtype == FP8 and torch.equal(o.weight_scale, torch.full((2, 2), 0.02))
     w = quant.dequantize_blocks(o.weight, o.weight_scale, o.block)
     assert 0.01 < w.std() < 0.03
+
+
+@pytest.mark.parametrize("arch, kw", [("CohereForCausalLM", {}), ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "pad_token_id": 0})])
+def test_per_channel_scales_follow_the_rotary_reordering_of_q_k_rows(tmp_path, arch, kw):
+    """Cohere's interleaved rotary pairs and partial rotary reorder each q/k head's rows at
+    load (LlamaForCausalLM.rotary_permutation): a per-row scale must move with its row. A
+    row's float8 value and scale do not depend on where it sits, so the checkpoint loads
+    as online quantization (which quantizes the rows after reordering) does, bit for bit."""
+    src = make_tiny_model(tmp_path / "src", arch, None, **{**SHAPES, **kw})
+    path = write_checkpoint(src, tmp_path / "ct", ct_config({"strategy": "channel"},
+                                                             {"num_bits": 8, "type": "float", "strategy": "token",
+                                                              "dynamic": True, "symmetric": True}),
+                            per_row, "weight_scale")
+    model, _ = load_model(path)
+    assert model.rotary_permutation() is not None
+    online, _ = load_model(src, quantization="fp8")
+    a, b = model.layers[0].self_attn.qkv_proj, online.layers[0].self_attn.qkv_proj
+    assert torch.equal(a.weight.float(), b.weight.float()) and torch.equal(a.weight_scale, b.weight_scale)
+    assert [o.token_ids for o in generate(path)] == [o.token_ids for o in generate(src, quantization="fp8")]
+
+
+def test_a_block_scale_the_rotary_reordering_would_split_is_refused(tmp_path):
+    """head_dim 96 with [128, 128] blocks: a head's rows straddle two blocks, and partial
+    rotary's reordering moves rows between them."""
+    shapes = {**SHAPES, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 96, "hidden_size": 384,
+              "partial_rotary_factor": 0.5, "pad_token_id": 0}
+    src = make_tiny_model(tmp_path / "src", "Phi3ForCausalLM", None, **shapes)
+    path = write_checkpoint(src, tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                    "activation_scheme": "dynamic"}, block_128, "weight_scale_inv")
+    with pytest.raises(ModelLoadError, match="rotary reordering"):
+        load_model(path)
