@@ -176,7 +176,9 @@ def _finegrained(qc: dict, source: str) -> Fp8Scheme:
     return Fp8Scheme("fp8", "block", "group", (block[0], block[1]), skip)
 
 
-def _compressed_tensors(qc: dict, source: str) -> Fp8Scheme:
+def ct_group(qc: dict, source: str, kind: str) -> tuple[str, dict, str | None]:
+    """A compressed-tensors config's one quantization group, checked as far as the float8
+    and int4 (int4_checkpoint.py) readers share it: (where, the group, its format)."""
     unknown = sorted(set(qc) - CT_FIELDS)
     if unknown:
         raise refuse(source, f"field {unknown[0]!r} is not understood (compressed-tensors)")
@@ -185,13 +187,17 @@ def _compressed_tensors(qc: dict, source: str) -> Fp8Scheme:
             raise refuse(source, f"{field} is not supported (compressed-tensors)")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
-        raise refuse(source, f"has {len(groups)} config_groups; one float8 group is supported")
+        raise refuse(source, f"has {len(groups)} config_groups; one {kind} group is supported")
     (name, group), = groups.items()
     where = f"config_groups.{name}"
     unknown = sorted(set(group) - CT_GROUP_FIELDS)
     if unknown:
         raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
-    fmt = group.get("format") or qc.get("format")
+    return where, group, group.get("format") or qc.get("format")
+
+
+def _compressed_tensors(qc: dict, source: str) -> Fp8Scheme:
+    where, group, fmt = ct_group(qc, source, "float8")
     if fmt not in CT_FORMATS:
         raise refuse(source, f"format {fmt!r} is not supported (compressed-tensors {' or '.join(CT_FORMATS)})")
     if group.get("output_activations"):

@@ -43,9 +43,8 @@ from torch import nn
 from streamer.errors import ModelLoadError
 from streamer.model.fp8_checkpoint import (
     CT_ARGS_FIELDS,
-    CT_FIELDS,
-    CT_GROUP_FIELDS,
     _ct_matches,
+    ct_group,
     hf_names,
     refuse,
 )
@@ -173,21 +172,7 @@ def _gptq(qc: dict, source: str) -> Int4Scheme:
 
 
 def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
-    unknown = sorted(set(qc) - CT_FIELDS)
-    if unknown:
-        raise refuse(source, f"field {unknown[0]!r} is not understood (compressed-tensors)")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if qc.get(field):
-            raise refuse(source, f"{field} is not supported (compressed-tensors)")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise refuse(source, f"has {len(groups)} config_groups; one int4 group is supported")
-    (name, group), = groups.items()
-    where = f"config_groups.{name}"
-    unknown = sorted(set(group) - CT_GROUP_FIELDS)
-    if unknown:
-        raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
-    fmt = group.get("format") or qc.get("format")
+    where, group, fmt = ct_group(qc, source, "int4")
     if fmt != "pack-quantized":
         raise refuse(source, f"{where} format {fmt!r} is not supported with int4 weights (pack-quantized)")
     if group.get("input_activations") or group.get("output_activations"):
