@@ -277,7 +277,7 @@ def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, so
                          "dimensions to be multiples of 16")
         if scheme.block is not None and device.type == "cuda":
             _check_cuda_blocks(scheme.block, device, source)
-        _make_fp8(m, scheme)
+        _make_fp8(m, scheme, device)
         quantized.update(names)
     if isinstance(model, MoEForCausalLM):
         quantized |= _prepare_experts(model, scheme, device, source)
@@ -318,12 +318,12 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Fp8Scheme, device: torch.dev
                 experts.dequantized_block = scheme.block
                 dequantized = experts.down_proj.dtype
                 continue
-            experts.expect_fp8(scheme.block)
+            experts.expect_fp8(device, scheme.block)
             continue
         if scheme.act != "token":
             raise refuse(source, f"quantizes the inputs of {base} per {scheme.act}; float8 experts quantize "
                          "their inputs per token")
-        experts.expect_fp8()
+        experts.expect_fp8(device)
         quantized.update(names)
     if dequantized is not None:
         log.warning("%s: the block-scaled float8 experts are dequantized to %s at load (on CUDA the MoE kernels "
@@ -342,9 +342,8 @@ def _check_cuda_blocks(block: tuple[int, int], device: torch.device, source: str
                      f"this GPU is sm_{cap[0]}{cap[1]}")
 
 
-def _make_fp8(m: Linear, scheme: Fp8Scheme) -> None:
+def _make_fp8(m: Linear, scheme: Fp8Scheme, dev: torch.device) -> None:
     n, k = m.weight.shape
-    dev = m.weight.device
     weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
     weight.weight_loader = _load_weight  # type: ignore[attr-defined]
     m.weight = weight

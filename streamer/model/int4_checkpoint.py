@@ -242,7 +242,7 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
                          "int4 layers need K a multiple of the group size, itself of 16 (and N of 8 for AWQ "
                          "and GPTQ)")
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme))
+        setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme, device))
         quantized.update(names)
     return quantized
 

@@ -32,12 +32,12 @@ class Int4Linear(nn.Module):
     decode_gemv = False  # (MLP's fused GEMV + SiLU epilogue reads bf16 or float8 weights only)
     block = None
 
-    def __init__(self, linear: Linear, scheme: Int4Scheme) -> None:
+    def __init__(self, linear: Linear, scheme: Int4Scheme, dev: torch.device) -> None:
         super().__init__()
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features = k, n
         self.group = k if scheme.group == -1 else scheme.group
-        dev, dtype = linear.weight.device, linear.weight.dtype
+        dtype = linear.weight.dtype
 
         def param(shape: tuple[int, ...], dt: torch.dtype, loader) -> nn.Parameter:
             p = nn.Parameter(torch.zeros(shape, dtype=dt, device=dev), requires_grad=False)

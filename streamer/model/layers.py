@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,6 +16,38 @@ from streamer.model import quant
 from streamer.model.context import get_context, rows_as_decode
 from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
+
+_deferred = False
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Models built inside have the weights of their linear layers and experts on the meta
+    device: no memory until `materialize`. A quantized checkpoint's loader (model/loader.py)
+    builds so, replaces the quantized layers' weights with their stored dtype's, then
+    allocates the rest: the model never holds a full-precision copy of a quantized layer
+    (a 70B int4 or float8 checkpoint would not fit one H200 in bf16 while it loads)."""
+    global _deferred
+    saved, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = saved
+
+
+def weight_device() -> str | None:
+    """Where a weight is made: "meta" inside deferred_weights, else the default device."""
+    return "meta" if _deferred else None
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialized: the checkpoint or dummy values fill them) every parameter
+    still on the meta device."""
+    for m in model.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(m, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                              requires_grad=p.requires_grad))
 
 
 class Linear(nn.Linear):
@@ -31,7 +65,7 @@ class Linear(nn.Linear):
     cublas_scale: torch.Tensor | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **({**kwargs, "device": "meta"} if _deferred else kwargs))
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint, int4_checkpoint
 from streamer.model.config_check import check_config
-from streamer.model.layers import Linear, RMSNorm
+from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import Experts
 from streamer.model.registry import model_class
@@ -138,7 +138,10 @@ def load_model(
     if note:
         log.warning("%s: %s", path, note)
     files = [] if load_format == "dummy" else weight_files(path)
-    with torch.device(device), default_dtype(torch_dtype), no_init():  # (in its dtype: no float32 copy first)
+    # (in its dtype: no float32 copy first; a quantized checkpoint's weights on the meta device
+    # until prepare has given the quantized layers theirs: layers.deferred_weights)
+    with torch.device(device), default_dtype(torch_dtype), no_init(), \
+            (deferred_weights() if scheme is not None else nullcontext()):
         model = cls(hf_config, max_positions)
     tables = {n: b for n, b in model.named_buffers() if n.startswith("cos_sin")}
     model.to(torch_dtype)
@@ -153,6 +156,7 @@ def load_model(
     # (one module per kind of quantized checkpoint, with the same four steps)
     ckpt: Any = int4_checkpoint if isinstance(scheme, int4_checkpoint.Int4Scheme) else fp8_checkpoint
     quantized = set() if scheme is None else ckpt.prepare(model, scheme, device, str(path / "config.json"))
+    materialize(model, device)
     with torch.no_grad():
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)

@@ -37,7 +37,7 @@ from torch import nn
 from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
-from streamer.model.layers import MLP
+from streamer.model.layers import MLP, weight_device
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.quant import dequantize_blocks
 from streamer.model.tp_group import TPGroup
@@ -56,8 +56,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     def __init__(self, hidden: int, intermediate: int, experts: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        device = weight_device()  # (meta while a quantized checkpoint's model is built: layers.py)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden, device=device))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate, device=device))
         # float8 experts (quantize_fp8): one fp32 scale per output row of each expert
         self.gate_up_proj_scale: torch.Tensor | None
         self.down_proj_scale: torch.Tensor | None
@@ -73,7 +74,7 @@ class Experts(nn.Module):
         self.pending: dict[str, tuple[str, torch.Tensor]] = {}
         """Dequantized block-scaled projections whose weight or scale has come, waiting for the other."""
 
-    def expect_fp8(self, block: tuple[int, int] | None = None) -> None:
+    def expect_fp8(self, device: torch.device, block: tuple[int, int] | None = None) -> None:
         """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert): one
         scale per row, or with `block` the block grids (Experts.block). The scales start NaN,
         so one the checkpoint lacks cannot pass for a real one."""
@@ -81,14 +82,14 @@ class Experts(nn.Module):
         inter = self.down_proj.shape[2]
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name)
-            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=device),
                                              requires_grad=False))
             shape: tuple[int, ...] = tuple(w.shape[:2])
             if block is not None:
                 bn, bk = block
                 rows = 2 * -(-inter // bn) if name == "gate_up_proj" else -(-w.shape[1] // bn)
                 shape = (w.shape[0], rows, -(-w.shape[2] // bk))
-            self.register_buffer(f"{name}_scale", torch.full(shape, float("nan"), device=w.device),
+            self.register_buffer(f"{name}_scale", torch.full(shape, float("nan"), device=device),
                                  persistent=False)
 
     def quantize_fp8(self, split_rows: TPGroup | None = None) -> None:

@@ -360,3 +360,29 @@ def test_a_block_scale_the_rotary_reordering_would_split_is_refused(tmp_path):
                                                     "activation_scheme": "dynamic"}, block_128, "weight_scale_inv")
     with pytest.raises(ModelLoadError, match="rotary reordering"):
         load_model(path)
+
+
+def test_a_quantized_checkpoint_never_holds_full_precision_copies_of_its_quantized_layers(tiny, tmp_path,
+                                                                                            monkeypatch):
+    """The model of a quantized checkpoint is built with its linear weights on the meta
+    device (layers.deferred_weights): when prepare gives the quantized layers their float8
+    weights, no full-precision weight was ever allocated for them; whatever stays in the
+    model's dtype (the LM head) is allocated after, and nothing is left on meta."""
+    from streamer.model import fp8_checkpoint
+
+    path = write_checkpoint(tiny, tmp_path / "ct", ct_config({"strategy": "channel"},
+                                                              {"num_bits": 8, "type": "float", "strategy": "token",
+                                                               "dynamic": True, "symmetric": True}),
+                            per_row, "weight_scale")
+    seen: dict[str, bool] = {}
+    real_prepare = fp8_checkpoint.prepare
+
+    def spy(model, *a, **kw):
+        seen.update({n: m.weight.is_meta for n, m in model.named_modules() if isinstance(m, Linear)})
+        return real_prepare(model, *a, **kw)
+
+    monkeypatch.setattr(fp8_checkpoint, "prepare", spy)
+    model, _ = load_model(path)
+    assert seen and all(seen.values()), seen
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert model.layers[0].mlp.down_proj.weight.dtype == FP8 and model.lm_head.weight.dtype == torch.float32
