@@ -268,27 +268,25 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
         super().load_weights(weights)
-        for layer in self.layers:
-            attn: Any = layer.self_attn
-            attn.kv_b_proj.dequantize(self.norm.weight.dtype)
         if self.rope_interleaved:
             self._deinterleave_rope()
+
+    def loaded(self) -> None:
+        for layer in self.layers:  # (dummy weights too: a float8 config's kv_b_proj is float8 either way)
+            attn: Any = layer.self_attn
+            attn.kv_b_proj.dequantize(self.norm.weight.dtype)
 
     def _deinterleave_rope(self) -> None:
         """Each q head's rope rows and the k_rope rows from pairs (2i, 2i + 1) to (i, i + rope/2)."""
         cfg = self.config
         nope, rope, rank = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.kv_lora_rank)
         perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+        head = torch.cat([torch.arange(nope), nope + perm])  # (the nope rows stay)
         for layer in self.layers:
             attn: Any = layer.self_attn
             q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
-            rows = q.weight.data.view(attn.heads, nope + rope, -1)[:, nope:]
-            rows.copy_(rows[:, perm.to(rows.device)].clone())
-            kv = attn.kv_a_proj_with_mqa
-            for t in (kv.weight.data, None if kv.bias is None else kv.bias.data):
-                if t is not None:
-                    k_rows = t[rank:]
-                    k_rows.copy_(k_rows[perm.to(t.device)].clone())
+            q.permute_rows((torch.arange(attn.heads)[:, None] * (nope + rope) + head[None, :]).view(-1))
+            attn.kv_a_proj_with_mqa.permute_rows(torch.cat([torch.arange(rank), rank + perm]))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

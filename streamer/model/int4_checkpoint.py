@@ -221,7 +221,7 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
                 if scheme.quantized(expert):
                     raise refuse(source, f"quantizes the experts of {name_of} to int4 ({scheme.method}): int4 "
                                  "experts are not implemented")
-    if model.rotary_permutation() is not None:
+    if model.rotary_permutation() is not None or getattr(model, "rope_interleaved", False):
         raise refuse(source, f"int4 weights in {name_of}, whose q/k rows are permuted after loading (partial or "
                      "interleaved rotary), are not implemented")
     quantized: set[str] = set()

@@ -12,6 +12,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
+from streamer.errors import ModelLoadError
 from streamer.model import quant
 from streamer.model.context import get_context, rows_as_decode
 from streamer.model.tp_group import TPGroup
@@ -82,6 +83,28 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale.view(-1), persistent=False)
         return True
+
+    def permute_rows(self, perm: torch.Tensor) -> None:
+        """Output row r becomes the old row perm[r] (a model's rotary reordering of its q/k
+        rows after loading): the weight's rows, the bias, and a float8 checkpoint's per-row
+        scales move together; a block scale covers block[0] rows, so a row that would leave
+        its block is refused (ModelLoadError)."""
+        perm = perm.to(self.weight.device)
+        self.weight.data.copy_(self.weight.data[perm].clone())
+        if self.bias is not None:
+            self.bias.data.copy_(self.bias.data[perm].clone())
+        scale = self.weight_scale
+        if scale is None:
+            return
+        if self.block is None:
+            if scale.numel() == self.out_features:  # (per row; one per tensor stays as it is)
+                scale.view(-1).copy_(scale.view(-1)[perm].clone())
+            return
+        bn = self.block[0]
+        if not torch.equal(perm // bn, torch.arange(len(perm), device=perm.device) // bn):
+            raise ModelLoadError(f"a block-scaled float8 checkpoint with [{bn}, {self.block[1]}] blocks cannot take "
+                                 "the model's rotary reordering of q/k rows: a row would leave the block its scale "
+                                 "covers")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:

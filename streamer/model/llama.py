@@ -198,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
         self._permute_rotary()
 
+    def loaded(self) -> None:
+        """Once the weights are in (from the checkpoint or dummy values; model/loader.py):
+        what the model derives from them (DeepSeek: kv_b_proj's dense matrices)."""
+
     def skips_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is none of this model's (transformers ignores it too):
         dropped before anything reads it."""
@@ -221,37 +225,16 @@ class LlamaForCausalLM(nn.Module):
         perm = self.rotary_permutation()
         if perm is None:
             return
+        perm = perm.cpu()
         for layer in self.layers:
             attn = layer.self_attn
-            w = attn.qkv_proj.weight.data
-            n_qk = attn.heads + attn.kv_heads
-            qk = w[: n_qk * self.head_dim].view(n_qk, self.head_dim, -1)
-            qk.copy_(qk[:, perm.to(w.device)].clone())
-            self._permute_rotary_scales(attn.qkv_proj, n_qk, perm)
-            if attn.qkv_proj.bias is not None:
-                b = attn.qkv_proj.bias.data[: n_qk * self.head_dim].view(n_qk, self.head_dim)
-                b.copy_(b[:, perm.to(w.device)].clone())
+            qkv = attn.qkv_proj
+            n_qk, hd = attn.heads + attn.kv_heads, self.head_dim
+            heads = (torch.arange(n_qk)[:, None] * hd + perm[None, :]).view(-1)  # (v's rows stay)
+            qkv.permute_rows(torch.cat([heads, torch.arange(n_qk * hd, qkv.out_features)]))
             for norm in (attn.q_norm, attn.k_norm):  # per-head q/k norms: their weights follow the dims
                 if norm is not None:
-                    norm.weight.data.copy_(norm.weight.data[perm.to(w.device)].clone())
-
-    def _permute_rotary_scales(self, qkv: Linear, n_qk: int, perm: torch.Tensor) -> None:
-        """A float8 checkpoint's weight scales follow the rows they scale: one per row (per
-        channel, or a per-tensor scale spread over the rows) moves with its row; a block
-        scale covers bn rows, so a permutation that takes a row out of its block is refused."""
-        scale, hd = qkv.weight_scale, self.head_dim
-        if scale is None:
-            return
-        if qkv.block is None:
-            if scale.numel() == qkv.out_features:
-                s = scale.view(-1)[: n_qk * hd].view(n_qk, hd)
-                s.copy_(s[:, perm.to(s.device)].clone())
-            return
-        rows = torch.arange(n_qk * hd).view(n_qk, hd)
-        if not torch.equal(rows // qkv.block[0], rows[:, perm] // qkv.block[0]):
-            raise ModelLoadError(f"a block-scaled float8 checkpoint with [{qkv.block[0]}, {qkv.block[1]}] blocks "
-                                 f"cannot take {type(self).__name__}'s rotary reordering of q/k rows (head_dim "
-                                 f"{hd}): a row would leave the block its scale covers")
+                    norm.weight.data.copy_(norm.weight.data[perm.to(norm.weight.device)].clone())
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))

@@ -179,6 +179,7 @@ def load_model(
             tensors = (x for x in iter_safetensors(files, lazy=tensor_parallel() is not None)
                        if not model.skips_tensor(x[0]))
             model.load_weights(tensors if scheme is None else ckpt.checkpoint_tensors(tensors, scheme, quantized))
+        model.loaded()
         if scheme is not None:
             ckpt.finish(model)
         elif quantization == "fp8":

@@ -365,3 +365,44 @@ def test_paged_mla_equals_the_expanded_attention(page_size):
     before = cache.clone()
     store_latent(torch.ones(1, 1, rank + rope), cache, torch.tensor([-1]))
     assert torch.equal(cache.nan_to_num(), before.nan_to_num())
+
+
+def test_per_channel_float8_scales_follow_the_rope_reordering(default_model, tmp_path):
+    """The loader reorders each q head's rope rows and k_rope's rows from interleaved pairs:
+    a per-row float8 scale must move with its row. A row's float8 values and scale do not
+    depend on where it sits, so a per-channel checkpoint's q and kv_a layers equal online
+    quantization's (which quantizes after the reordering), bit for bit."""
+    from streamer.model.loader import load_model
+    from tests.model.test_fp8_checkpoint import ct_config, per_row, write_checkpoint
+
+    cfg = dict(CONFIGS["DeepseekV2ForCausalLM"], qk_rope_head_dim=16, head_dim=16)  # (float8 GEMMs: 16s)
+    src = make_tiny_model(tmp_path / "src", "DeepseekV2ForCausalLM", default_model, **cfg)
+    qc = ct_config({"strategy": "channel"}, {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                             "symmetric": True}, ignore=("lm_head", "re:.*experts.*", "re:.*mlp\\.gate$"))
+    path = write_checkpoint(src, tmp_path / "ct", qc, per_row, "weight_scale",
+                            keep=("lm_head", "embed_tokens", "experts", "mlp.gate."))
+    ours, _ = load_model(path)
+    online, _ = load_model(src, quantization="fp8")
+    for i in range(2):
+        for name in ("q_proj", "kv_a_proj_with_mqa"):
+            a, b = (getattr(m.layers[i].self_attn, name) for m in (ours, online))
+            assert a.weight.dtype == torch.float8_e4m3fn and a.weight_scale.numel() == a.out_features
+            assert torch.equal(a.weight.float(), b.weight.float()), name
+            assert torch.equal(a.weight_scale, b.weight_scale), name
+
+
+def test_dummy_weights_of_a_float8_config_give_a_dense_kv_b_proj(default_model, tmp_path):
+    """kv_b_proj is dequantized once the weights are in, from a checkpoint or dummy values
+    (benchmarks run float8 DeepSeek shapes with dummy weights)."""
+    from streamer.model.loader import load_model
+
+    cfg = dict(CONFIGS["DeepseekV3ForCausalLM"], qk_rope_head_dim=16, head_dim=16, q_lora_rank=32)  # (16s)
+    src = make_tiny_model(tmp_path / "src", "DeepseekV3ForCausalLM", default_model, **cfg)
+    block_fp8_checkpoint(src, tmp_path / "fp8", (EXPERTS,))
+    model, _ = load_model(tmp_path / "fp8", load_format="dummy")
+    attn = model.layers[1].self_attn
+    assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.weight_scale is None
+    with LLM(str(tmp_path / "fp8"), load_format="dummy") as engine:
+        (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert out.error is None and len(out.token_ids) == 3
