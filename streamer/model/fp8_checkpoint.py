@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,6 @@ from streamer.model import quant
 from streamer.model.layers import Linear
 from streamer.model.llama import STACKED, LlamaForCausalLM
 from streamer.model.moe import Experts, MoEForCausalLM
-
-if TYPE_CHECKING:
-    from streamer.model.int4_checkpoint import Int4Scheme
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -106,19 +103,17 @@ def refuse(source: str, what: str) -> ModelLoadError:
     return ModelLoadError(f"{source}: quantization_config {what}")
 
 
-def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme | Int4Scheme | None:
-    """The checkpoint's float8 scheme (int4 weights: model/int4_checkpoint.py's), None for an
-    unquantized checkpoint. `requested` is EngineConfig.quantization: "fp8" agrees with a
-    float8 checkpoint (which then runs as stored), and conflicts with any other quant_method."""
+def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme | None:
+    """The checkpoint's float8 scheme, None for an unquantized checkpoint (model/loader.py
+    asks int4_checkpoint.scheme_of first: int4 methods never reach here). `requested` is
+    EngineConfig.quantization: "fp8" agrees with a float8 checkpoint (which then runs as
+    stored), and conflicts with any other quant_method."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
     if not isinstance(qc, dict):
         qc = qc.to_dict()
     method = qc.get("quant_method")
-    from streamer.model import int4_checkpoint  # (which imports this module)
-    if int4_checkpoint.is_int4(qc):
-        return int4_checkpoint.read_scheme(qc, source, requested)
     if method == "mxfp4":
         _check_mxfp4(hf_config, qc, source, requested)
         return None  # (model/gpt_oss.py dequantizes the experts as they load)

@@ -1,5 +1,5 @@
 """Checkpoints with 4-bit weights and 16-bit activations (W4A16): config.json's
-`quantization_config` read at load (fp8_checkpoint.read_scheme sends these methods here).
+`quantization_config` read at load (model/loader.py asks `scheme_of` first, then fp8_checkpoint).
 
 Three formats, each packing int4 values 0..15 eight to an int32, W[n, k] = (q - z) * s with
 one scale s and zero z per row n and group of G consecutive k:
@@ -102,8 +102,18 @@ class Int4Scheme:
         return any(t == "Linear" or _ct_matches(module, t) for t in self.targets)
 
 
+def scheme_of(hf_config: Any, source: str, requested: str | None) -> Int4Scheme | None:
+    """The checkpoint's int4 scheme; None where its quantization_config (if any) is no int4
+    method's, for fp8_checkpoint.read_scheme to read or refuse."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return read_scheme(qc, source, requested) if is_int4(qc) else None
+
+
 def is_int4(qc: dict) -> bool:
-    """Whether fp8_checkpoint.read_scheme should send this quantization_config here."""
+    """Whether this quantization_config names an int4 method (refused here if not 4 bits)."""
     if qc.get("quant_method") in ("awq", "gptq"):
         return True
     groups = qc.get("config_groups") or {}

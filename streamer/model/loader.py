@@ -129,7 +129,9 @@ def load_model(
     if quantization not in (None, "fp8"):
         raise ModelLoadError(f"quantization {quantization!r} is not supported (fp8 or none)")
     hf_config = load_hf_config(path)
-    scheme = fp8_checkpoint.read_scheme(hf_config, str(path / "config.json"), quantization)
+    source = str(path / "config.json")
+    scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
+        or fp8_checkpoint.read_scheme(hf_config, source, quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
