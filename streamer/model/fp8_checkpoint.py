@@ -252,19 +252,25 @@ def hf_names(name: str, fused_checkpoint: bool = False) -> list[str]:
     return [prefix + name]
 
 
-def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, source: str) -> set[str]:
-    """Give each layer the checkpoint stores as float8 an empty float8 weight and its scales
-    (each with the weight_loader load_weights calls). Returns those layers' transformers names."""
-    quantized: set[str] = set()
-    for name, m in model.named_modules():
+def quantized_linears(model: LlamaForCausalLM, scheme: Any, source: str) -> Iterator[tuple[str, Linear, list[str]]]:
+    """(name, layer, its transformers names) of each linear layer the scheme (float8 or int4)
+    quantizes; a fused layer whose parts the checkpoint quantizes unevenly is refused."""
+    for name, m in list(model.named_modules()):
         if not isinstance(m, Linear):
             continue
         names = hf_names(name, model.fused_checkpoint)
         flags = {scheme.quantized(n) for n in names}
         if len(flags) > 1:
             raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")
-        if not flags.pop():
-            continue
+        if flags.pop():
+            yield name, m, names
+
+
+def prepare(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device, source: str) -> set[str]:
+    """Give each layer the checkpoint stores as float8 an empty float8 weight and its scales
+    (each with the weight_loader load_weights calls). Returns those layers' transformers names."""
+    quantized: set[str] = set()
+    for name, m, names in quantized_linears(model, scheme, source):
         if name == "lm_head" and model.tie_word_embeddings:
             raise refuse(source, "quantizes lm_head, which this model ties to its (unquantized) embeddings")
         if not quant.fp8_shapes_ok(m.weight):

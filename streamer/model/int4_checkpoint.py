@@ -45,7 +45,7 @@ from streamer.model.fp8_checkpoint import (
     CT_ARGS_FIELDS,
     _ct_matches,
     ct_group,
-    hf_names,
+    quantized_linears,
     refuse,
 )
 from streamer.model.int4_linear import Int4Linear, pack, unpack
@@ -235,15 +235,7 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
         raise refuse(source, f"int4 weights in {name_of}, whose q/k rows are permuted after loading (partial or "
                      "interleaved rotary), are not implemented")
     quantized: set[str] = set()
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, Linear):
-            continue
-        names = hf_names(name, model.fused_checkpoint)
-        flags = {scheme.quantized(n) for n in names}
-        if len(flags) > 1:
-            raise refuse(source, f"quantizes some of {', '.join(names)} but not all; streamer fuses them into one layer")
-        if not flags.pop():
-            continue
+    for name, m, names in quantized_linears(model, scheme, source):
         if type(m) is not Linear:
             raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
         k, group = m.in_features, (m.in_features if scheme.group == -1 else scheme.group)
