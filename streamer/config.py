@@ -192,19 +192,21 @@ class EngineConfig:
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
-    "path/to/small-model", "num_speculative_tokens": 4}. None: off. With overlap scheduling,
+    "path/to/small-model", "num_speculative_tokens": 4} or {"method": "eagle3", "model":
+    "path/to/eagle3-head", "num_speculative_tokens": 4}. None: off. With overlap scheduling,
     a request with a verify chunk in flight is not scheduled ahead (its next proposals need
     its kept tokens); one whose proposals keep failing decodes ahead for a while."""
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+        spec = self.speculative_config
+        if spec is not None and spec.drafted:
             # (neither moves or shards the draft's KV pages: model/draft.py)
             if self.host_kv_cache_gb:
-                raise ConfigError("speculative_config method 'draft_model' does not run with host_kv_cache_gb "
+                raise ConfigError(f"speculative_config method {spec.method!r} does not run with host_kv_cache_gb "
                                   "(the host tier keeps the target's KV only): use one of them, or method 'ngram'")
             if self.tensor_parallel_size > 1:
-                raise ConfigError("speculative_config method 'draft_model' does not run with tensor_parallel_size "
+                raise ConfigError(f"speculative_config method {spec.method!r} does not run with tensor_parallel_size "
                                   f"{self.tensor_parallel_size} yet: use method 'ngram', or one rank")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")

@@ -14,12 +14,20 @@ import msgspec
 
 from streamer.errors import ConfigError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 """ngram: prompt lookup (engine/spec/ngram.py); draft_model: a smaller model with the same
-vocabulary proposes (model/draft.py)."""
+vocabulary proposes (model/draft.py); eagle3: an EAGLE-3 head proposes from the target's
+features (model/eagle_draft.py)."""
 _KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "exact_verify"),
     "draft_model": ("method", "model", "num_speculative_tokens"),
+    "eagle3": ("method", "model", "num_speculative_tokens"),
+}
+_OTHER_METHODS = {
+    "eagle": "EAGLE-1/2 heads are not supported; EAGLE-3 heads run with method 'eagle3'",
+    "medusa": "Medusa heads are not supported",
+    "mtp": "multi-token-prediction layers are not supported",
+    "deepseek_mtp": "multi-token-prediction layers are not supported",
 }
 
 
@@ -33,7 +41,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """ngram: the longest; longer suffixes are tried first."""
     model: str | None = None
     """draft_model: what `--model` would name (a folder, a GGUF file or "default"); its
-    vocabulary must be the target's."""
+    vocabulary must be the target's. eagle3: the EAGLE-3 head's folder (trained for this
+    target)."""
     exact_verify: bool | None = None
     """ngram on CUDA: a lone request's verify step runs as decode rows that compute as plain
     batch-1 decoding does (model/exact_verify.py), so bf16 greedy output is plain greedy
@@ -41,6 +50,13 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     GEMMs once). None: where it applies (up to MAX_EXACT_PROPOSALS proposals, one rank, a dense
     model, the decode GEMV and CUDA graphs on); True: required (refused where it cannot apply);
     False: never (one extend step). On CPU every verify is exact already (float32)."""
+
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the proposals are drawn on the device by a draft (draft_model, eagle3): the
+        scheduler sends PLACEHOLDERs, and the draft's KV shares the target's page ids."""
+        return self.method in ("draft_model", "eagle3")
 
 
 MAX_EXACT_PROPOSALS = 15
@@ -59,6 +75,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
     method = value.get("method", "ngram")
+    if method in _OTHER_METHODS:
+        raise ConfigError(f"speculative_config method {method!r}: {_OTHER_METHODS[method]}")
     if method not in METHODS:
         raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, not {method!r}")
     unknown = sorted(set(value) - set(_KEYS[method]))
@@ -72,6 +90,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config num_speculative_tokens must be in [1, 64], not {cfg.num_speculative_tokens}")
     if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
         raise ConfigError("speculative_config method 'draft_model' needs 'model': the draft model's folder or file")
+    if cfg.method == "eagle3" and not (isinstance(cfg.model, str) and cfg.model):
+        raise ConfigError("speculative_config method 'eagle3' needs 'model': the EAGLE-3 head's folder")
     if cfg.exact_verify and cfg.num_speculative_tokens > MAX_EXACT_PROPOSALS:
         raise ConfigError(f"speculative_config exact_verify takes at most {MAX_EXACT_PROPOSALS} "
                           f"num_speculative_tokens, not {cfg.num_speculative_tokens}")

@@ -77,9 +77,7 @@ class Proposed:
 class DraftModel:
     def __init__(self, model_path: str, *, target_cfg: Any, config: Any, device: torch.device,
                  max_model_len: int, kv_dtype: torch.dtype) -> None:
-        self.model, self.cfg = load_model(model_path, dtype=config.dtype, device=device,
-                                          load_format=config.load_format, max_positions=max_model_len,
-                                          seed=config.seed + 1)
+        self.model, self.cfg = self.load(model_path, config, device, max_model_len)
         if getattr(self.model, "latent_cache", None) is not None:
             raise ConfigError(f"speculative_config model {model_path}: a draft with multi-head latent attention "
                               "(DeepSeek) is not supported")
@@ -99,6 +97,17 @@ class DraftModel:
         self.graphs: DecodeGraphs | None = None
         """The draft's decode steps (its proposals, the mirror of plain decodes), on CUDA."""
 
+    steps_after = 1
+    """Draft steps of a chunk of k proposals beyond k: the (k + 1)-th writes the draft's KV of
+    the k-th proposal (mirror skips verify chunks)."""
+    shift = 0
+    """The position of propose's first step relative to the verify chunk's start."""
+
+    @staticmethod
+    def load(model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
+        return load_model(model_path, dtype=config.dtype, device=device, load_format=config.load_format,
+                          max_positions=max_model_len, seed=config.seed + 1)
+
     def bytes_per_page(self, page_size: int) -> int:
         c = self.cfg
         return PagePool.bytes_per_page(c.num_hidden_layers, page_size, c.num_key_value_heads, self.model.head_dim,
@@ -114,6 +123,11 @@ class DraftModel:
             self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, graphs_bs, max_pages)
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def release(self) -> None:
+        """Drop the model, its graphs and its pool (ModelRunner.release)."""
+        self.graphs = self.pool = None
+        self.model = None  # type: ignore[assignment]
 
     def _run(self, x: dict[str, Any]) -> torch.Tensor:
         assert self.pool is not None
@@ -155,14 +169,15 @@ class DraftModel:
         qs: list[list[torch.Tensor]] = [[] for _ in spec]
         prev = torch.zeros(0, dtype=torch.long, device=self.device)
         prev_rows: dict[str, int] = {}
-        for j in range(max(ks) + 1):
-            live = [n for n, k in enumerate(ks) if k >= j]
+        prev_live: list[int] = []
+        for j in range(max(ks) + self.steps_after):
+            live = [n for n, k in enumerate(ks) if k + self.steps_after > j]
             chunks, params, hist, banned = [], [], [], []
             for n in live:
                 i, r = spec[n]
                 s = batch.seqs[i]
                 tok = s.token_ids[0] if j == 0 else -1  # (a PLACEHOLDER: the last step's draw, on the device)
-                chunks.append(SeqChunk(s.request_id, [tok], s.start + j, s.page_table, True))
+                chunks.append(SeqChunk(s.request_id, [tok], s.start + self.shift + j, s.page_table, True))
                 jj = min(j, ks[n])
                 params.append(batch.params[r + jj])
                 so_far = self._so_far(drawn, n) if j and batch.params[r].reads_history else []
@@ -171,10 +186,7 @@ class DraftModel:
             x = prepare(Batch(batch.step, chunks, [], [], []), page_size=ps, device=self.device,
                         staging=self.staging, graphs=self.graphs, extend_graphs=None, split_decode_tokens=1 << 62,
                         last_tokens=prev, last_rows=prev_rows)
-            if x["graph"] is not None:
-                logits = x["graph"].replay(x)
-            else:
-                logits = self.model.compute_logits(self._run(x)[x["last"]])[: x["n_sample"]]
+            logits = self._step_logits(x, j, [prev_live.index(n) for n in live] if j else [])
             if all(p.greedy and not p.logit_bias and not has_penalty(p) for p in params) and not any(banned):
                 toks = logits.argmax(-1)
             else:
@@ -185,7 +197,7 @@ class DraftModel:
                     if j < ks[n] and not params[m].greedy:
                         qs[n].append(q[m])
             drawn.append((live, toks))
-            prev, prev_rows = toks, {c.request_id: m for m, c in enumerate(chunks)}
+            prev, prev_rows, prev_live = toks, {c.request_id: m for m, c in enumerate(chunks)}, live
         # one copy to the host for all the draws (step j's draw is proposal j + 1)
         host = torch.cat([t for _, t in drawn]).tolist()
         drafts: list[list[int]] = [[] for _ in spec]
@@ -209,6 +221,13 @@ class DraftModel:
                 if r + j < len(histories) and batch.params[r + j].reads_history:
                     histories[r + j] = self._history(batch, r, drafts[n], j)
         return msgspec.structs.replace(batch, seqs=seqs, histories=histories), proposed
+
+    def _step_logits(self, x: dict[str, Any], j: int, prev_rows: list[int]) -> torch.Tensor:
+        """Logits [rows, vocab] of propose's step j (one token per live chunk, prepared in x);
+        prev_rows: each row's row in step j - 1 (j > 0)."""
+        if x["graph"] is not None:
+            return x["graph"].replay(x)
+        return self.model.compute_logits(self._run(x)[x["last"]])[: x["n_sample"]]
 
     @staticmethod
     def _so_far(drawn: list[tuple[list[int], torch.Tensor]], n: int) -> list[int]:

@@ -58,6 +58,13 @@ def capture_ladder(
     return graphs, outputs, pool
 
 
+def keep_aux(model: Any, aux: dict[int, torch.Tensor], size: int) -> None:
+    """Keep the aux_hidden a run of model just made (inside a capture: the graph's static
+    output, which each replay rewrites) as size's."""
+    if getattr(model, "aux_layers", ()):
+        aux[size] = model.aux_hidden
+
+
 def ladder(max_bs: int) -> list[int]:
     """Batch sizes of the decode graphs, ending at max_bs (so that the largest batches
     allowed replay a graph too). 16 apart up to 256 rows, where the weights' bytes dominate
@@ -92,6 +99,8 @@ class DecodeGraphs:
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor] = {}
+        """The model's aux_hidden of each graph (an EAGLE-3 target's features), if it has aux_layers."""
         self.pool = None
 
     def capture(self) -> None:
@@ -110,7 +119,9 @@ class DecodeGraphs:
         set_context(ctx)
         try:
             with computing_rows_as_decode(self.rows_as_decode):
-                return self.model(self.input_ids[:bs], self.positions[:bs])
+                out = self.model(self.input_ids[:bs], self.positions[:bs])
+            keep_aux(self.model, self.aux, bs)
+            return out
         finally:
             set_context(None)
 
@@ -130,6 +141,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(x["seq_lens"], non_blocking=True)
         self.seq_lens[b:bs].fill_(1)
         self.graphs[bs].replay()
+        if self.aux:
+            self.model.aux_hidden = self.aux[bs][:b]
         with computing_rows_as_decode(self.rows_as_decode):
             return self.model.compute_logits(self.hidden[bs][:b])
 
@@ -157,6 +170,7 @@ class ExtendGraphs:
         self.tiles = torch.full((self.num_tiles(n),), -1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor] = {}
         self.pool = pool
         self.replays = 0
 
@@ -187,7 +201,9 @@ class ExtendGraphs:
         )
         set_context(ctx)
         try:
-            return self.model(self.input_ids[:t], self.positions[:t])
+            out = self.model(self.input_ids[:t], self.positions[:t])
+            keep_aux(self.model, self.aux, t)
+            return out
         finally:
             set_context(None)
 
@@ -207,4 +223,6 @@ class ExtendGraphs:
         self.tiles[: self.num_tiles(t)].copy_(x["tiles"], non_blocking=True)
         self.graphs[t].replay()
         self.replays += 1
+        if self.aux:
+            self.model.aux_hidden = self.aux[t][:n]
         return self.hidden[t][:n]

@@ -131,12 +131,24 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    aux_layers: tuple[int, ...] = ()
+    """Layers whose inputs (the residual stream there) forward also returns, concatenated in
+    aux_hidden: the features of an EAGLE-3 head (model/eagle_draft.py). Empty: none."""
+    aux_hidden: torch.Tensor | None = None
+    """[T, len(aux_layers) * hidden] of the last forward (with aux_layers; CUDA graphs set it
+    to their static output on replay)."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed batch (context set by the runner)."""
         x = self.embed(input_ids)
         residual = None
-        for layer, rope in zip(self.layers, self.layer_rope):
+        aux: list[torch.Tensor] = []
+        for i, (layer, rope) in enumerate(zip(self.layers, self.layer_rope)):
+            for _ in range(self.aux_layers.count(i)):
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, getattr(self, rope))
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         x, _ = self.norm(x, residual)
         return x
 

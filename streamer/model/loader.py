@@ -118,8 +118,10 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     quantization: str | None = None,
+    draft_head: bool = False,
 ) -> tuple[LlamaForCausalLM, Any]:
-    """(model in eval mode on device, transformers config). quantization "fp8": the
+    """(model in eval mode on device, transformers config). draft_head: an EAGLE-3 head is
+    wanted (model/eagle3.py), and only then is one accepted. quantization "fp8": the
     decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py).
     A checkpoint whose config.json has a quantization_config is loaded as it is stored,
     whatever `quantization` says (model/fp8_checkpoint.py: float8, int4 through
@@ -133,6 +135,14 @@ def load_model(
     scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
         or fp8_checkpoint.read_scheme(hf_config, source, quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
+    if getattr(cls, "draft_head", False) != draft_head:
+        if draft_head:
+            raise ModelLoadError(f"{source}: architectures {getattr(hf_config, 'architectures', None)!r} is not an "
+                                 "EAGLE-3 head (LlamaForCausalLMEagle3): speculative_config method 'eagle3' needs "
+                                 "one; a small model with the target's vocabulary runs with method 'draft_model'")
+        raise ModelLoadError(f"{source}: an EAGLE-3 head, which proposes tokens for the model it was trained for: "
+                             f"serve that model with speculative_config {{\"method\": \"eagle3\", \"model\": "
+                             f"\"{path}\"}}")
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
     check_config(hf_config, cls, max_positions, str(path / "config.json"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from streamer.model.eagle3 import Eagle3LlamaForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.gpt_oss import GptOssForCausalLM
@@ -39,6 +40,9 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # (a draft head only: load_model's draft_head)
+    "LlamaForCausalLMEagle3": Eagle3LlamaForCausalLM,
+    "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
 }
 
 

@@ -27,6 +27,7 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
+from streamer.model.eagle_draft import Eagle3Draft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.launched import Launched, PromptLogprobs
@@ -68,13 +69,18 @@ class ModelRunner:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
-        """speculative_config's draft_model (model/draft.py): its KV in the same page ids."""
+        """speculative_config's draft_model (model/draft.py) or EAGLE-3 head (model/eagle_draft.py):
+        its KV in the same page ids."""
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            from streamer.model.source import resolve_model
+        from streamer.model.source import resolve_model
 
+        if spec is not None and spec.method == "draft_model":
             self.draft = DraftModel(str(resolve_model(spec.model, config.cache_dir)), target_cfg=cfg, config=config,
                                     device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
+        elif spec is not None and spec.method == "eagle3":
+            # (before the graphs are captured: the target's forward then returns the head's features)
+            self.draft = Eagle3Draft(str(resolve_model(spec.model, config.cache_dir)), target=self.model, target_cfg=cfg, config=config,
+                                     device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.pool = self._make_pool()
         if self.draft is not None:
             graphs = self.device.type == "cuda" and config.cuda_graphs
@@ -363,8 +369,7 @@ class ModelRunner:
             if pool is not None:
                 pool.k = pool.v = pool.k_bytes = pool.v_bytes = torch.empty(0)
         if self.draft is not None:
-            self.draft.graphs = self.draft.pool = None
-            self.draft.model = None  # type: ignore[assignment]
+            self.draft.release()
         self.draft = None
         self.pool = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]

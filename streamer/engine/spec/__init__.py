@@ -1,8 +1,9 @@
 """Speculative decoding: proposals are just more tokens in the same batch.
 
 A running request whose last token is known gets up to k proposed tokens (ngram.py: prompt
-lookup over its own prompt and output; or, with the draft_model method, k PLACEHOLDERs that
-the runner's draft model draws, model/draft.py). The scheduler sends them as one chunk of 1 + k
+lookup over its own prompt and output; or, with the draft_model and eagle3 methods, k
+PLACEHOLDERs that the runner's draft model or EAGLE-3 head draws, model/draft.py and
+model/eagle_draft.py). The scheduler sends them as one chunk of 1 + k
 tokens that samples at every position (scheduler/batch.py); the runner verifies the whole
 chunk in one forward (the extend attention over pages, as for a prefill chunk) and samples
 every position as it samples a plain decode; the scheduler keeps the longest run that

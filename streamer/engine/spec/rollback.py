@@ -19,8 +19,8 @@ Invariants:
     (ahead_budget), then waits for its tokens to try again; with a grammar, only the
     proposals it allows (ngram), or (draft_model, whose proposals the scheduler learns only
     from the step that draws them) masks that keep nothing past the first it refuses;
-  - draft_model: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
-    (model/draft.py), StepOutput.drafts brings them back, and the acceptance is the same
+  - draft_model and eagle3: the scheduler sends k PLACEHOLDERs; the runner's draft draws them
+    (model/draft.py, model/eagle_draft.py), StepOutput.drafts brings them back, and the acceptance is the same
     comparison (a non-greedy row that rejected its proposal holds the redraw: never it);
   - the KV of the rejected proposals is never counted computed (`num_computed` covers the
     kept tokens only, so neither the radix tree nor a preemption's cache insert sees it),
@@ -60,7 +60,7 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
             max_model_len - len(req.tokens) - 1, budget - 1)
     if k <= 0:
         return []
-    if cfg.method == "draft_model":
+    if cfg.drafted:
         # the runner's draft draws them (model/draft.py); under a grammar, the rows' masks
         # follow from the draws (Batch.masks_await_drafts, drafted_masks)
         return [PLACEHOLDER] * k

@@ -30,7 +30,11 @@ def test_the_cli_flag_reaches_the_engine_config():
 @pytest.mark.parametrize(
     "value, words",
     [
-        ({"method": "eagle"}, "method must be one of ngram, draft_model, not 'eagle'"),
+        ({"method": "lookahead"}, "method must be one of ngram, draft_model, eagle3, not 'lookahead'"),
+        ({"method": "eagle"}, "method 'eagle': EAGLE-1/2 heads are not supported; EAGLE-3 heads run with method 'eagle3'"),
+        ({"method": "eagle3"}, "'eagle3' needs 'model': the EAGLE-3 head's folder"),
+        ({"method": "eagle3", "model": "x", "prompt_lookup_min": 1},
+         "unknown speculative_config key(s) for method 'eagle3': prompt_lookup_min"),
         ({"method": "draft_model"}, "'draft_model' needs 'model'"),
         ({"method": "draft_model", "model": "x", "prompt_lookup_max": 3},
          "unknown speculative_config key(s) for method 'draft_model': prompt_lookup_max"),
@@ -78,12 +82,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose([4, 4, 4], 5, 1, 2) == [4]  # (the match at 0 is followed by one token only)
 
 
-def test_a_draft_model_refuses_what_would_not_move_its_pages():
-    draft = {"method": "draft_model", "model": "default"}
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_draft_model_refuses_what_would_not_move_its_pages(method):
+    draft = {"method": method, "model": "default"}
     assert EngineConfig(speculative_config=draft).speculative_config.model == "default"
-    with pytest.raises(ConfigError, match="'draft_model' does not run with host_kv_cache_gb"):
+    with pytest.raises(ConfigError, match=f"'{method}' does not run with host_kv_cache_gb"):
         EngineConfig(speculative_config=draft, host_kv_cache_gb=1)
-    with pytest.raises(ConfigError, match="'draft_model' does not run with tensor_parallel_size 2"):
+    with pytest.raises(ConfigError, match=f"'{method}' does not run with tensor_parallel_size 2"):
         EngineConfig(speculative_config=draft, tensor_parallel_size=2)
 
 

@@ -1,0 +1,171 @@
+"""An EAGLE-3 draft head (config.json architectures LlamaForCausalLMEagle3 or
+Eagle3LlamaForCausalLM): speculative_config method "eagle3" (model/eagle_draft.py).
+
+The head is one Llama decoder layer that reads, besides a token, a *feature* of the
+target: at a position i the target computed, the feature is fc(target residual streams at
+three depths, concatenated); at a position the head itself proposed, it is the head's own
+output there (before its final norm). Its input at position i is (token i + 1, feature i),
+so it predicts token i + 2:
+
+    e = input_layernorm(embed(token)),  h = hidden_norm(feature)
+    x = attention(concat[e, h]) + feature          (q/k/v read 2 * hidden values)
+    x = mlp(post_attention_layernorm(x)) + x
+    logits = lm_head(norm(x)) over draft_vocab_size tokens, each mapped to the target's
+             id (d2t: target id = draft id + d2t[draft id]);  next feature = x
+
+`norm_before_residual` (a config flag) adds the normed feature instead. The checkpoint's
+tensors: midlayer.* (the layer), fc.weight [hidden, 3 * target hidden], norm.weight,
+lm_head.weight [draft_vocab_size, hidden], d2t (absent when the draft vocabulary is the
+target's), t2d (the inverse map: unused), embed_tokens.weight (absent: the target's
+embeddings are shared). Which depths: `eagle_config.eagle_aux_hidden_state_layer_ids`, the
+layers whose *outputs* are read; without it the inputs of layers 2, N // 2 and N - 3 of an
+N-layer target (aux_layers).
+
+Not a model to serve: load_model refuses it as a target and as a draft_model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamer.errors import ModelLoadError
+from streamer.model.layers import MLP, Linear, RMSNorm
+from streamer.model.llama import LlamaForCausalLM
+
+
+def aux_layers(head_cfg: Any, target_layers: int, source: str) -> tuple[int, ...]:
+    """The target layers whose inputs (residual streams) make the head's features, ascending
+    (the order of the concatenation fc was trained on, as the engines that run these heads
+    capture them: in layer order)."""
+    eagle = getattr(head_cfg, "eagle_config", None) or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if ids is None:
+        points = [2, target_layers // 2, target_layers - 3]
+    else:
+        if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
+            raise ModelLoadError(f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer "
+                                 f"indices, not {ids!r}")
+        points = [i + 1 for i in ids]  # (a layer's output is the next layer's input)
+    if not all(0 <= p < target_layers for p in points):
+        raise ModelLoadError(f"{source}: the head reads the target's layers at {sorted(points)} (inputs), but the "
+                             f"target has {target_layers} layers: this head is for another model")
+    return tuple(sorted(points))
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer: attention over [normed embedding | normed feature]."""
+
+    def __init__(self, head: Eagle3LlamaForCausalLM) -> None:
+        super().__init__()
+        cfg = head.config
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = head.make_attention(0)
+        attn = self.self_attn
+        self.self_attn.qkv_proj = Linear(2 * h, attn.q_size + 2 * attn.kv_size,
+                                         bias=bool(getattr(cfg, "attention_bias", False)))
+        self.mlp = MLP(h, cfg.intermediate_size, head.act)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, feature: torch.Tensor,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.input_layernorm(embeds)
+        h = self.hidden_norm(feature)
+        residual = h if self.norm_before_residual else feature
+        x = self.self_attn(positions, torch.cat([e, h], dim=-1), cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Eagle3LlamaForCausalLM(LlamaForCausalLM):
+    draft_head = True
+    """Proposes for a target (speculative_config method eagle3); load_model refuses it
+    anywhere else."""
+
+    def __init__(self, cfg: Any, max_positions: int) -> None:
+        where = "the EAGLE-3 head's config.json"
+        if int(cfg.num_hidden_layers) != 1:
+            raise ModelLoadError(f"{where}: num_hidden_layers {cfg.num_hidden_layers}: heads of one layer "
+                                 "(the released EAGLE-3 heads) are supported")
+        eagle = getattr(cfg, "eagle_config", None) or {}
+        if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state", True) is False:
+            raise ModelLoadError(f"{where}: eagle_config.use_aux_hidden_state false (a head reading the target's "
+                                 "last hidden state alone) is not supported")
+        super().__init__(cfg, max_positions)
+        self.tie_word_embeddings = False  # (its lm_head is over the draft vocabulary)
+        h = cfg.hidden_size
+        self.draft_vocab_size = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+        self.target_hidden_size = int(getattr(cfg, "target_hidden_size", None) or h)
+        self.lm_head = Linear(h, self.draft_vocab_size, bias=False)
+        self.fc = Linear(3 * self.target_hidden_size, h, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.target_ids = torch.arange(self.draft_vocab_size)
+        self.maps_vocab = False
+        """(loaded: d2t as the target ids of the draft's, and whether that is not the identity)"""
+        self.own_embeddings = False
+        """Whether the checkpoint had embed_tokens.weight (else the draft shares the target's)."""
+        self.feature: torch.Tensor | None = None
+        """The input features [T, hidden] of the next forward (set by the caller)."""
+        self.prenorm: torch.Tensor | None = None
+        """The last forward's output before the final norm: the features of the next
+        positions it proposes for."""
+
+    def make_layer(self, i: int) -> nn.Module:
+        return Eagle3Layer(self)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The normed output [T, hidden] of tokens at positions with self.feature."""
+        assert self.feature is not None, "an EAGLE-3 head reads the features set by its caller"
+        x, residual = self.layers[0](positions, self.embed(input_ids), self.feature, self.cos_sin)
+        x, self.prenorm = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: -inf at the tokens the head cannot propose."""
+        small = self.lm_head(hidden)
+        if not self.maps_vocab:
+            return small
+        full = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.target_ids] = small
+        return full
+
+    def expected_weight_names(self) -> set[str]:
+        return super().expected_weight_names() - {"embed_tokens.weight"}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+        d2t_seen = False
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor, str]]:
+            nonlocal d2t_seen
+            for name, tensor, source in weights:
+                if name == "t2d":
+                    continue
+                if name == "d2t":
+                    if tuple(tensor.shape) != (self.draft_vocab_size,):
+                        raise ModelLoadError(f"{source}: tensor 'd2t' has shape {tuple(tensor.shape)}, the head's "
+                                             f"draft_vocab_size is {self.draft_vocab_size}")
+                    self.d2t.copy_(tensor.to(torch.long))
+                    d2t_seen = True
+                    continue
+                if name.removeprefix("model.") == "embed_tokens.weight":
+                    self.own_embeddings = True
+                yield name.replace("midlayer.", "layers.0."), tensor, source
+
+        super().load_weights(renamed())
+        if self.draft_vocab_size != self.config.vocab_size and not d2t_seen:
+            raise ModelLoadError(f"the EAGLE-3 head proposes among {self.draft_vocab_size} of {self.config.vocab_size} "
+                                 "tokens but has no 'd2t' tensor mapping them to the target's ids")
+        ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size or ids.unique().numel() != ids.numel():
+            raise ModelLoadError("the EAGLE-3 head's 'd2t' maps its tokens outside the target's vocabulary or two "
+                                 "onto one")
+
+    def loaded(self) -> None:
+        self.target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.maps_vocab = self.draft_vocab_size != self.config.vocab_size or bool(self.d2t.any())

@@ -1,0 +1,128 @@
+"""Tiny random EAGLE-3 heads saved as their checkpoints are (config.json + model.safetensors
+with midlayer.*, fc, norm, lm_head, d2t, t2d), and an independent reference of what a head
+proposes: transformers' target for the features, the head's formulas in plain torch with
+no KV cache (every step recomputes every position)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[int] | None, seed: int = 0,
+              embeddings: bool = False, std: float = 0.2) -> Path:
+    """A one-layer head for the target folder's model, with random weights (std), proposing
+    among draft_vocab tokens (a random subset of the target's, d2t) unless it equals the
+    target's vocabulary."""
+    from safetensors.torch import save_file
+
+    tcfg = json.loads((target / "config.json").read_text())
+    h, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
+    heads, kvh, hd, inter = 4, 2, 16, 96
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    t = {
+        "midlayer.input_layernorm.weight": 1 + w(h) / 2,
+        "midlayer.hidden_norm.weight": 1 + w(h) / 2,
+        "midlayer.post_attention_layernorm.weight": 1 + w(h) / 2,
+        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kvh * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kvh * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "fc.weight": w(h, 3 * h),
+        "norm.weight": 1 + w(h) / 2,
+        "lm_head.weight": w(draft_vocab, h),
+    }
+    if draft_vocab != vocab:
+        ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        t["d2t"] = ids - torch.arange(draft_vocab)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        t["t2d"] = t2d
+    if embeddings:
+        t["embed_tokens.weight"] = w(vocab, h)
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kvh, "head_dim": hd, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    if layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotation of halves: x [T, heads, D] at positions pos [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).float(), torch.cat([ang.sin(), ang.sin()], -1).float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+
+def head_forward(t: dict[str, torch.Tensor], cfg: dict, embeds: torch.Tensor, feats: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, prenorm) [L, H] of the head over positions 0..L-1, causal, no cache."""
+    n, heads, kvh, hd = embeds.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    p = "midlayer."
+    e = _rms(embeds, t[p + "input_layernorm.weight"])
+    hn = _rms(feats, t[p + "hidden_norm.weight"])
+    x = torch.cat([e, hn], -1)
+    pos = torch.arange(n)
+    q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, hd), pos, cfg["rope_theta"])
+    k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kvh, hd), pos, cfg["rope_theta"])
+    v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kvh, hd)
+    k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    attn = o.transpose(0, 1).reshape(n, heads * hd) @ t[p + "self_attn.o_proj.weight"].T
+    resid = attn + feats
+    y = _rms(resid, t[p + "post_attention_layernorm.weight"])
+    mlp = (F.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    pre = mlp + resid
+    return _rms(pre, t["norm.weight"]), pre
+
+
+def reference_proposals(target, head: Path, tokens: list[int], k: int, points: list[int]
+                        ) -> tuple[list[int], list[float]]:
+    """What the head proposes after tokens (the last at the verify chunk's start), greedily:
+    k tokens, and the gap between the top two logits of each (near-ties)."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(head / "model.safetensors"))
+    cfg = json.loads((head / "config.json").read_text())
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[p][0] for p in points], -1) @ t["fc.weight"].T
+        embed = t["embed_tokens.weight"] if "embed_tokens.weight" in t else target.get_input_embeddings().weight
+        ids = torch.arange(cfg["draft_vocab_size"]) + t.get("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+        toks = list(tokens[1:])
+        out, gaps = [], []
+        for _ in range(k):
+            normed, pre = head_forward(t, cfg, embed[torch.tensor(toks)], feats)
+            logits = normed[-1] @ t["lm_head.weight"].T
+            top = logits.topk(2).values
+            gaps.append(float(top[0] - top[1]))
+            d = int(ids[int(logits.argmax())])
+            out.append(d)
+            toks.append(d)
+            feats = torch.cat([feats, pre[-1:]])
+    return out, gaps

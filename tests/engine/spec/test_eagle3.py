@@ -1,0 +1,161 @@
+"""Speculative decoding with an EAGLE-3 head (model/eagle3.py, model/eagle_draft.py): greedy
+output is the plain greedy output token for token (batched, chunked, page sizes 1 and 16,
+preempted, with overlap scheduling); the head's proposals are those of an independent
+reference (transformers' target features, the head's formulas with no KV cache), so its
+features, its KV one position behind the target and its vocabulary map are right; a head
+that always proposes the target's token has every proposal kept; what cannot run is
+refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamer import LLM, SamplingParams
+from streamer.errors import ConfigError, ModelLoadError
+from streamer.model.eagle3 import aux_layers
+from tests.conftest import make_tiny_model
+from tests.engine.spec.eagle3_heads import make_head, reference_proposals
+from tests.oracle import Comparison, _hf_model, compare
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+IDS = [0, 1, 2]
+"""The head reads the outputs of target layers 0, 1 and 2: the inputs of layers 1, 2, 3."""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, default_model):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_tiny_model(root / "target", "LlamaForCausalLM", default_model, num_hidden_layers=4)
+    head = make_head(root / "head", target, draft_vocab=512, layer_ids=IDS)
+    return target, head
+
+
+PROMPTS = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
+
+
+@pytest.mark.parametrize("page_size, pages, overlap", [(1, 60, False), (16, None, True)])
+def test_greedy_output_with_an_eagle3_head_is_plain_greedy_output(pair, page_size, pages, overlap):
+    target, head = pair
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
+             speculative_config=spec, overlap_schedule=overlap) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        s = llm.stats()
+        llm.check()
+    assert s.spec_verifies > 0 and s.spec_draft_tokens >= s.spec_verifies
+    assert (s.preemptions > 0) == (pages is not None)
+    cmp = Comparison()
+    for p, o in zip(PROMPTS, got):
+        compare(target, p, o, cmp)
+    assert not cmp.failures, cmp.failures
+
+
+def test_the_heads_proposals_are_the_references(pair):
+    """One request at a time (so that no page is shared), chunked prefill: every proposal of
+    every verify step equals the reference's, but where the reference's top two logits are
+    within 1e-4 (none expected)."""
+    target, head = pair
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    hf = _hf_model(str(target))
+    checked = 0
+    with LLM(str(target), max_num_batched_tokens=16, speculative_config=spec) as llm:
+        draft = llm.engine.runner.draft
+        seen: list[tuple[int, list[int]]] = []
+        propose = draft.propose
+
+        def record(batch):
+            batch, proposed = propose(batch)
+            for s in batch.seqs:
+                if s.num_draft:
+                    seen.append((s.start, proposed.drafts[s.request_id]))
+            return batch, proposed
+
+        draft.propose = record
+        try:
+            for prompt in PROMPTS[:2]:
+                seen.clear()
+                out = llm.generate([prompt], GREEDY)[0].token_ids
+                seq = prompt + out
+                assert seen
+                for start, drafts in seen:
+                    want, gaps = reference_proposals(hf, head, seq[: start + 1], len(drafts), [i + 1 for i in IDS])
+                    for d, w, gap in zip(drafts, want, gaps):
+                        assert d == w or gap < 1e-4, (prompt, start, drafts, want, gaps)
+                        checked += 1
+                        if d != w:
+                            break
+        finally:
+            del draft.propose
+    assert checked >= 30
+
+
+def test_a_head_proposing_the_targets_token_has_every_proposal_kept(tmp_path, default_model):
+    """A target whose LM head is zero always picks token 0 (argmax of equal logits), and so
+    does a head with a zero LM head over the whole vocabulary: every verify keeps its k
+    proposals and the target's next token, and the output is the plain output."""
+    from safetensors.torch import load_file, save_file
+
+    target = make_tiny_model(tmp_path / "target", "LlamaForCausalLM", None, num_hidden_layers=4)
+    f = target / "model.safetensors"
+    t = load_file(str(f))
+    t["lm_head.weight"].zero_()
+    save_file(t, str(f))
+    head = make_head(tmp_path / "head", target, draft_vocab=49152, layer_ids=None, embeddings=True)
+    f = head / "model.safetensors"
+    t = load_file(str(f))
+    t["lm_head.weight"].zero_()
+    save_file(t, str(f))
+    params = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    with LLM(str(target), page_size=4, speculative_config=spec) as llm:
+        s0 = llm.stats()
+        out = llm.generate([[5, 6, 7, 8, 9]], params)[0].token_ids
+        s1 = llm.stats()
+        llm.check()
+    assert out == [0] * 21
+    assert s1.spec_accepted_tokens - s0.spec_accepted_tokens == s1.spec_draft_tokens - s0.spec_draft_tokens > 0
+    assert s1.steps - s0.steps <= 1 + 20 // 5 + 1
+
+
+def test_the_layers_a_head_reads():
+    class Cfg:
+        eagle_config = None
+
+    assert aux_layers(Cfg(), 32, "x") == (2, 16, 29)  # (without ids: inputs of 2, N // 2, N - 3)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [28, 1, 15]}
+    assert aux_layers(Cfg(), 32, "x") == (2, 16, 29)  # (the outputs of those layers, ascending)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}
+    with pytest.raises(ModelLoadError, match="trained for another model|for another model"):
+        aux_layers(Cfg(), 32, "x")
+
+
+def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
+    target, head = pair
+    with pytest.raises(ConfigError, match="'eagle3' needs 'model'"):
+        LLM(str(target), speculative_config={"method": "eagle3"})
+    with pytest.raises(ConfigError, match="EAGLE-1/2 heads are not supported"):
+        LLM(str(target), speculative_config={"method": "eagle", "model": str(head)})
+    with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):
+        LLM(str(head))
+    with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):  # (not a draft_model either)
+        LLM(str(target), speculative_config={"method": "draft_model", "model": str(head)})
+    with pytest.raises(ModelLoadError, match="is not an EAGLE-3 head"):
+        LLM(str(target), speculative_config={"method": "eagle3", "model": str(target)})
+    other = make_tiny_model(tmp_path / "wide", "LlamaForCausalLM", None, hidden_size=96, num_hidden_layers=4)
+    with pytest.raises(ConfigError, match="trained for another model"):
+        LLM(str(other), speculative_config={"method": "eagle3", "model": str(head)})
+    shallow = make_tiny_model(tmp_path / "shallow", "LlamaForCausalLM", None, num_hidden_layers=2)
+    with pytest.raises(ModelLoadError, match="target has 2 layers"):
+        LLM(str(shallow), speculative_config={"method": "eagle3", "model": str(head)})
+    cohere = make_tiny_model(tmp_path / "cohere", "CohereForCausalLM", None, num_hidden_layers=4)
+    with pytest.raises(ConfigError, match="residual streams of CohereForCausalLM"):
+        LLM(str(cohere), speculative_config={"method": "eagle3", "model": str(head)})
+    two = tmp_path / "two-layers"
+    two.mkdir()
+    cfg = json.loads((head / "config.json").read_text())
+    (two / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    (two / "model.safetensors").symlink_to(head / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="num_hidden_layers 2"):
+        LLM(str(target), speculative_config={"method": "eagle3", "model": str(two)})
