@@ -62,3 +62,41 @@ def test_bf16_greedy_with_ngram_speculation_is_plain_greedy_at_batch_1(models, f
     assert s.spec_accepted_tokens > 0 and replays, (s.spec_accepted_tokens, len(replays))
     for i, (a, b) in enumerate(zip(got, plain)):
         assert a == b, (family, i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
+
+
+def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_path):
+    """bf16, CUDA graphs (the target's features come from the decode and extend graphs'
+    static outputs): a target with a zero LM head always picks token 0, and so does a head
+    with a zero LM head, so every proposal is kept; a random head beside it runs too, its
+    pages all returned."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.spec.eagle3_heads import make_head
+
+    target = make_tiny_model(tmp_path / "target", "LlamaForCausalLM", None, num_hidden_layers=4)
+    f = target / "model.safetensors"
+    t = load_file(str(f))
+    t["lm_head.weight"].zero_()
+    save_file(t, str(f))
+    agree = make_head(tmp_path / "agree", target, draft_vocab=49152, layer_ids=None, embeddings=True)
+    f = agree / "model.safetensors"
+    t = load_file(str(f))
+    t["lm_head.weight"].zero_()
+    save_file(t, str(f))
+    params = SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)
+    with LLM(str(target), dtype="bfloat16",
+             speculative_config={"method": "eagle3", "model": str(agree), "num_speculative_tokens": 4}) as llm:
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.aux
+        s0 = llm.stats()
+        out = llm.generate([[5, 6, 7, 8, 9], list(range(100, 140))], params)
+        s1 = llm.stats()
+        llm.check()
+    assert [o.token_ids for o in out] == [[0] * 41] * 2
+    assert s1.spec_accepted_tokens - s0.spec_accepted_tokens == s1.spec_draft_tokens - s0.spec_draft_tokens > 0
+    random_head = make_head(tmp_path / "random", target, draft_vocab=512, layer_ids=[0, 1, 2])
+    with LLM(str(target), dtype="bfloat16",
+             speculative_config={"method": "eagle3", "model": str(random_head), "num_speculative_tokens": 3}) as llm:
+        out = llm.generate([[5, 6, 7, 8, 9], list(range(100, 140))], params)
+        s = llm.stats()
+        llm.check()
+    assert [len(o.token_ids) for o in out] == [41, 41] and s.spec_verifies > 0

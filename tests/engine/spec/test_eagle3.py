@@ -119,6 +119,30 @@ def test_a_head_proposing_the_targets_token_has_every_proposal_kept(tmp_path, de
     assert s1.steps - s0.steps <= 1 + 20 // 5 + 1
 
 
+def test_sampled_and_grammar_requests_with_an_eagle3_head(pair):
+    """Seeded sampled requests reproduce in another batch order (rejection sampling against
+    the head's distribution over its vocabulary); a grammar request keeps the plain
+    constrained output (the head proposes unconstrained, the rows' masks follow its draws)."""
+    from streamer.messages import GrammarSpec
+
+    target, head = pair
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    regex = SamplingParams(max_tokens=8, temperature=0, grammar=GrammarSpec("regex", "(yes|no)[.]"))
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True,
+                             repetition_penalty=1.1)
+    question = "Is water wet? Answer:"
+    with LLM(str(target)) as plain:
+        want = plain.generate([question], [regex])[0]
+    with LLM(str(target), speculative_config=spec) as llm:
+        got = llm.generate([question, PROMPTS[0], PROMPTS[1]], [regex, sampled, sampled])
+        again = llm.generate([PROMPTS[1], PROMPTS[0]], [sampled, sampled])[::-1]
+        s = llm.stats()
+        llm.check()
+    assert got[0].token_ids == want.token_ids and got[0].text in ("yes.", "no.")
+    assert [o.token_ids for o in got[1:]] == [o.token_ids for o in again]
+    assert s.spec_draft_tokens > 0
+
+
 def test_the_layers_a_head_reads():
     class Cfg:
         eagle_config = None
