@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
-#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek)
+#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -305,6 +305,18 @@ if [ "$part" = deepseek ]; then
   ds="--model-dir benchmarks/configs/deepseek-v2-lite"
   bench --workload W2 $ds --peer vllm --json "$OUT/ds_w2_peer.json" | tail -1
   bench --workload W8 $ds --num-requests "${W8_N:-256}" --peer vllm --json "$OUT/ds_w8_peer.json" | tail -1
+fi
+if [ "$part" = eagle ]; then
+  # issue 28: EAGLE-3 (~3 min). Its GPU test, then W2 (batch 1) on Llama-3.1-8B's shape with and
+  # without a head of the released EAGLE-3 head's shape (benchmarks/configs/eagle3-llama-3.1-8b). Dummy
+  # weights: nearly every proposal is rejected, so this is the cost of a verify step with its k
+  # proposals (the head's steps run eagerly) against a plain decode step, not a speed-up.
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py -k eagle3 2>&1 | tail -3
+  bench --workload W2 --no-peer --json "$OUT/w2_plain.json" | tail -1
+  for k in 1 3; do
+    bench --workload W2 --no-peer --json "$OUT/w2_eagle3_k$k.json" --speculative-config \
+      "{\"method\": \"eagle3\", \"model\": \"benchmarks/configs/eagle3-llama-3.1-8b\", \"num_speculative_tokens\": $k}" | tail -2
+  done
 fi
 if [ "$part" = rows ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_speculation.py tests/kernels/test_gemv.py \
