@@ -111,10 +111,13 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
         self.own_embeddings = False
         """Whether the checkpoint had embed_tokens.weight (else the draft shares the target's)."""
         self.feature: torch.Tensor | None = None
-        """The input features [T, hidden] of the next forward (set by the caller)."""
+        """The input features [T, hidden] of the next forward (set by the caller; a captured
+        graph's static buffer of at least T rows)."""
         self.prenorm: torch.Tensor | None = None
         """The last forward's output before the final norm: the features of the next
         positions it proposes for."""
+
+    graph_outputs = ("prenorm",)  # type: ignore[assignment]
 
     def make_layer(self, i: int) -> nn.Module:
         return Eagle3Layer(self)
@@ -122,7 +125,9 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The normed output [T, hidden] of tokens at positions with self.feature."""
         assert self.feature is not None, "an EAGLE-3 head reads the features set by its caller"
-        x, residual = self.layers[0](positions, self.embed(input_ids), self.feature, self.cos_sin)
+        # (a CUDA graph's static buffer has rows for its largest batch)
+        feature = self.feature[: input_ids.shape[0]]
+        x, residual = self.layers[0](positions, self.embed(input_ids), feature, self.cos_sin)
         x, self.prenorm = self.norm(x, residual)
         return x
 

@@ -26,7 +26,8 @@ Invariants:
     output);
   - features[slot] is the target's feature of the token whose KV the slot holds (it goes with
     the page: cached prefixes keep theirs);
-  - the head's steps run eagerly (no CUDA graphs yet).
+  - propose's steps replay the head's decode graphs on CUDA (its features copied into their
+    static buffer first); mirror runs the head eagerly.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from streamer.errors import ConfigError
 from streamer.messages import Batch, SeqChunk
 from streamer.model.draft import DraftModel
 from streamer.model.eagle3 import aux_layers
+from streamer.model.graphs import ladder
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
@@ -71,6 +73,8 @@ class Eagle3Draft(DraftModel):
         """[pages * page_size, hidden]: the head's input feature of each KV slot's token."""
         self.prenorm: torch.Tensor | None = None
         """The head's outputs of propose's last step (its features for the next)."""
+        self.feature_buf = torch.zeros(0)
+        """With CUDA graphs: the static features of propose's steps (the graphs read them)."""
 
     @staticmethod
     def load(model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
@@ -81,13 +85,19 @@ class Eagle3Draft(DraftModel):
         return super().bytes_per_page(page_size) + page_size * self.cfg.hidden_size * self.model.fc.weight.element_size()
 
     def make_pool(self, num_pages: int, page_size: int, graphs_bs: int = 0, max_pages: int = 0) -> None:
-        super().make_pool(num_pages, page_size, 0, max_pages)
-        self.features = torch.zeros(num_pages * page_size, self.cfg.hidden_size, dtype=self.model.fc.weight.dtype,
-                                    device=self.device)
+        """The head's KV and features under the target's page ids; with graphs_bs, propose's
+        steps captured up to that batch size, their features read from one static buffer."""
+        dtype = self.model.fc.weight.dtype
+        self.features = torch.zeros(num_pages * page_size, self.cfg.hidden_size, dtype=dtype, device=self.device)
+        if graphs_bs:
+            self.feature_buf = torch.zeros(ladder(graphs_bs)[-1], self.cfg.hidden_size, dtype=dtype, device=self.device)
+            self.model.feature = self.feature_buf
+        super().make_pool(num_pages, page_size, graphs_bs, max_pages)
 
     def release(self) -> None:
         super().release()
         self.features = self.prenorm = None
+        self.feature_buf = torch.zeros(0)
         self.target = None
 
     @torch.inference_mode()
@@ -127,6 +137,11 @@ class Eagle3Draft(DraftModel):
             feature = self.prenorm
             if prev_rows != list(range(len(prev_rows))) or len(prev_rows) != feature.shape[0]:
                 feature = feature[torch.tensor(prev_rows, device=self.device)]
+        if x["graph"] is not None:
+            self.feature_buf[:n].copy_(feature)
+            logits = x["graph"].replay(x)  # (it sets the head's prenorm to its static rows)
+            self.prenorm = self.model.prenorm
+            return logits
         self.model.feature = feature
         hidden = self._run(x)
         self.prenorm = self.model.prenorm[:n]

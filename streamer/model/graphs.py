@@ -58,11 +58,19 @@ def capture_ladder(
     return graphs, outputs, pool
 
 
-def keep_aux(model: Any, aux: dict[int, torch.Tensor], size: int) -> None:
-    """Keep the aux_hidden a run of model just made (inside a capture: the graph's static
-    output, which each replay rewrites) as size's."""
-    if getattr(model, "aux_layers", ()):
-        aux[size] = model.aux_hidden
+def keep_outputs(model: Any, outputs: dict[int, dict[str, torch.Tensor]], size: int) -> None:
+    """Keep the attributes a run of model just set besides its result (model.graph_outputs:
+    an EAGLE-3 target's features, a head's outputs before its norm) as size's: inside a
+    capture they are the graph's static outputs, which each replay rewrites."""
+    names = getattr(model, "graph_outputs", ())
+    if names:
+        outputs[size] = {name: getattr(model, name) for name in names}
+
+
+def set_outputs(model: Any, outputs: dict[int, dict[str, torch.Tensor]], size: int, rows: int) -> None:
+    """After a replay of size's graph: the model's graph_outputs are its static ones (the first rows)."""
+    for name, t in outputs.get(size, {}).items():
+        setattr(model, name, t[:rows])
 
 
 def ladder(max_bs: int) -> list[int]:
@@ -99,8 +107,8 @@ class DecodeGraphs:
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.aux: dict[int, torch.Tensor] = {}
-        """The model's aux_hidden of each graph (an EAGLE-3 target's features), if it has aux_layers."""
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        """Each graph's static model.graph_outputs (keep_outputs)."""
         self.pool = None
 
     def capture(self) -> None:
@@ -120,7 +128,7 @@ class DecodeGraphs:
         try:
             with computing_rows_as_decode(self.rows_as_decode):
                 out = self.model(self.input_ids[:bs], self.positions[:bs])
-            keep_aux(self.model, self.aux, bs)
+            keep_outputs(self.model, self.outputs, bs)
             return out
         finally:
             set_context(None)
@@ -141,8 +149,7 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(x["seq_lens"], non_blocking=True)
         self.seq_lens[b:bs].fill_(1)
         self.graphs[bs].replay()
-        if self.aux:
-            self.model.aux_hidden = self.aux[bs][:b]
+        set_outputs(self.model, self.outputs, bs, b)
         with computing_rows_as_decode(self.rows_as_decode):
             return self.model.compute_logits(self.hidden[bs][:b])
 
@@ -170,7 +177,7 @@ class ExtendGraphs:
         self.tiles = torch.full((self.num_tiles(n),), -1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.aux: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.pool = pool
         self.replays = 0
 
@@ -202,7 +209,7 @@ class ExtendGraphs:
         set_context(ctx)
         try:
             out = self.model(self.input_ids[:t], self.positions[:t])
-            keep_aux(self.model, self.aux, t)
+            keep_outputs(self.model, self.outputs, t)
             return out
         finally:
             set_context(None)
@@ -223,6 +230,5 @@ class ExtendGraphs:
         self.tiles[: self.num_tiles(t)].copy_(x["tiles"], non_blocking=True)
         self.graphs[t].replay()
         self.replays += 1
-        if self.aux:
-            self.model.aux_hidden = self.aux[t][:n]
+        set_outputs(self.model, self.outputs, t, n)
         return self.hidden[t][:n]

@@ -138,6 +138,11 @@ class LlamaForCausalLM(nn.Module):
     """[T, len(aux_layers) * hidden] of the last forward (with aux_layers; CUDA graphs set it
     to their static output on replay)."""
 
+    @property
+    def graph_outputs(self) -> tuple[str, ...]:
+        """Attributes forward sets that callers read after it (graphs.keep_outputs)."""
+        return ("aux_hidden",) if self.aux_layers else ()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed batch (context set by the runner)."""
         x = self.embed(input_ids)

@@ -66,7 +66,7 @@ def test_bf16_greedy_with_ngram_speculation_is_plain_greedy_at_batch_1(models, f
 
 def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_path):
     """bf16, CUDA graphs (the target's features come from the decode and extend graphs'
-    static outputs): a target with a zero LM head always picks token 0, and so does a head
+    static outputs; the head's steps replay its own decode graphs): a target with a zero LM head always picks token 0, and so does a head
     with a zero LM head, so every proposal is kept; a random head beside it runs too, its
     pages all returned."""
     from safetensors.torch import load_file, save_file
@@ -86,7 +86,8 @@ def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_pa
     params = SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)
     with LLM(str(target), dtype="bfloat16",
              speculative_config={"method": "eagle3", "model": str(agree), "num_speculative_tokens": 4}) as llm:
-        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.aux
+        runner = llm.engine.runner
+        assert runner.graphs is not None and runner.graphs.outputs and runner.draft.graphs is not None
         s0 = llm.stats()
         out = llm.generate([[5, 6, 7, 8, 9], list(range(100, 140))], params)
         s1 = llm.stats()

@@ -191,3 +191,87 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
     (two / "model.safetensors").symlink_to(head / "model.safetensors")
     with pytest.raises(ModelLoadError, match="num_hidden_layers 2"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(two)})
+
+
+class _Replay:
+    """A CUDA graph's contract on the CPU: replay reruns the captured step over the static
+    input buffers and writes its results into the tensors the capture returned (the static
+    outputs: the hidden states, and the model's graph_outputs)."""
+
+    def __init__(self, run, size: int, out):
+        self.run, self.size, self.out = run, size, out
+        # the input buffer a head's kernels were captured reading (its attribute may change since)
+        self.feature = getattr(run.__self__.model, "feature", None)
+
+    def replay(self) -> None:
+        owner = self.run.__self__
+        static = owner.outputs.get(self.size, {})
+        before = {name: getattr(owner.model, name) for name in static}  # (a replay sets no attribute)
+        if self.feature is not None:
+            before["feature"], owner.model.feature = owner.model.feature, self.feature
+        new = self.run(self.size)
+        self.out.copy_(new)
+        for name, t in static.items():
+            t.copy_(owner.outputs[self.size][name])
+        for name, value in before.items():
+            setattr(owner.model, name, value)
+        owner.outputs[self.size] = static
+
+
+def _capture_on_cpu(sizes, run, pool):
+    graphs, outputs = {}, {}
+    for n in reversed(sizes):
+        outputs[n] = run(n)
+        graphs[n] = _Replay(run, n, outputs[n])
+    return graphs, outputs, pool
+
+
+def test_graph_replays_of_the_target_and_the_head_give_the_eager_output(pair, monkeypatch):
+    """The CUDA-graph path emulated on the CPU (graphs.capture_ladder replaced by _Replay): the
+    target's features and the head's outputs are read from static buffers that each replay
+    rewrites, the head's input features copied into its static buffer first. Greedy output and
+    every proposal are the eager run's, and graphs served the head's steps and the target's
+    decodes."""
+    import torch
+
+    from streamer.model import graphs as graphs_module
+    from streamer.model.graphs import DecodeGraphs
+
+    target, head = pair
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with LLM(str(target), speculative_config=spec, overlap_schedule=False) as llm:
+        runner = llm.engine.runner
+        draft = runner.draft
+        proposals: list[list[int]] = []
+        propose = draft.propose
+
+        def record(batch):
+            batch, proposed = propose(batch)
+            proposals.extend(proposed.drafts[s.request_id] for s in batch.seqs if s.num_draft)
+            return batch, proposed
+
+        draft.propose = record
+        want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        eager, proposals = proposals, []
+        monkeypatch.setattr(graphs_module, "capture_ladder", _capture_on_cpu)
+        max_pages = runner.pool.pages_for(runner.max_model_len)
+        with torch.inference_mode():
+            runner.graphs = DecodeGraphs(runner.model, runner.pool.k, runner.pool.v, 4, max_pages)
+            runner.graphs.capture()
+            draft.feature_buf = torch.zeros(4, draft.cfg.hidden_size)
+            draft.model.feature = draft.feature_buf
+            draft.graphs = DecodeGraphs(draft.model, draft.pool.k, draft.pool.v, 4, max_pages)
+            draft.graphs.capture()
+        replays = {"target": 0, "head": 0}
+        for name, g in (("target", runner.graphs), ("head", draft.graphs)):
+            for r in g.graphs.values():
+                def counted(r=r, name=name, replay=r.replay):
+                    replays[name] += 1
+                    replay()
+                r.replay = counted
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.check()
+        del draft.propose
+    assert got == want
+    assert proposals == eager, "the head proposes from the graphs' buffers as it does eagerly"
+    assert replays["head"] > 0 and replays["target"] > 0, replays
