@@ -31,7 +31,11 @@ _OTHER_METHODS = {
 }
 
 
-class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Speculative decoding's settings. omit_defaults: serialized (the config the other
+    tensor-parallel ranks receive) it names only the fields that differ from their defaults,
+    which parse back for its method."""
+
     method: str = "ngram"
     num_speculative_tokens: int = 4
     """Proposed tokens per step at most (k): a verify step has 1 + k tokens per request."""

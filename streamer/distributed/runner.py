@@ -3,7 +3,8 @@
 Rank 0 (TPRunner) is the engine's runner: before each step's forward it broadcasts the
 step (step.py), then runs the same forward as every rank on its shard; it samples alone and
 broadcasts the sampled token ids, which the next step may read on the device (packing.py's
-pending rows). The other ranks (follow_steps) run each step they receive and take the
+pending rows). A speculative draft (draft_model, eagle3) is whole and on rank 0 alone: it
+proposes before the step is sent, so the other ranks receive the verify chunks' tokens. The other ranks (follow_steps) run each step they receive and take the
 tokens; they never schedule nor sample.
 
 Invariant: every rank issues the same collectives in the same order (same batch, same
@@ -24,7 +25,7 @@ from streamer.distributed.step import StepChannel, for_ranks
 from streamer.frames import RankStep, RankStop
 from streamer.messages import Batch
 from streamer.model.launched import Launched, PromptLogprobs
-from streamer.model.runner import ModelRunner
+from streamer.model.runner import ModelRunner, row_ids
 from streamer.model.tp_group import TPGroup
 
 log = logging.getLogger("streamer.distributed")
@@ -67,16 +68,18 @@ class TPRunner(ModelRunner):
         if self.failed is not None:
             raise RuntimeError(f"the tensor-parallel group is down: {self.failed}")
         try:
-            self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens))
             return super()._launch(batch)
         except Exception as e:
             raise RuntimeError(self._broken(batch, e)) from e
 
+    def before_forward(self, batch: Batch) -> None:
+        # (after the draft's proposals, which only rank 0 draws, are in the batch)
+        self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens))
+
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
                 plan: Any = None, proposed: Any = None) -> Launched:
-        assert proposed is None, "no draft model under tensor parallelism (EngineConfig refuses it)"
         try:
-            out = super()._sample(batch, logits, prompt_logprobs, plan)
+            out = super()._sample(batch, logits, prompt_logprobs, plan, proposed)
             if self.last_tokens.numel():  # (the same count on every rank: all skip it, or none)
                 self.group.broadcast(self.last_tokens.to(torch.long).contiguous())
         except Exception as e:
@@ -121,7 +124,7 @@ def follow_steps(runner: ModelRunner, channel: StepChannel) -> None:
         batch = msg.batch
         runner.split_decode_tokens = msg.split_decode_tokens
         runner.forward(batch)
-        rids = [s.request_id for s in batch.seqs if s.sample]
+        rids = row_ids(batch)  # (a verify chunk samples at each of its 1 + k positions)
         tokens = torch.empty(len(rids), dtype=torch.long, device=runner.device)
         if rids:
             group.broadcast(tokens)

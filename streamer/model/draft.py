@@ -23,8 +23,10 @@ Invariants:
   - the draft draws unconstrained, also for a grammar request: the target's rows are masked
     (the scheduler fills their masks from the draws: Batch.masks_await_drafts), so a
     proposal the grammar refuses is never kept and the output follows the masked target;
-  - no host KV tier and no tensor parallelism with a draft (EngineConfig refuses them):
-    neither moves the draft's pages.
+  - no host KV tier with a draft (EngineConfig refuses it): it does not move the draft's
+    pages; under tensor parallelism the draft is whole and on rank 0 alone (ModelRunner
+    builds it unsharded there; distributed/runner.py sends the other ranks the step with its
+    proposals in).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from streamer.model.draft import DraftModel
 from streamer.model.eagle3 import aux_layers
 from streamer.model.graphs import ladder
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.loader import load_model
+from streamer.model.loader import load_model, read_tensor
 from streamer.model.packing import prepare
 
 
@@ -50,8 +51,8 @@ class Eagle3Draft(DraftModel):
     steps_after = 0
     shift = -1
 
-    def __init__(self, model_path: str, *, target: Any, target_cfg: Any, config: Any, device: torch.device,
-                 max_model_len: int, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model_path: str, *, target: Any, target_cfg: Any, target_path: str, config: Any,
+                 device: torch.device, max_model_len: int, kv_dtype: torch.dtype) -> None:
         where = f"speculative_config model {model_path}"
         if type(target).forward is not LlamaForCausalLM.forward or getattr(target, "latent_cache", None) is not None:
             raise ConfigError(f"{where}: EAGLE-3 heads read the residual streams of {type(target).__name__}'s "
@@ -66,7 +67,12 @@ class Eagle3Draft(DraftModel):
             if int(head.config.hidden_size) != int(target_cfg.hidden_size):
                 raise ConfigError(f"{where}: the head has no embeddings of its own and its hidden size "
                                   f"{head.config.hidden_size} is not the target's {target_cfg.hidden_size}")
-            head.embed_tokens = target.embed_tokens
+            if target.tp is None:
+                head.embed_tokens = target.embed_tokens
+            elif config.load_format != "dummy":
+                # (each rank holds a slice of the target's: rank 0's head, which runs alone, a whole copy)
+                weight = read_tensor(Path(target_path), "model.embed_tokens.weight")
+                head.embed_tokens.weight.data.copy_(weight.to(head.embed_tokens.weight.dtype))
         target.aux_layers = aux_layers(head.config, int(target_cfg.num_hidden_layers), where)
         self.target = target
         self.features: torch.Tensor | None = None

@@ -92,6 +92,18 @@ def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[st
                 yield name, tensor, f.name
 
 
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a model folder's checkpoint (an EAGLE-3 head's copy of its tensor-parallel
+    target's embeddings, which each rank holds a slice of)."""
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
+    raise ModelLoadError(f"{path}: no tensor {name!r} in its checkpoint")
+
+
 @contextmanager
 def no_init() -> Iterator[None]:
     """Layers built without their random initialization: load_model fills every weight (from

@@ -35,6 +35,7 @@ from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.tp_group import current as tensor_parallel
+from streamer.model.tp_group import unsharded
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
 
@@ -74,13 +75,19 @@ class ModelRunner:
         spec = config.speculative_config
         from streamer.model.source import resolve_model
 
-        if spec is not None and spec.method == "draft_model":
-            self.draft = DraftModel(str(resolve_model(spec.model, config.cache_dir)), target_cfg=cfg, config=config,
-                                    device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
-        elif spec is not None and spec.method == "eagle3":
-            # (before the graphs are captured: the target's forward then returns the head's features)
-            self.draft = Eagle3Draft(str(resolve_model(spec.model, config.cache_dir)), target=self.model, target_cfg=cfg, config=config,
-                                     device=self.device, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
+        tp = tensor_parallel()
+        # under tensor parallelism rank 0 alone drafts, with a whole draft (no collective): the
+        # other ranks receive the step with its proposals (distributed/runner.py)
+        with unsharded():
+            if spec is not None and spec.drafted and (tp is None or tp.rank == 0):
+                draft_path = str(resolve_model(str(spec.model), config.cache_dir))
+                if spec.method == "draft_model":
+                    self.draft = DraftModel(draft_path, target_cfg=cfg, config=config, device=self.device,
+                                            max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
+                else:  # (before the graphs are captured: the target's forward then returns the head's features)
+                    self.draft = Eagle3Draft(draft_path, target=self.model, target_cfg=cfg, target_path=model_path,
+                                             config=config, device=self.device, max_model_len=self.max_model_len,
+                                             kv_dtype=self.kv_dtype)
         self.pool = self._make_pool()
         if self.draft is not None:
             graphs = self.device.type == "cuda" and config.cuda_graphs
@@ -185,6 +192,10 @@ class ModelRunner:
             last_rows=self.last_rows,
         )
 
+    def before_forward(self, batch: Batch) -> None:
+        """The step's batch as it will be computed (the draft's proposals in): the
+        tensor-parallel rank 0 sends it to the other ranks here."""
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, PromptLogprobs]:
         """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs asked for."""
@@ -245,6 +256,7 @@ class ModelRunner:
         proposed = None
         if self.draft is not None and batch.spec:
             batch, proposed = self.draft.propose(batch)
+        self.before_forward(batch)
         logits, prompt_logprobs = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
@@ -288,7 +300,7 @@ class ModelRunner:
     @staticmethod
     def _sample_inputs(batch: Batch, rids: list[str] | None = None) -> SampleInputs:
         if rids is None:
-            rids = _row_ids(batch)
+            rids = row_ids(batch)
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
@@ -298,7 +310,7 @@ class ModelRunner:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
         copy of its tokens to the host. proposed: the draft's proposals of its verify chunks
         (their non-greedy rows are decided by rejection sampling, model/draft.py)."""
-        rids = _row_ids(batch)
+        rids = row_ids(batch)
         sampled: list[SampledToken] | None = None
         if plan is None and _plain_greedy(batch):
             tokens = logits.argmax(-1)
@@ -381,7 +393,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
 
-def _row_ids(batch: Batch) -> list[str]:
+def row_ids(batch: Batch) -> list[str]:
     """The request of each sampling row (a verify chunk has num_draft + 1 rows, engine/spec)."""
     if batch.spec:
         return [s.request_id for s in batch.seqs if s.sample for _ in range(s.num_draft + 1)]

@@ -128,6 +128,18 @@ def building(group: TPGroup) -> Iterator[None]:
         _current = None
 
 
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+    """The models built inside are whole, on whichever rank builds them (a speculative draft:
+    rank 0 alone runs it, with no collective)."""
+    global _current
+    saved, _current = _current, None
+    try:
+        yield
+    finally:
+        _current = saved
+
+
 def init(rank: int, size: int, local_rank: int, device: torch.device, store: dist.Store) -> TPGroup:
     """Join the group (every rank calls this, in any order; it returns once all have)."""
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -84,12 +84,22 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_a_draft_model_refuses_what_would_not_move_its_pages(method):
+    """(The host tier; under tensor parallelism rank 0 alone drafts: tests/distributed.)"""
     draft = {"method": method, "model": "default"}
     assert EngineConfig(speculative_config=draft).speculative_config.model == "default"
     with pytest.raises(ConfigError, match=f"'{method}' does not run with host_kv_cache_gb"):
         EngineConfig(speculative_config=draft, host_kv_cache_gb=1)
-    with pytest.raises(ConfigError, match=f"'{method}' does not run with tensor_parallel_size 2"):
-        EngineConfig(speculative_config=draft, tensor_parallel_size=2)
+    assert EngineConfig(speculative_config=draft, tensor_parallel_size=2).speculative_config.method == method
+
+
+def test_the_config_the_other_ranks_receive_parses_back():
+    import msgspec
+
+    for d in ({"method": "draft_model", "model": "m"}, {"method": "eagle3", "model": "h", "num_speculative_tokens": 2},
+              {"prompt_lookup_max": 3}, {"method": "ngram", "exact_verify": False}):
+        cfg = EngineConfig(speculative_config=d, tensor_parallel_size=2)
+        sent = msgspec.convert(msgspec.to_builtins(cfg), EngineConfig)
+        assert sent.speculative_config == cfg.speculative_config
 
 
 def why_not(llm) -> str | None:
