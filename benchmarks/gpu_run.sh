@@ -261,7 +261,7 @@ if [ "$part" = tp2a ] || [ "$part" = tp2b ] || [ "$part" = tp70 ]; then
 fi
 w3big="--workload W3 --num-requests 1000 --kv-cache-dtype fp8 --max-num-seqs 512"
 if [ "$part" = tp2a ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py tests/distributed/test_tp_speculation.py 2>&1 | tail -4
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -4
   bench --workload W2 --max-num-seqs 8 --no-peer --json "$OUT/tp1_w2.json" | tail -1
   bench --workload W2 --max-num-seqs 8 --tensor-parallel-size 2 --peer vllm --json "$OUT/tp2_w2.json" | tail -1
 fi
