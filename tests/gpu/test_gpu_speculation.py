@@ -66,23 +66,12 @@ def test_bf16_greedy_with_ngram_speculation_is_plain_greedy_at_batch_1(models, f
 
 def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_path):
     """bf16, CUDA graphs (the target's features come from the decode and extend graphs'
-    static outputs; the head's steps replay its own decode graphs): a target with a zero LM head always picks token 0, and so does a head
-    with a zero LM head, so every proposal is kept; a random head beside it runs too, its
-    pages all returned."""
-    from safetensors.torch import load_file, save_file
+    static outputs; the head's steps replay its own decode graphs): a head that agrees with
+    its target (eagle3_heads.agreeing_pair) has every proposal kept; a random head beside it
+    runs too, its pages all returned."""
+    from tests.engine.spec.eagle3_heads import agreeing_pair, make_head
 
-    from tests.engine.spec.eagle3_heads import make_head
-
-    target = make_tiny_model(tmp_path / "target", "LlamaForCausalLM", None, num_hidden_layers=4)
-    f = target / "model.safetensors"
-    t = load_file(str(f))
-    t["lm_head.weight"].zero_()
-    save_file(t, str(f))
-    agree = make_head(tmp_path / "agree", target, draft_vocab=49152, layer_ids=None, embeddings=True)
-    f = agree / "model.safetensors"
-    t = load_file(str(f))
-    t["lm_head.weight"].zero_()
-    save_file(t, str(f))
+    target, agree = agreeing_pair(tmp_path)
     params = SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)
     with LLM(str(target), dtype="bfloat16",
              speculative_config={"method": "eagle3", "model": str(agree), "num_speculative_tokens": 4}) as llm:

@@ -65,6 +65,23 @@ def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[i
     return folder
 
 
+def agreeing_pair(root: Path) -> tuple[Path, Path]:
+    """A 4-layer target whose LM head is zero, so that it always picks token 0 (the argmax of
+    equal logits), and a head over its whole vocabulary with a zero LM head, which always
+    proposes token 0: every proposal is kept."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_tiny_model
+
+    target = make_tiny_model(root / "target", "LlamaForCausalLM", None, num_hidden_layers=4)
+    head = make_head(root / "agree", target, draft_vocab=49152, layer_ids=None, embeddings=True)
+    for f in (target / "model.safetensors", head / "model.safetensors"):
+        t = load_file(str(f))
+        t["lm_head.weight"].zero_()
+        save_file(t, str(f))
+    return target, head
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 

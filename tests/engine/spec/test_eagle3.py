@@ -16,7 +16,7 @@ from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError, ModelLoadError
 from streamer.model.eagle3 import aux_layers
 from tests.conftest import make_tiny_model
-from tests.engine.spec.eagle3_heads import make_head, reference_proposals
+from tests.engine.spec.eagle3_heads import agreeing_pair, make_head, reference_proposals
 from tests.oracle import Comparison, _hf_model, compare
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -99,22 +99,10 @@ def test_the_heads_proposals_are_the_references(pair, family, tmp_path):
     assert checked >= (30 if family == "llama" else 15)
 
 
-def test_a_head_proposing_the_targets_token_has_every_proposal_kept(tmp_path, default_model):
-    """A target whose LM head is zero always picks token 0 (argmax of equal logits), and so
-    does a head with a zero LM head over the whole vocabulary: every verify keeps its k
-    proposals and the target's next token, and the output is the plain output."""
-    from safetensors.torch import load_file, save_file
-
-    target = make_tiny_model(tmp_path / "target", "LlamaForCausalLM", None, num_hidden_layers=4)
-    f = target / "model.safetensors"
-    t = load_file(str(f))
-    t["lm_head.weight"].zero_()
-    save_file(t, str(f))
-    head = make_head(tmp_path / "head", target, draft_vocab=49152, layer_ids=None, embeddings=True)
-    f = head / "model.safetensors"
-    t = load_file(str(f))
-    t["lm_head.weight"].zero_()
-    save_file(t, str(f))
+def test_a_head_proposing_the_targets_token_has_every_proposal_kept(tmp_path):
+    """(agreeing_pair) Every verify keeps its k proposals and the target's next token, and
+    the output is the plain output."""
+    target, head = agreeing_pair(tmp_path)
     params = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
     with LLM(str(target), page_size=4, speculative_config=spec) as llm:
