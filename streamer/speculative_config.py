@@ -19,9 +19,10 @@ METHODS = ("ngram", "draft_model", "eagle3")
 vocabulary proposes (model/draft.py); eagle3: an EAGLE-3 head proposes from the target's
 features (model/eagle_draft.py)."""
 _KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "exact_verify"),
-    "draft_model": ("method", "model", "num_speculative_tokens"),
-    "eagle3": ("method", "model", "num_speculative_tokens"),
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "exact_verify",
+              "disable_by_batch_size"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
+    "eagle3": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
 }
 _OTHER_METHODS = {
     "eagle": "EAGLE-1/2 heads are not supported; EAGLE-3 heads run with method 'eagle3'",
@@ -55,6 +56,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     model, the decode GEMV and CUDA graphs on); True: required (refused where it cannot apply);
     False: never (one extend step). On CPU every verify is exact already (float32)."""
 
+
+    disable_by_batch_size: int | None = None
+    """No proposals in a step while this many requests or more are running (their verify
+    steps would cost more than they save once the batch is compute-bound); None: always."""
 
     @property
     def drafted(self) -> bool:
@@ -99,6 +104,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if cfg.exact_verify and cfg.num_speculative_tokens > MAX_EXACT_PROPOSALS:
         raise ConfigError(f"speculative_config exact_verify takes at most {MAX_EXACT_PROPOSALS} "
                           f"num_speculative_tokens, not {cfg.num_speculative_tokens}")
+    if cfg.disable_by_batch_size is not None and cfg.disable_by_batch_size < 1:
+        raise ConfigError(f"speculative_config disable_by_batch_size must be at least 1, not {cfg.disable_by_batch_size}")
     if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
         raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, not "
                           f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}")

@@ -188,15 +188,20 @@ class Scheduler:
                 if chunks:
                     self.counters.steps_ahead += ahead
                     return self.batches.build(chunks, ahead)
+        off = self.spec is not None and self.spec.disable_by_batch_size is not None \
+            and len(self.running) >= self.spec.disable_by_batch_size
         for req in [suspect] if suspect is not None else list(self.running):
             if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
                 continue
             n = min(req.remaining, budget)
             if self.spec is not None and n == 1:  # speculative decoding: a verify chunk (spec/)
                 if req.request_id in self.in_flight:  # (overlap: this batch is built ahead of its tokens)
-                    if req.verifying or req.ahead_left <= 0:
+                    if req.verifying or (req.ahead_left <= 0 and not off):
                         continue  # it waits for its tokens (and proposes then)
-                    req.ahead_left -= 1  # a plain decode ahead: its proposals keep failing
+                    if not off:
+                        req.ahead_left -= 1  # a plain decode ahead: its proposals keep failing
+                elif off:
+                    req.draft = []  # (the batch is large: disable_by_batch_size)
                 else:
                     req.draft = proposals(self.spec, req, budget, self.max_model_len, self.in_flight, ahead)
                     req.spec_misses = 0 if req.draft else req.spec_misses + 1

@@ -42,6 +42,7 @@ def test_the_cli_flag_reaches_the_engine_config():
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 64]"),
         ({"num_speculative_tokens": "4"}, "Expected `int`"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size must be at least 1, not 0"),
         ({"exact_verify": True, "num_speculative_tokens": 16}, "exact_verify takes at most 15 num_speculative_tokens"),
         ({"exact_verify": "yes"}, "Expected `bool | null`"),
         ({"method": "draft_model", "model": "x", "exact_verify": True},

@@ -227,3 +227,30 @@ def test_verify_steps_as_decode_rows_give_the_plain_output(default_model, prompt
         assert got == expected
         assert s.spec_accepted_tokens > 0
         settle(llm)
+
+
+def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(default_model, prompts, expected):
+    """With disable_by_batch_size 2, three requests decode plainly until one is left, which
+    then speculates; the output is the plain output either way."""
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    spec = dict(SPEC, disable_by_batch_size=2)
+    for overlap in (False, True):
+        with LLM(str(default_model), speculative_config=spec, overlap_schedule=overlap) as llm:
+            runner = llm.engine.runner
+            sizes: list[tuple[int, bool]] = []  # per step: (sequences, whether any verifies)
+            launch = runner.launch
+
+            def record(batch, launch=launch, sizes=sizes):
+                sizes.append((len(batch.seqs), any(c.num_draft for c in batch.seqs)))
+                return launch(batch)
+
+            runner.launch = record
+            got = gen(llm, prompts, [GREEDY, short, short])
+            s = llm.stats()
+            del runner.launch
+            settle(llm)
+        assert got[0].token_ids == expected[0]
+        assert [o.token_ids for o in got[1:]] == [e[:6] for e in expected[1:]]
+        assert s.spec_verifies > 0 and s.spec_accepted_tokens > 0
+        assert all(n == 1 for n, verifies in sizes if verifies), sizes
+        assert any(n == 3 for n, _ in sizes), "the three decoded together first"
