@@ -53,7 +53,7 @@ def test_greedy_output_with_an_eagle3_head_is_plain_greedy_output(pair, page_siz
 
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
-            "mixtral": "MixtralForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 @pytest.mark.parametrize("family", ["llama", *FAMILIES])
