@@ -64,12 +64,23 @@ FromEngine = Ready | Outputs | Stats | Failed
 # ---- tensor parallelism: rank 0 -> the other ranks (streamer/distributed/step.py) ----------
 
 
+class TierCopy(msgspec.Struct, array_like=True):
+    """One copy of the host tier's (kv/host.py) between device pages and host pages:
+    device -> host (a write-back) or host -> device (a load)."""
+
+    write_back: bool
+    gpu: list[int]
+    host: list[int]
+
+
 class RankStep(msgspec.Struct, tag=True):
     """One step, once for all its requests: the batch (its sampling fields emptied: rank 0
-    samples alone) and the runner's split threshold (the warm-up changes it)."""
+    samples alone), the runner's split threshold (the warm-up changes it), and the host
+    tier's copies since the last step, in order, which each rank makes on its shard first."""
 
     batch: Batch
     split_decode_tokens: int
+    tier_copies: list[TierCopy] = msgspec.field(default_factory=list)
 
 
 class RankPing(msgspec.Struct, tag=True):

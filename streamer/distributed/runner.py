@@ -3,7 +3,9 @@
 Rank 0 (TPRunner) is the engine's runner: before each step's forward it broadcasts the
 step (step.py), then runs the same forward as every rank on its shard; it samples alone and
 broadcasts the sampled token ids, which the next step may read on the device (packing.py's
-pending rows). A speculative draft (draft_model, eagle3) is whole and on rank 0 alone: it
+pending rows). The host tier (the scheduler's, rank 0's) logs its copies between device and
+host pages; each step sends them, and every rank makes them on its shard before the step. A
+speculative draft (draft_model, eagle3) is whole and on rank 0 alone: it
 proposes before the step is sent, so the other ranks receive the verify chunks' tokens. The other ranks (follow_steps) run each step they receive and take the
 tokens; they never schedule nor sample.
 
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from streamer.distributed.step import StepChannel, for_ranks
-from streamer.frames import RankStep, RankStop
+from streamer.frames import RankStep, RankStop, TierCopy
+from streamer.kv.host import HostTier
 from streamer.messages import Batch
 from streamer.model.launched import Launched, PromptLogprobs
 from streamer.model.runner import ModelRunner, row_ids
@@ -41,6 +45,8 @@ class TPRunner(ModelRunner):
         self._closed = False
         self._fail_lock = threading.Lock()
         super().__init__(config, model_path, diagnostics)
+        if config.host_kv_cache_gb:  # (the scheduler's host tier logs its copies here)
+            self.pool.tier_log = deque()
         self.channel = StepChannel(group)
         self.channel.start_keepalive()
         workers.watch(self.fail)
@@ -74,7 +80,11 @@ class TPRunner(ModelRunner):
 
     def before_forward(self, batch: Batch) -> None:
         # (after the draft's proposals, which only rank 0 draws, are in the batch)
-        self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens))
+        copies = []
+        log = self.pool.tier_log
+        while log:  # (the scheduler's thread may append meanwhile: the rest goes with the next step)
+            copies.append(log.popleft())
+        self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens, copies))
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
                 plan: Any = None, proposed: Any = None) -> Launched:
@@ -112,8 +122,9 @@ class TPRunner(ModelRunner):
 
 
 @torch.inference_mode()
-def follow_steps(runner: ModelRunner, channel: StepChannel) -> None:
-    """A rank other than 0: run every step rank 0 sends, until RankStop."""
+def follow_steps(runner: ModelRunner, channel: StepChannel, tier: HostTier | None = None) -> None:
+    """A rank other than 0: run every step rank 0 sends, until RankStop; first the host
+    tier's copies rank 0 made since the last step, the same on this rank's shard (tier)."""
     group = channel.group
     while True:
         msg = channel.recv()
@@ -121,6 +132,9 @@ def follow_steps(runner: ModelRunner, channel: StepChannel) -> None:
             return
         if not isinstance(msg, RankStep):
             continue  # a keep-alive
+        if msg.tier_copies:
+            assert tier is not None, "host tier copies without a host tier"
+            copy_as_rank_0(tier, msg.tier_copies)
         batch = msg.batch
         runner.split_decode_tokens = msg.split_decode_tokens
         runner.forward(batch)
@@ -129,3 +143,19 @@ def follow_steps(runner: ModelRunner, channel: StepChannel) -> None:
         if rids:
             group.broadcast(tokens)
         runner.last_tokens, runner.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
+
+
+def copy_as_rank_0(tier: HostTier, copies: list[TierCopy]) -> None:
+    """Make rank 0's host tier copies, in its order, on this rank's shard, before the step
+    that follows them: its kernels wait for the write-backs' gathers and for the loads."""
+    loaded = None
+    for c in copies:
+        if c.write_back:
+            tier.write(c.gpu, c.host)
+        else:
+            loaded = tier.load(c.host, c.gpu)
+    if tier.cuda:
+        stream = torch.cuda.current_stream()
+        for event in (tier.pool.fence, loaded):
+            if event is not None:
+                stream.wait_event(event)

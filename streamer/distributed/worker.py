@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     from streamer.distributed.launch import _store
     from streamer.distributed.runner import follow_steps
     from streamer.distributed.step import StepChannel
+    from streamer.kv.host import HostTier
     from streamer.model import tp_group as tp
     from streamer.model.runner import ModelRunner
 
@@ -61,9 +62,11 @@ def main(argv: list[str]) -> int:
         group = tp.init(rank, config.tensor_parallel_size, local_rank, device, store)
         with tp.building(group):
             runner = ModelRunner(config, args["model_path"])
+        # (this rank's shard of the host tier: rank 0's scheduler decides its copies)
+        tier = HostTier.of_size(runner.pool, config.host_kv_cache_gb)
         channel = StepChannel(group)
         started = True
-        follow_steps(runner, channel)
+        follow_steps(runner, channel, tier)
     except Exception as e:  # noqa: BLE001 - reported to rank 0 (or, once serving, the group is broken)
         if not started:
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}")

@@ -149,9 +149,20 @@ class HostTier:
         self.hit_tokens = 0
         """Prompt tokens whose KV came back from the host (over admitted requests)."""
 
+    @classmethod
+    def of_size(cls, pool: PagePool, gb: float) -> HostTier | None:
+        """The tier of --host-kv-cache-gb over pool (None: 0, off)."""
+        if not gb:
+            return None
+        tier = cls(pool, int(gb * (1 << 30)))
+        if tier.host.num_pages == 0:
+            raise ConfigError(f"host_kv_cache_gb={gb:g} holds no KV page ({tier.host.page_bytes} bytes each)")
+        return tier
+
     def write(self, gpu: list[int], host: list[int]) -> None:
         """Copy device pages `gpu` into host pages `host` (asynchronous on CUDA)."""
         assert len(gpu) == len(host)
+        self._log(True, gpu, host)
         parts, data = pool_parts(self.pool), self.host.data
         k = parts[0]
         if not self.cuda:
@@ -186,6 +197,7 @@ class HostTier:
         """Copy host pages `host` into device pages `gpu`. Returns the event to wait for on
         CUDA (None: done, on CPU)."""
         assert len(gpu) == len(host)
+        self._log(False, gpu, host)
         parts, data = pool_parts(self.pool), self.host.data
         k = parts[0]
         self.load_backs += len(gpu)
@@ -222,6 +234,13 @@ class HostTier:
                     freed.record(self.scatter)
                     self._staging_free[slot] = freed
         return self.marker()
+
+    def _log(self, write_back: bool, gpu: list[int], host: list[int]) -> None:
+        """Under tensor parallelism (pool.tier_log, rank 0): the other ranks make the same copy."""
+        if self.pool.tier_log is not None:
+            from streamer.frames import TierCopy
+
+            self.pool.tier_log.append(TierCopy(write_back, list(gpu), list(host)))
 
     def _ring(self, device: torch.device) -> int:
         """The two staging buffers of loads, allocated at the first (pages per buffer)."""

@@ -30,11 +30,14 @@ there), so it is never handed out.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from streamer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from streamer.frames import TierCopy
 
 
 class PagePool:
@@ -76,6 +79,9 @@ class PagePool:
         self.fence: Any = None
         """A CUDA event the next step waits for before its kernels touch the pool (the host
         tier's last write-back: a page it freed may be reused by that step). None: none."""
+        self.tier_log: deque[TierCopy] | None = None
+        """Under tensor parallelism, on rank 0: the host tier's copies since the last step was
+        sent, which the other ranks repeat on their shards before it (distributed/runner.py)."""
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never free
         self._free: deque[int] = deque(range(1, num_pages))

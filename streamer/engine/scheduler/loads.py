@@ -28,7 +28,6 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine.request import Request
-from streamer.errors import ConfigError
 from streamer.kv.host import HostTier
 from streamer.kv.pages import PagePool
 from streamer.kv.radix import Node, RadixCache
@@ -158,13 +157,7 @@ class Loads:
 
 def host_tier(config: EngineConfig, pool: PagePool) -> HostTier | None:
     """The host tier of --host-kv-cache-gb (None: off)."""
-    if not config.host_kv_cache_gb:
-        return None
-    tier = HostTier(pool, int(config.host_kv_cache_gb * (1 << 30)))
-    if tier.host.num_pages == 0:
-        raise ConfigError(f"host_kv_cache_gb={config.host_kv_cache_gb:g} holds no KV page "
-                          f"({tier.host.page_bytes} bytes each)")
-    return tier
+    return HostTier.of_size(pool, config.host_kv_cache_gb)
 
 
 def check_holds(tree: RadixCache, locks: list[Node], pins: list[Node]) -> None:
