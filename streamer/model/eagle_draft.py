@@ -54,7 +54,7 @@ class Eagle3Draft(DraftModel):
     def __init__(self, model_path: str, *, target: Any, target_cfg: Any, target_path: str, config: Any,
                  device: torch.device, max_model_len: int, kv_dtype: torch.dtype) -> None:
         where = f"speculative_config model {model_path}"
-        if type(target).forward is not LlamaForCausalLM.forward or getattr(target, "latent_cache", None) is not None:
+        if type(target).forward is not LlamaForCausalLM.forward:
             raise ConfigError(f"{where}: EAGLE-3 heads read the residual streams of {type(target).__name__}'s "
                               "layers, which it does not return yet (the Llama-family decoders do)")
         super().__init__(model_path, target_cfg=target_cfg, config=config, device=device,
