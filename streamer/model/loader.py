@@ -54,31 +54,46 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
-        files = [path / s for s in shards]
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"{f}: missing shard listed in {index.name}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
-    if found:
-        return found
-    raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    """The checkpoint's files: safetensors (an index's shards, model.safetensors, or every
+    *.safetensors), else PyTorch's pickles (pytorch_model.bin, or an index's shards: older
+    checkpoints and most EAGLE-3 heads ship those)."""
+    for kind, single in (("safetensors", "model.safetensors"), ("bin", "pytorch_model.bin")):
+        index = path / f"{single}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"{index}: not a valid {kind} index ({e})") from None
+            files = [path / s for s in shards]
+            for f in files:
+                if not f.is_file():
+                    raise ModelLoadError(f"{f}: missing shard listed in {index.name}")
+            return files
+        if (path / single).is_file():
+            return [path / single]
+        found = sorted(path.glob("*.safetensors" if kind == "safetensors" else "pytorch_model*.bin"))
+        if found:
+            return found
+    raise ModelLoadError(f"{path}: no model.safetensors, pytorch_model.bin, or an index of either")
 
 
 def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any, str]]:
-    """lazy: safetensors' slices instead of tensors (a tensor-parallel rank reads its part)."""
+    """(name, tensor, file) of every tensor of the checkpoint's files. lazy: safetensors'
+    slices instead of tensors (a tensor-parallel rank reads its part). A .bin file is
+    unpickled with tensors only (torch.load's weights_only: no code in it runs), memory-mapped."""
     from safetensors import safe_open
 
     for f in files:
+        if f.suffix == ".bin":
+            try:
+                state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"{f}: not a readable PyTorch checkpoint of tensors ({e})") from None
+            if not isinstance(state, dict):
+                raise ModelLoadError(f"{f}: not a state dict (name -> tensor) but {type(state).__name__}")
+            for name, tensor in state.items():
+                yield name, tensor, f.name
+            continue
         try:
             handle = safe_open(str(f), framework="pt")
         except Exception as e:  # noqa: BLE001
@@ -95,12 +110,10 @@ def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[st
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     """One tensor of a model folder's checkpoint (an EAGLE-3 head's copy of its tensor-parallel
     target's embeddings, which each rank holds a slice of)."""
-    from safetensors import safe_open
 
-    for f in weight_files(path):
-        with safe_open(str(f), framework="pt") as handle:
-            if name in handle.keys():
-                return handle.get_tensor(name)
+    for n, tensor, _ in iter_safetensors(weight_files(path), lazy=True):
+        if n == name:
+            return tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
     raise ModelLoadError(f"{path}: no tensor {name!r} in its checkpoint")
 
 

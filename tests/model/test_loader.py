@@ -42,6 +42,29 @@ def test_sharded_checkpoint_loads_the_same_weights(qwen2):
         assert torch.equal(a, b), n
 
 
+def test_pytorch_bin_checkpoints_load_the_same_weights(qwen2):
+    """pytorch_model.bin, whole or sharded under its index (unpickled with tensors only)."""
+    whole, _ = load_model(qwen2)
+    tensors = load_file(str(qwen2 / "model.safetensors"))
+    (qwen2 / "model.safetensors").unlink()
+    torch.save(tensors, str(qwen2 / "pytorch_model.bin"))
+    from_bin, _ = load_model(qwen2)
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[:3], "pytorch_model-00002-of-00002.bin": names[3:]}
+    for fname, keys in shards.items():
+        torch.save({k: tensors[k] for k in keys}, str(qwen2 / fname))
+    (qwen2 / "pytorch_model.bin").unlink()
+    (qwen2 / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    sharded, _ = load_model(qwen2)
+    for (n, a), (_, b), (_, c) in zip(whole.named_parameters(), from_bin.named_parameters(),
+                                      sharded.named_parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c), n
+    (qwen2 / "pytorch_model-00001-of-00002.bin").write_bytes(b"not a pickle")
+    with pytest.raises(ModelLoadError, match="pytorch_model-00001-of-00002.bin: not a readable PyTorch checkpoint"):
+        load_model(qwen2)
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "smollm2-135m"])
 def test_benchmark_configs_build_with_dummy_weights_on_meta(name):
     from streamer.model.loader import load_hf_config

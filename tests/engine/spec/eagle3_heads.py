@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 
 def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[int] | None, seed: int = 0,
-              embeddings: bool = False, std: float = 0.2) -> Path:
+              embeddings: bool = False, std: float = 0.2, pickle: bool = False) -> Path:
     """A one-layer head for the target folder's model, with random weights (std), proposing
     among draft_vocab tokens (a random subset of the target's, d2t) unless it equals the
-    target's vocabulary."""
+    target's vocabulary; pickle: saved as pytorch_model.bin (as most published heads are)."""
     from safetensors.torch import save_file
 
     tcfg = json.loads((target / "config.json").read_text())
@@ -61,8 +61,19 @@ def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[i
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"))
+    if pickle:
+        torch.save(t, str(folder / "pytorch_model.bin"))
+    else:
+        save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def head_tensors(head: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (head / "pytorch_model.bin").is_file():
+        return torch.load(str(head / "pytorch_model.bin"), weights_only=True)
+    return load_file(str(head / "model.safetensors"))
 
 
 def agreeing_pair(root: Path) -> tuple[Path, Path]:
@@ -122,9 +133,7 @@ def reference_proposals(target, head: Path, tokens: list[int], k: int, points: l
                         ) -> tuple[list[int], list[float]]:
     """What the head proposes after tokens (the last at the verify chunk's start), greedily:
     k tokens, and the gap between the top two logits of each (near-ties)."""
-    from safetensors.torch import load_file
-
-    t = load_file(str(head / "model.safetensors"))
+    t = head_tensors(head)
     cfg = json.loads((head / "config.json").read_text())
     with torch.no_grad():
         hs = target(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states

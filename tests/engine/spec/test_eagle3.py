@@ -1,4 +1,5 @@
-"""Speculative decoding with an EAGLE-3 head (model/eagle3.py, model/eagle_draft.py): greedy
+"""Speculative decoding with an EAGLE-3 head (model/eagle3.py, model/eagle_draft.py; the
+heads here are pickled, as most published ones are: pytorch_model.bin): greedy
 output is the plain greedy output token for token (batched, chunked, page sizes 1 and 16,
 preempted, with overlap scheduling); the head's proposals are those of an independent
 reference (transformers' target features, the head's formulas with no KV cache), so its
@@ -29,7 +30,7 @@ IDS = [0, 1, 2]
 def pair(tmp_path_factory, default_model):
     root = tmp_path_factory.mktemp("eagle3")
     target = make_tiny_model(root / "target", "LlamaForCausalLM", default_model, num_hidden_layers=4)
-    head = make_head(root / "head", target, draft_vocab=512, layer_ids=IDS)
+    head = make_head(root / "head", target, draft_vocab=512, layer_ids=IDS, pickle=True)
     return target, head
 
 
@@ -182,7 +183,7 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
     two.mkdir()
     cfg = json.loads((head / "config.json").read_text())
     (two / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
-    (two / "model.safetensors").symlink_to(head / "model.safetensors")
+    (two / "pytorch_model.bin").symlink_to(head / "pytorch_model.bin")
     with pytest.raises(ModelLoadError, match="num_hidden_layers 2"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(two)})
 
