@@ -1,5 +1,6 @@
 """An EAGLE-3 draft head (config.json architectures LlamaForCausalLMEagle3 or
-Eagle3LlamaForCausalLM): speculative_config method "eagle3" (model/eagle_draft.py).
+Eagle3LlamaForCausalLM, or LlamaForCausalLM as the published heads of Llama targets name
+it): speculative_config method "eagle3" (model/eagle_draft.py).
 
 The head is one Llama decoder layer that reads, besides a token, a *feature* of the
 target: at a position i the target computed, the feature is fc(target residual streams at
@@ -91,8 +92,8 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Any, max_positions: int) -> None:
         where = "the EAGLE-3 head's config.json"
         if int(cfg.num_hidden_layers) != 1:
-            raise ModelLoadError(f"{where}: num_hidden_layers {cfg.num_hidden_layers}: heads of one layer "
-                                 "(the released EAGLE-3 heads) are supported")
+            raise ModelLoadError(f"{where}: num_hidden_layers {cfg.num_hidden_layers}: an EAGLE-3 head has one "
+                                 "decoder layer (midlayer; heads of more are not supported)")
         eagle = getattr(cfg, "eagle_config", None) or {}
         if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state", True) is False:
             raise ModelLoadError(f"{where}: eagle_config.use_aux_hidden_state false (a head reading the target's "

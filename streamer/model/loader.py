@@ -23,7 +23,7 @@ from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import Experts
-from streamer.model.registry import model_class
+from streamer.model.registry import ARCHITECTURES, model_class
 from streamer.model.rope import default_dtype, longrope_note
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -160,6 +160,9 @@ def load_model(
     scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
         or fp8_checkpoint.read_scheme(hf_config, source, quantization)
     cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
+    if draft_head and cls is LlamaForCausalLM:
+        # (the published EAGLE-3 heads of Llama targets name the Llama class: the method says what they are)
+        cls = ARCHITECTURES["LlamaForCausalLMEagle3"]
     if getattr(cls, "draft_head", False) != draft_head:
         if draft_head:
             raise ModelLoadError(f"{source}: architectures {getattr(hf_config, 'architectures', None)!r} is not an "

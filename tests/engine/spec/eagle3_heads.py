@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 
 def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[int] | None, seed: int = 0,
-              embeddings: bool = False, std: float = 0.2, pickle: bool = False) -> Path:
+              embeddings: bool = False, std: float = 0.2, pickle: bool = False,
+              architecture: str = "LlamaForCausalLMEagle3") -> Path:
     """A one-layer head for the target folder's model, with random weights (std), proposing
     among draft_vocab tokens (a random subset of the target's, d2t) unless it equals the
     target's vocabulary; pickle: saved as pytorch_model.bin (as most published heads are)."""
@@ -51,7 +52,7 @@ def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[i
     if embeddings:
         t["embed_tokens.weight"] = w(vocab, h)
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+        "architectures": [architecture], "model_type": "llama", "hidden_size": h,
         "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
         "num_key_value_heads": kvh, "head_dim": hd, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
         "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,

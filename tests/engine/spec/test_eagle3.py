@@ -30,7 +30,9 @@ IDS = [0, 1, 2]
 def pair(tmp_path_factory, default_model):
     root = tmp_path_factory.mktemp("eagle3")
     target = make_tiny_model(root / "target", "LlamaForCausalLM", default_model, num_hidden_layers=4)
-    head = make_head(root / "head", target, draft_vocab=512, layer_ids=IDS, pickle=True)
+    # (as the published heads of Llama targets are: pickled, their config naming LlamaForCausalLM)
+    head = make_head(root / "head", target, draft_vocab=512, layer_ids=IDS, pickle=True,
+                     architecture="LlamaForCausalLM")
     return target, head
 
 
@@ -164,11 +166,15 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
         LLM(str(target), speculative_config={"method": "eagle3"})
     with pytest.raises(ConfigError, match="EAGLE-1/2 heads are not supported"):
         LLM(str(target), speculative_config={"method": "eagle", "model": str(head)})
+    named = make_head(tmp_path / "named", target, draft_vocab=512, layer_ids=IDS)
     with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):
-        LLM(str(head))
+        LLM(str(named))
     with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):  # (not a draft_model either)
-        LLM(str(target), speculative_config={"method": "draft_model", "model": str(head)})
+        LLM(str(target), speculative_config={"method": "draft_model", "model": str(named)})
+    qwen = make_tiny_model(tmp_path / "qwen", "Qwen3ForCausalLM", None, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match="is not an EAGLE-3 head"):
+        LLM(str(target), speculative_config={"method": "eagle3", "model": str(qwen)})
+    with pytest.raises(ModelLoadError, match="num_hidden_layers 4: an EAGLE-3 head has one decoder layer"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(target)})
     other = make_tiny_model(tmp_path / "wide", "LlamaForCausalLM", None, hidden_size=96, num_hidden_layers=4)
     with pytest.raises(ConfigError, match="trained for another model"):
@@ -184,7 +190,7 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
     cfg = json.loads((head / "config.json").read_text())
     (two / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
     (two / "pytorch_model.bin").symlink_to(head / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="num_hidden_layers 2"):
+    with pytest.raises(ModelLoadError, match="num_hidden_layers 2: an EAGLE-3 head has one decoder layer"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(two)})
 
 
