@@ -142,7 +142,11 @@ class Eagle3Draft(DraftModel):
             assert self.prenorm is not None
             feature = self.prenorm
             if prev_rows != list(range(len(prev_rows))) or len(prev_rows) != feature.shape[0]:
-                feature = feature[torch.tensor(prev_rows, device=self.device)]
+                # (from pinned memory: a pageable copy would wait for the stream's work so far)
+                rows = torch.tensor(prev_rows)
+                if feature.is_cuda:
+                    rows = rows.pin_memory().to(self.device, non_blocking=True)
+                feature = feature[rows]
         if x["graph"] is not None:
             self.feature_buf[:n].copy_(feature)
             logits = x["graph"].replay(x)  # (it sets the head's prenorm to its static rows)
