@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\', \'{"method": "draft_model", "model": PATH}\' or '
-                        '\'{"method": "eagle3", "model": HEAD}\'; ngram '
+                        '\'{"method": "eagle3" (or "eagle"), "model": HEAD}\'; ngram '
                         'also takes "prompt_lookup_min" and "exact_verify" (README: speculative decoding)')
 
 

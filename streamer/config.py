@@ -192,8 +192,8 @@ class EngineConfig:
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
-    "path/to/small-model", "num_speculative_tokens": 4} or {"method": "eagle3", "model":
-    "path/to/eagle3-head", "num_speculative_tokens": 4}. None: off. With overlap scheduling,
+    "path/to/small-model", "num_speculative_tokens": 4} or {"method": "eagle3" (or "eagle"),
+    "model": "path/to/eagle-head", "num_speculative_tokens": 4}. None: off. With overlap scheduling,
     a request with a verify chunk in flight is not scheduled ahead (its next proposals need
     its kept tokens); one whose proposals keep failing decodes ahead for a while."""
 

@@ -14,18 +14,18 @@ import msgspec
 
 from streamer.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "eagle")
 """ngram: prompt lookup (engine/spec/ngram.py); draft_model: a smaller model with the same
-vocabulary proposes (model/draft.py); eagle3: an EAGLE-3 head proposes from the target's
-features (model/eagle_draft.py)."""
+vocabulary proposes (model/draft.py); eagle3, eagle: an EAGLE-3 or EAGLE-1/2 head proposes
+from the target's features (model/eagle_draft.py)."""
 _KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "exact_verify",
               "disable_by_batch_size"),
     "draft_model": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
     "eagle3": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
+    "eagle": ("method", "model", "num_speculative_tokens", "disable_by_batch_size"),
 }
 _OTHER_METHODS = {
-    "eagle": "EAGLE-1/2 heads are not supported; EAGLE-3 heads run with method 'eagle3'",
     "medusa": "Medusa heads are not supported",
     "mtp": "multi-token-prediction layers are not supported",
     "deepseek_mtp": "multi-token-prediction layers are not supported",
@@ -46,7 +46,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     """ngram: the longest; longer suffixes are tried first."""
     model: str | None = None
     """draft_model: what `--model` would name (a folder, a GGUF file or "default"); its
-    vocabulary must be the target's. eagle3: the EAGLE-3 head's folder (trained for this
+    vocabulary must be the target's. eagle3, eagle: the EAGLE head's folder (trained for this
     target)."""
     exact_verify: bool | None = None
     """ngram on CUDA: a lone request's verify step runs as decode rows that compute as plain
@@ -65,7 +65,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     def drafted(self) -> bool:
         """Whether the proposals are drawn on the device by a draft (draft_model, eagle3): the
         scheduler sends PLACEHOLDERs, and the draft's KV shares the target's page ids."""
-        return self.method in ("draft_model", "eagle3")
+        return self.method in ("draft_model", "eagle3", "eagle")
 
 
 MAX_EXACT_PROPOSALS = 15
@@ -99,8 +99,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config num_speculative_tokens must be in [1, 64], not {cfg.num_speculative_tokens}")
     if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
         raise ConfigError("speculative_config method 'draft_model' needs 'model': the draft model's folder or file")
-    if cfg.method == "eagle3" and not (isinstance(cfg.model, str) and cfg.model):
-        raise ConfigError("speculative_config method 'eagle3' needs 'model': the EAGLE-3 head's folder")
+    if cfg.method in ("eagle3", "eagle") and not (isinstance(cfg.model, str) and cfg.model):
+        raise ConfigError(f"speculative_config method {cfg.method!r} needs 'model': the EAGLE head's folder")
     if cfg.exact_verify and cfg.num_speculative_tokens > MAX_EXACT_PROPOSALS:
         raise ConfigError(f"speculative_config exact_verify takes at most {MAX_EXACT_PROPOSALS} "
                           f"num_speculative_tokens, not {cfg.num_speculative_tokens}")

@@ -105,8 +105,7 @@ class DraftModel:
     shift = 0
     """The position of propose's first step relative to the verify chunk's start."""
 
-    @staticmethod
-    def load(model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
+    def load(self, model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
         return load_model(model_path, dtype=config.dtype, device=device, load_format=config.load_format,
                           max_positions=max_model_len, seed=config.seed + 1)
 

@@ -1,8 +1,9 @@
-"""Eagle3Draft: speculative decoding's eagle3 method, on the runner's side.
+"""EagleDraft: speculative decoding's eagle3 and eagle methods, on the runner's side.
 
-An EAGLE-3 head (model/eagle3.py) proposes from the target's features: the target's
-residual streams at three depths, which its forward returns as aux_hidden (LlamaForCausalLM
-.aux_layers, set here), projected by the head's fc. The head's input at position i is
+An EAGLE head (model/eagle_heads.py) proposes from the target's features: of the target's
+hidden states, which its forward returns as aux_hidden (LlamaForCausalLM.aux_layers, set
+here: EAGLE-3 reads residual streams at three depths, EAGLE-1/2 the output), what the head
+makes of them (target_feature: EAGLE-3's fc; EAGLE-1/2's are the states). The head's input at position i is
 (token i + 1, feature i): so the head lags the target by one token, and this is a
 DraftModel (model/draft.py: the proposals, their acceptance and rejection, the page
 accounting) with the head's KV at position i written once token i + 1 is known:
@@ -40,40 +41,55 @@ import torch
 from streamer.errors import ConfigError
 from streamer.messages import Batch, SeqChunk
 from streamer.model.draft import DraftModel
-from streamer.model.eagle3 import aux_layers
 from streamer.model.graphs import ladder
+from streamer.model.layers import Linear
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.loader import load_model, read_tensor
 from streamer.model.packing import prepare
 
 
-class Eagle3Draft(DraftModel):
+class EagleDraft(DraftModel):
     steps_after = 0
     shift = -1
 
     def __init__(self, model_path: str, *, target: Any, target_cfg: Any, target_path: str, config: Any,
                  device: torch.device, max_model_len: int, kv_dtype: torch.dtype) -> None:
         where = f"speculative_config model {model_path}"
+        self.method = config.speculative_config.method
         if type(target).forward is not LlamaForCausalLM.forward:
-            raise ConfigError(f"{where}: EAGLE-3 heads read the residual streams of {type(target).__name__}'s "
-                              "layers, which it does not return yet (the Llama-family decoders do)")
+            raise ConfigError(f"{where}: EAGLE heads read the hidden states of {type(target).__name__}'s layers, "
+                              "which it does not return yet (the Llama-family decoders do)")
         super().__init__(model_path, target_cfg=target_cfg, config=config, device=device,
                          max_model_len=max_model_len, kv_dtype=kv_dtype)
         head = self.model
         if head.target_hidden_size != int(target_cfg.hidden_size):
             raise ConfigError(f"{where}: the head reads features of {head.target_hidden_size} values, the target's "
                               f"hidden size is {target_cfg.hidden_size}: it was trained for another model")
+        whole = target.tp is not None and config.load_format != "dummy"
+        """(each rank holds a slice of the target's embeddings and LM head: rank 0's head, which
+        runs alone, reads whole copies from the checkpoint)"""
         if not head.own_embeddings:  # (no embed_tokens in the checkpoint: the target's)
             if int(head.config.hidden_size) != int(target_cfg.hidden_size):
                 raise ConfigError(f"{where}: the head has no embeddings of its own and its hidden size "
                                   f"{head.config.hidden_size} is not the target's {target_cfg.hidden_size}")
             if target.tp is None:
                 head.embed_tokens = target.embed_tokens
-            elif config.load_format != "dummy":
-                # (each rank holds a slice of the target's: rank 0's head, which runs alone, a whole copy)
+            elif whole:
                 weight = read_tensor(Path(target_path), "model.embed_tokens.weight")
                 head.embed_tokens.weight.data.copy_(weight.to(head.embed_tokens.weight.dtype))
-        target.aux_layers = aux_layers(head.config, int(target_cfg.num_hidden_layers), where)
+        if head.shares_lm_head:
+            if target.tp is None:
+                head.lm_head = target.lm_head
+            else:
+                head.lm_head = Linear(int(target_cfg.hidden_size), int(target_cfg.vocab_size), bias=False).to(
+                    device=device, dtype=head.fc.weight.dtype)
+                if whole:
+                    tied = bool(getattr(target_cfg, "tie_word_embeddings", False))
+                    weight = read_tensor(Path(target_path), "model.embed_tokens.weight" if tied else "lm_head.weight")
+                    head.lm_head.weight.data.copy_(weight.to(head.lm_head.weight.dtype))
+                else:
+                    head.lm_head.weight.data.normal_(0.0, 0.02)
+        target.aux_layers = head.target_layers(int(target_cfg.num_hidden_layers), where)
         self.target = target
         self.features: torch.Tensor | None = None
         """[pages * page_size, hidden]: the head's input feature of each KV slot's token."""
@@ -82,10 +98,9 @@ class Eagle3Draft(DraftModel):
         self.feature_buf = torch.zeros(0)
         """With CUDA graphs: the static features of propose's steps (the graphs read them)."""
 
-    @staticmethod
-    def load(model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
+    def load(self, model_path: str, config: Any, device: torch.device, max_model_len: int) -> tuple[Any, Any]:
         return load_model(model_path, dtype=config.dtype, device=device, load_format=config.load_format,
-                          max_positions=max_model_len, seed=config.seed + 1, draft_head=True)
+                          max_positions=max_model_len, seed=config.seed + 1, draft_head=self.method)
 
     def bytes_per_page(self, page_size: int) -> int:
         return super().bytes_per_page(page_size) + page_size * self.cfg.hidden_size * self.model.fc.weight.element_size()
@@ -112,7 +127,7 @@ class Eagle3Draft(DraftModel):
         one position back of each (see the module's docstring)."""
         assert self.pool is not None and self.features is not None
         n = x["input_ids"].shape[0]
-        self.features[x["slot_mapping"]] = self.model.fc(self.target.aux_hidden[:n])
+        self.features[x["slot_mapping"]] = self.model.target_feature(self.target.aux_hidden[:n])
         chunks: list[SeqChunk] = []
         row = 0
         for s in batch.seqs:

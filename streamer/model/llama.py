@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
 
     aux_layers: tuple[int, ...] = ()
     """Layers whose inputs (the residual stream there) forward also returns, concatenated in
-    aux_hidden: the features of an EAGLE-3 head (model/eagle_draft.py). Empty: none."""
+    aux_hidden, the number of layers standing for the output (after the final norm): the
+    features of an EAGLE head (model/eagle_draft.py). Empty: none."""
     aux_hidden: torch.Tensor | None = None
     """[T, len(aux_layers) * hidden] of the last forward (with aux_layers; CUDA graphs set it
     to their static output on replay)."""
@@ -152,9 +153,11 @@ class LlamaForCausalLM(nn.Module):
             for _ in range(self.aux_layers.count(i)):
                 aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, getattr(self, rope))
+        x, _ = self.norm(x, residual)
+        for _ in range(self.aux_layers.count(len(self.layers))):
+            aux.append(x)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
-        x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

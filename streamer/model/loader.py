@@ -23,7 +23,7 @@ from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.moe import Experts
-from streamer.model.registry import ARCHITECTURES, model_class
+from streamer.model.registry import HEADS, model_class
 from streamer.model.rope import default_dtype, longrope_note
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -143,10 +143,11 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     quantization: str | None = None,
-    draft_head: bool = False,
+    draft_head: str | None = None,
 ) -> tuple[LlamaForCausalLM, Any]:
-    """(model in eval mode on device, transformers config). draft_head: an EAGLE-3 head is
-    wanted (model/eagle3.py), and only then is one accepted. quantization "fp8": the
+    """(model in eval mode on device, transformers config). draft_head: the speculative
+    method ("eagle3", "eagle") whose head is wanted (model/eagle_heads.py), and only then is
+    a head accepted. quantization "fp8": the
     decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py).
     A checkpoint whose config.json has a quantization_config is loaded as it is stored,
     whatever `quantization` says (model/fp8_checkpoint.py: float8, int4 through
@@ -159,17 +160,19 @@ def load_model(
     source = str(path / "config.json")
     scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
         or fp8_checkpoint.read_scheme(hf_config, source, quantization)
-    cls = model_class(getattr(hf_config, "architectures", None), str(path / "config.json"))
-    if draft_head and cls is LlamaForCausalLM:
-        # (the published EAGLE-3 heads of Llama targets name the Llama class: the method says what they are)
-        cls = ARCHITECTURES["LlamaForCausalLMEagle3"]
-    if getattr(cls, "draft_head", False) != draft_head:
-        if draft_head:
-            raise ModelLoadError(f"{source}: architectures {getattr(hf_config, 'architectures', None)!r} is not an "
-                                 "EAGLE-3 head (LlamaForCausalLMEagle3): speculative_config method 'eagle3' needs "
-                                 "one; a small model with the target's vocabulary runs with method 'draft_model'")
-        raise ModelLoadError(f"{source}: an EAGLE-3 head, which proposes tokens for the model it was trained for: "
-                             f"serve that model with speculative_config {{\"method\": \"eagle3\", \"model\": "
+    archs = getattr(hf_config, "architectures", None)
+    cls = model_class(archs, str(path / "config.json"))
+    if draft_head is not None and cls is LlamaForCausalLM:
+        # (the published EAGLE heads of Llama targets name the Llama class: the method says what they are)
+        cls = HEADS[draft_head]
+    method = getattr(cls, "head_method", None)
+    if method != draft_head:
+        if draft_head is not None:
+            raise ModelLoadError(f"{source}: architectures {archs!r} is not a head of speculative_config method "
+                                 f"{draft_head!r} ({HEADS[draft_head].__name__}); a small model with the target's "
+                                 "vocabulary runs with method 'draft_model'")
+        raise ModelLoadError(f"{source}: an EAGLE head, which proposes tokens for the model it was trained for: "
+                             f"serve that model with speculative_config {{\"method\": \"{method}\", \"model\": "
                              f"\"{path}\"}}")
     torch_dtype = resolve_dtype(dtype, device)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from streamer.errors import ModelLoadError
 from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from streamer.model.eagle3 import Eagle3LlamaForCausalLM
+from streamer.model.eagle_heads import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.gpt_oss import GptOssForCausalLM
@@ -40,10 +40,14 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    # (a draft head only: load_model's draft_head)
+    # (draft heads only: load_model's draft_head)
     "LlamaForCausalLMEagle3": Eagle3LlamaForCausalLM,
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
+    "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
 }
+
+HEADS: dict[str, type[LlamaForCausalLM]] = {"eagle3": Eagle3LlamaForCausalLM, "eagle": EagleLlamaForCausalLM}
+"""speculative_config method -> the class of its heads (model/eagle_heads.py)."""
 
 
 def model_class(architectures: list[str] | None, source: str) -> type[LlamaForCausalLM]:

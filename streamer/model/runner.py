@@ -27,7 +27,7 @@ from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
-from streamer.model.eagle_draft import Eagle3Draft
+from streamer.model.eagle_draft import EagleDraft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.launched import Launched, PromptLogprobs
@@ -70,7 +70,7 @@ class ModelRunner:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
-        """speculative_config's draft_model (model/draft.py) or EAGLE-3 head (model/eagle_draft.py):
+        """speculative_config's draft_model (model/draft.py) or EAGLE head (model/eagle_draft.py):
         its KV in the same page ids."""
         spec = config.speculative_config
         from streamer.model.source import resolve_model
@@ -85,7 +85,7 @@ class ModelRunner:
                     self.draft = DraftModel(draft_path, target_cfg=cfg, config=config, device=self.device,
                                             max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
                 else:  # (before the graphs are captured: the target's forward then returns the head's features)
-                    self.draft = Eagle3Draft(draft_path, target=self.model, target_cfg=cfg, target_path=model_path,
+                    self.draft = EagleDraft(draft_path, target=self.model, target_cfg=cfg, target_path=model_path,
                                              config=config, device=self.device, max_model_len=self.max_model_len,
                                              kv_dtype=self.kv_dtype)
         self.pool = self._make_pool()

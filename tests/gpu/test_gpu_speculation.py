@@ -67,9 +67,9 @@ def test_bf16_greedy_with_ngram_speculation_is_plain_greedy_at_batch_1(models, f
 def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_path):
     """bf16, CUDA graphs (the target's features come from the decode and extend graphs'
     static outputs; the head's steps replay its own decode graphs): a head that agrees with
-    its target (eagle3_heads.agreeing_pair) has every proposal kept; a random head beside it
+    its target (eagle_heads.agreeing_pair) has every proposal kept; a random head beside it
     runs too, its pages all returned."""
-    from tests.engine.spec.eagle3_heads import agreeing_pair, make_head
+    from tests.engine.spec.eagle_heads import agreeing_pair, make_head
 
     target, agree = agreeing_pair(tmp_path)
     params = SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)

@@ -30,9 +30,10 @@ def test_the_cli_flag_reaches_the_engine_config():
 @pytest.mark.parametrize(
     "value, words",
     [
-        ({"method": "lookahead"}, "method must be one of ngram, draft_model, eagle3, not 'lookahead'"),
-        ({"method": "eagle"}, "method 'eagle': EAGLE-1/2 heads are not supported; EAGLE-3 heads run with method 'eagle3'"),
-        ({"method": "eagle3"}, "'eagle3' needs 'model': the EAGLE-3 head's folder"),
+        ({"method": "lookahead"}, "method must be one of ngram, draft_model, eagle3, eagle, not 'lookahead'"),
+        ({"method": "medusa"}, "method 'medusa': Medusa heads are not supported"),
+        ({"method": "eagle3"}, "'eagle3' needs 'model': the EAGLE head's folder"),
+        ({"method": "eagle"}, "'eagle' needs 'model': the EAGLE head's folder"),
         ({"method": "eagle3", "model": "x", "prompt_lookup_min": 1},
          "unknown speculative_config key(s) for method 'eagle3': prompt_lookup_min"),
         ({"method": "draft_model"}, "'draft_model' needs 'model'"),

@@ -1,7 +1,8 @@
-"""Tiny random EAGLE-3 heads saved as their checkpoints are (config.json + model.safetensors
-with midlayer.*, fc, norm, lm_head, d2t, t2d), and an independent reference of what a head
-proposes: transformers' target for the features, the head's formulas in plain torch with
-no KV cache (every step recomputes every position)."""
+"""Tiny random EAGLE heads saved as their checkpoints are (EAGLE-3: config.json +
+midlayer.*, fc, norm, lm_head, d2t, t2d; EAGLE-1/2: fc (and its bias), layers.0.* without
+the input norm), and an independent reference of what a head proposes: transformers' target
+for the features, the head's formulas in plain torch with no KV cache (every step
+recomputes every position)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,42 @@ def agreeing_pair(root: Path) -> tuple[Path, Path]:
     return target, head
 
 
+def make_eagle1_head(folder: Path, target: Path, *, seed: int = 0, fc_bias: bool = True, std: float = 0.2,
+                     architecture: str = "LlamaForCausalLM") -> Path:
+    """A one-layer EAGLE-1/2 head for the target folder's model (pickled, as published)."""
+    tcfg = json.loads((target / "config.json").read_text())
+    h, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
+    heads, kvh, hd, inter = 4, 2, 16, 96
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    t = {
+        "fc.weight": w(h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": w(heads * hd, h),
+        "layers.0.self_attn.k_proj.weight": w(kvh * hd, h),
+        "layers.0.self_attn.v_proj.weight": w(kvh * hd, h),
+        "layers.0.self_attn.o_proj.weight": w(h, heads * hd),
+        "layers.0.post_attention_layernorm.weight": 1 + w(h) / 2,
+        "layers.0.mlp.gate_proj.weight": w(inter, h),
+        "layers.0.mlp.up_proj.weight": w(inter, h),
+        "layers.0.mlp.down_proj.weight": w(h, inter),
+    }
+    if fc_bias:
+        t["fc.bias"] = w(h)
+    cfg = {
+        "architectures": [architecture], "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kvh, "head_dim": hd,
+        "vocab_size": vocab, "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "bias": fc_bias,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.save(t, str(folder / "pytorch_model.bin"))
+    return folder
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -108,26 +145,63 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
 
 
-def head_forward(t: dict[str, torch.Tensor], cfg: dict, embeds: torch.Tensor, feats: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, prenorm) [L, H] of the head over positions 0..L-1, causal, no cache."""
-    n, heads, kvh, hd = embeds.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    p = "midlayer."
-    e = _rms(embeds, t[p + "input_layernorm.weight"])
-    hn = _rms(feats, t[p + "hidden_norm.weight"])
-    x = torch.cat([e, hn], -1)
+def _attention(t: dict[str, torch.Tensor], p: str, cfg: dict, x: torch.Tensor) -> torch.Tensor:
+    """Causal GQA self-attention of layer prefix p over x [L, in] at positions 0..L-1."""
+    n, heads, kvh, hd = x.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     pos = torch.arange(n)
     q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, hd), pos, cfg["rope_theta"])
     k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kvh, hd), pos, cfg["rope_theta"])
     v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kvh, hd)
     k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    attn = o.transpose(0, 1).reshape(n, heads * hd) @ t[p + "self_attn.o_proj.weight"].T
-    resid = attn + feats
-    y = _rms(resid, t[p + "post_attention_layernorm.weight"])
-    mlp = (F.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
-    pre = mlp + resid
+    return o.transpose(0, 1).reshape(n, heads * hd) @ t[p + "self_attn.o_proj.weight"].T
+
+
+def _mlp(t: dict[str, torch.Tensor], p: str, y: torch.Tensor) -> torch.Tensor:
+    return (F.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+
+
+def eagle1_forward(t: dict[str, torch.Tensor], cfg: dict, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """The EAGLE-1/2 head's output [L, H] (its logits' input and its next feature)."""
+    x = torch.cat([embeds, feats], -1) @ t["fc.weight"].T
+    if "fc.bias" in t:
+        x = x + t["fc.bias"]
+    p = "layers.0."
+    resid = _attention(t, p, cfg, x) + x
+    return _mlp(t, p, _rms(resid, t[p + "post_attention_layernorm.weight"])) + resid
+
+
+def head_forward(t: dict[str, torch.Tensor], cfg: dict, embeds: torch.Tensor, feats: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, prenorm) [L, H] of the EAGLE-3 head over positions 0..L-1, causal, no cache."""
+    p = "midlayer."
+    x = torch.cat([_rms(embeds, t[p + "input_layernorm.weight"]), _rms(feats, t[p + "hidden_norm.weight"])], -1)
+    resid = _attention(t, p, cfg, x) + feats
+    pre = _mlp(t, p, _rms(resid, t[p + "post_attention_layernorm.weight"])) + resid
     return _rms(pre, t["norm.weight"]), pre
+
+
+def reference_eagle1_proposals(target, head: Path, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
+    """reference_proposals of an EAGLE-1/2 head: its features are the target's output (after
+    the final norm), its logits the target's LM head's."""
+    t = head_tensors(head)
+    cfg = json.loads((head / "config.json").read_text())
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        feats = hs[-1][0]
+        embed = t["embed_tokens.weight"] if "embed_tokens.weight" in t else target.get_input_embeddings().weight
+        lm_head = target.get_output_embeddings().weight
+        toks = list(tokens[1:])
+        out, gaps = [], []
+        for _ in range(k):
+            y = eagle1_forward(t, cfg, embed[torch.tensor(toks)], feats)
+            logits = y[-1] @ lm_head.T
+            top = logits.topk(2).values
+            gaps.append(float(top[0] - top[1]))
+            out.append(int(logits.argmax()))
+            toks.append(out[-1])
+            feats = torch.cat([feats, y[-1:]])
+    return out, gaps
 
 
 def reference_proposals(target, head: Path, tokens: list[int], k: int, points: list[int]

@@ -1,12 +1,15 @@
-"""An EAGLE-3 draft head (config.json architectures LlamaForCausalLMEagle3 or
-Eagle3LlamaForCausalLM, or LlamaForCausalLM as the published heads of Llama targets name
-it): speculative_config method "eagle3" (model/eagle_draft.py).
+"""EAGLE draft heads: speculative_config methods "eagle3" and "eagle" (model/eagle_draft.py).
 
-The head is one Llama decoder layer that reads, besides a token, a *feature* of the
-target: at a position i the target computed, the feature is fc(target residual streams at
-three depths, concatenated); at a position the head itself proposed, it is the head's own
-output there (before its final norm). Its input at position i is (token i + 1, feature i),
-so it predicts token i + 2:
+A head is a decoder layer that reads, besides a token, a *feature* of the target: at a
+position i the target computed, a function of the target's hidden states there; at a
+position the head itself proposed, the head's own output there. Its input at position i is
+(token i + 1, feature i), so it predicts token i + 2. Each head says which of the target's
+hidden states it reads (target_layers: the inputs of those layers, the number of layers
+meaning the model's output after its final norm) and what it makes of them (target_feature).
+
+EAGLE-3 (Eagle3LlamaForCausalLM: architectures LlamaForCausalLMEagle3 or
+Eagle3LlamaForCausalLM, or LlamaForCausalLM as the published heads of Llama targets name
+it): the feature is fc(the target's residual streams at three depths, concatenated), and
 
     e = input_layernorm(embed(token)),  h = hidden_norm(feature)
     x = attention(concat[e, h]) + feature          (q/k/v read 2 * hidden values)
@@ -22,7 +25,18 @@ embeddings are shared). Which depths: `eagle_config.eagle_aux_hidden_state_layer
 layers whose *outputs* are read; without it the inputs of layers 2, N // 2 and N - 3 of an
 N-layer target (aux_layers).
 
-Not a model to serve: load_model refuses it as a target and as a draft_model.
+EAGLE-1/2 (EagleLlamaForCausalLM: architectures EagleLlamaForCausalLM, or LlamaForCausalLM):
+the feature is the target's output (after its final norm), and
+
+    x = fc(concat[embed(token), feature])          (fc.bias where the checkpoint has one;
+                                                    HASS heads, add_para_norm: each normed first)
+    x = Llama decoder layers over x, the first without its input norm;  x = x + residual
+    logits = the target's lm_head(x);  next feature = x
+
+Its tensors: fc.weight [hidden, 2 * hidden] (fc.bias), layers.N.* (no layers.0.input_layernorm),
+embedding_layernorm / hidden_states_layernorm (HASS), embed_tokens.weight (absent: shared).
+
+Neither is a model to serve: load_model refuses a head as a target and as a draft_model.
 """
 
 from __future__ import annotations
@@ -85,9 +99,10 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3LlamaForCausalLM(LlamaForCausalLM):
-    draft_head = True
-    """Proposes for a target (speculative_config method eagle3); load_model refuses it
-    anywhere else."""
+    head_method = "eagle3"
+    """The speculative_config method it proposes under; load_model refuses it anywhere else."""
+    shares_lm_head = False
+    """Whether the head computes its logits with the target's LM head (set by the draft)."""
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
         where = "the EAGLE-3 head's config.json"
@@ -119,6 +134,14 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
         positions it proposes for."""
 
     graph_outputs = ("prenorm",)  # type: ignore[assignment]
+
+    def target_layers(self, target_layers: int, source: str) -> tuple[int, ...]:
+        """The target's LlamaForCausalLM.aux_layers for this head."""
+        return aux_layers(self.config, target_layers, source)
+
+    def target_feature(self, aux: torch.Tensor) -> torch.Tensor:
+        """The feature [T, hidden] of the target's aux_hidden [T, ...] at the same positions."""
+        return self.fc(aux)
 
     def make_layer(self, i: int) -> nn.Module:
         return Eagle3Layer(self)
@@ -161,6 +184,9 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
                     continue
                 if name.removeprefix("model.") == "embed_tokens.weight":
                     self.own_embeddings = True
+                if name.removeprefix("model.").startswith("layers."):
+                    raise ModelLoadError(f"{source}: tensor {name!r}: an EAGLE-1/2 head (its layer not named "
+                                         "midlayer), which runs with speculative_config method 'eagle'")
                 yield name.replace("midlayer.", "layers.0."), tensor, source
 
         super().load_weights(renamed())
@@ -175,3 +201,80 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
     def loaded(self) -> None:
         self.target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
         self.maps_vocab = self.draft_vocab_size != self.config.vocab_size or bool(self.d2t.any())
+
+
+class EagleLlamaForCausalLM(LlamaForCausalLM):
+    head_method = "eagle"
+    shares_lm_head = True
+    graph_outputs = ("prenorm",)  # type: ignore[assignment]
+
+    def __init__(self, cfg: Any, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        h = cfg.hidden_size
+        self.target_hidden_size = h
+        self.layers[0].input_layernorm = nn.Identity()  # (the first layer's input is fc's output as it is)
+        # (bias or not is the checkpoint's: an absent fc.bias stays zero, see load_weights)
+        self.fc = Linear(2 * h, h, bias=True)
+        self.para_norm = bool(getattr(cfg, "add_para_norm", False))
+        if self.para_norm:  # HASS
+            self.embedding_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.hidden_states_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        del self.norm, self.lm_head  # (no final norm; the logits are the target's LM head's)
+        self.lm_head: nn.Module | None = None
+        self.own_embeddings = False
+        self.fc_bias = False
+        self.feature: torch.Tensor | None = None
+        self.prenorm: torch.Tensor | None = None
+
+    def target_layers(self, target_layers: int, source: str) -> tuple[int, ...]:
+        return (target_layers,)  # (the output, after the final norm)
+
+    def target_feature(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The output [T, hidden] of tokens at positions with self.feature (also prenorm: the
+        next positions' feature)."""
+        assert self.feature is not None, "an EAGLE head reads the features set by its caller"
+        e, h = self.embed(input_ids), self.feature[: input_ids.shape[0]]
+        if self.para_norm:
+            e, h = self.embedding_layernorm(e), self.hidden_states_layernorm(h)
+        x, residual = self.fc(torch.cat([e, h], dim=-1)), None
+        for layer, rope in zip(self.layers, self.layer_rope):
+            x, residual = layer(positions, x, residual, getattr(self, rope))
+        self.prenorm = x + residual
+        return self.prenorm
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "the draft gives an EAGLE head the target's LM head"
+        return self.lm_head(hidden)
+
+    def expected_weight_names(self) -> set[str]:
+        return {n for n in super().expected_weight_names() if n not in ("embed_tokens.weight", "fc.bias")}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+        # the speculators format's names for the same tensors
+        renames = {"fusion_fc.weight": "fc.weight", "fusion_fc.bias": "fc.bias",
+                   "pre_lm_head_layernorm.weight": "hidden_states_layernorm.weight"}
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor, str]]:
+            for name, tensor, source in weights:
+                if name.startswith("midlayer."):
+                    raise ModelLoadError(f"{source}: tensor {name!r}: an EAGLE-3 head, which runs with "
+                                         "speculative_config method 'eagle3'")
+                name = renames.get(name, name)
+                if name.removeprefix("model.") == "embed_tokens.weight":
+                    self.own_embeddings = True
+                if name == "fc.bias":
+                    self.fc_bias = True
+                if name.removeprefix("model.") == "lm_head.weight":
+                    raise ModelLoadError(f"{source}: tensor 'lm_head.weight': an EAGLE-1/2 head computes its logits "
+                                         "with its target's LM head, not one of its own")
+                yield name, tensor, source
+
+        super().load_weights(renamed())
+
+    def loaded(self) -> None:
+        if not self.fc_bias:
+            assert self.fc.bias is not None
+            self.fc.bias.data.zero_()

@@ -1,11 +1,11 @@
-"""Speculative decoding with an EAGLE-3 head (model/eagle3.py, model/eagle_draft.py; the
-heads here are pickled, as most published ones are: pytorch_model.bin): greedy
-output is the plain greedy output token for token (batched, chunked, page sizes 1 and 16,
-preempted, with overlap scheduling); the head's proposals are those of an independent
-reference (transformers' target features, the head's formulas with no KV cache), so its
-features, its KV one position behind the target and its vocabulary map are right; a head
-that always proposes the target's token has every proposal kept; what cannot run is
-refused by name."""
+"""Speculative decoding with EAGLE heads (model/eagle_heads.py, model/eagle_draft.py):
+EAGLE-3 (method eagle3) and EAGLE-1/2 (method eagle); the heads here are mostly pickled, as
+most published ones are (pytorch_model.bin). Greedy output is the plain greedy output token
+for token (batched, chunked, page sizes 1, 4 and 16, preempted, with overlap scheduling);
+the heads' proposals are those of independent references (transformers' target features,
+the heads' formulas with no KV cache), so their features, their KV one position behind the
+target and EAGLE-3's vocabulary map are right; a head that always proposes the target's
+token has every proposal kept; what cannot run is refused by name."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ import pytest
 
 from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError, ModelLoadError
-from streamer.model.eagle3 import aux_layers
+from streamer.model.eagle_heads import aux_layers
 from tests.conftest import make_tiny_model
-from tests.engine.spec.eagle3_heads import agreeing_pair, make_head, reference_proposals
+from tests.engine.spec.eagle_heads import (
+    agreeing_pair,
+    make_eagle1_head,
+    make_head,
+    reference_eagle1_proposals,
+    reference_proposals,
+)
 from tests.model.test_deepseek import CONFIGS
 from tests.oracle import Comparison, _hf_model, compare
 
@@ -39,10 +45,13 @@ def pair(tmp_path_factory, default_model):
 PROMPTS = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
 
 
-@pytest.mark.parametrize("page_size, pages, overlap", [(1, 60, False), (16, None, True)])
-def test_greedy_output_with_an_eagle3_head_is_plain_greedy_output(pair, page_size, pages, overlap):
+@pytest.mark.parametrize("method, page_size, pages, overlap",
+                         [("eagle3", 1, 60, False), ("eagle3", 16, None, True), ("eagle", 4, 18, True)])
+def test_greedy_output_with_an_eagle_head_is_plain_greedy_output(pair, tmp_path, method, page_size, pages, overlap):
     target, head = pair
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    if method == "eagle":
+        head = make_eagle1_head(tmp_path / "eagle1", target)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
     with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
              speculative_config=spec, overlap_schedule=overlap) as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -63,18 +72,11 @@ FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": 
 DEEPSEEK = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES, *DEEPSEEK])
-def test_the_heads_proposals_are_the_references(pair, family, tmp_path):
+def assert_proposals_follow(target, spec: dict, prompts: list[list[int]], reference) -> int:
     """One request at a time (so that no page is shared), chunked prefill: every proposal of
-    every verify step equals the reference's, but where the reference's top two logits are
-    within 1e-4 (none expected). For each decoder family a head can follow: the features are
-    the residual streams transformers reports as the layers' inputs."""
-    target, head = pair
-    if family in DEEPSEEK:  # (a latent KV cache: the head's own pool is a plain one)
-        target = make_tiny_model(tmp_path / family, family, None, **dict(CONFIGS[family], num_hidden_layers=4))
-    elif family != "llama":
-        target = make_tiny_model(tmp_path / family, FAMILIES[family], None, num_hidden_layers=4)
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    every verify step equals reference(transformers' target, tokens up to the verify chunk's
+    start, k), but where the reference's top two logits are within 1e-4 (none expected).
+    Returns how many proposals were compared."""
     hf = _hf_model(str(target))
     checked = 0
     with LLM(str(target), max_num_batched_tokens=16, speculative_config=spec) as llm:
@@ -91,13 +93,12 @@ def test_the_heads_proposals_are_the_references(pair, family, tmp_path):
 
         draft.propose = record
         try:
-            for prompt in PROMPTS[:2] if family == "llama" else PROMPTS[1:2]:
+            for prompt in prompts:
                 seen.clear()
-                out = llm.generate([prompt], GREEDY)[0].token_ids
-                seq = prompt + out
+                seq = prompt + llm.generate([prompt], GREEDY)[0].token_ids
                 assert seen
                 for start, drafts in seen:
-                    want, gaps = reference_proposals(hf, head, seq[: start + 1], len(drafts), [i + 1 for i in IDS])
+                    want, gaps = reference(hf, seq[: start + 1], len(drafts))
                     for d, w, gap in zip(drafts, want, gaps):
                         assert d == w or gap < 1e-4, (prompt, start, drafts, want, gaps)
                         checked += 1
@@ -105,7 +106,37 @@ def test_the_heads_proposals_are_the_references(pair, family, tmp_path):
                             break
         finally:
             del draft.propose
+    return checked
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES, *DEEPSEEK])
+def test_the_heads_proposals_are_the_references(pair, family, tmp_path):
+    """For each decoder family a head can follow: the features are the residual streams
+    transformers reports as the layers' inputs."""
+    target, head = pair
+    if family in DEEPSEEK:  # (a latent KV cache: the head's own pool is a plain one)
+        target = make_tiny_model(tmp_path / family, family, None, **dict(CONFIGS[family], num_hidden_layers=4))
+    elif family != "llama":
+        target = make_tiny_model(tmp_path / family, FAMILIES[family], None, num_hidden_layers=4)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    checked = assert_proposals_follow(
+        target, spec, PROMPTS[:2] if family == "llama" else PROMPTS[1:2],
+        lambda hf, tokens, k: reference_proposals(hf, head, tokens, k, [i + 1 for i in IDS]))
     assert checked >= (30 if family == "llama" else 15)
+
+
+@pytest.mark.parametrize("family, fc_bias", [("llama", True), ("qwen3", False)])
+def test_an_eagle1_heads_proposals_are_the_references(pair, family, fc_bias, tmp_path):
+    """EAGLE-1/2 (method eagle): the feature is the target's output after its final norm, fc
+    (with its bias where the checkpoint has one) mixes it with the token's embedding, the first
+    layer has no input norm, and the logits are the target's LM head's."""
+    target = pair[0] if family == "llama" else make_tiny_model(tmp_path / family, FAMILIES[family], None,
+                                                               num_hidden_layers=4)
+    head = make_eagle1_head(tmp_path / "eagle1", target, fc_bias=fc_bias)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    checked = assert_proposals_follow(target, spec, PROMPTS[:2],
+                                      lambda hf, tokens, k: reference_eagle1_proposals(hf, head, tokens, k))
+    assert checked >= 30
 
 
 def test_a_head_proposing_the_targets_token_has_every_proposal_kept(tmp_path):
@@ -164,15 +195,15 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
     target, head = pair
     with pytest.raises(ConfigError, match="'eagle3' needs 'model'"):
         LLM(str(target), speculative_config={"method": "eagle3"})
-    with pytest.raises(ConfigError, match="EAGLE-1/2 heads are not supported"):
+    with pytest.raises(ModelLoadError, match="an EAGLE-3 head, which runs with speculative_config method 'eagle3'"):
         LLM(str(target), speculative_config={"method": "eagle", "model": str(head)})
     named = make_head(tmp_path / "named", target, draft_vocab=512, layer_ids=IDS)
-    with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):
+    with pytest.raises(ModelLoadError, match="an EAGLE head, which proposes tokens for the model"):
         LLM(str(named))
-    with pytest.raises(ModelLoadError, match="an EAGLE-3 head"):  # (not a draft_model either)
+    with pytest.raises(ModelLoadError, match="an EAGLE head, which proposes"):  # (not a draft_model either)
         LLM(str(target), speculative_config={"method": "draft_model", "model": str(named)})
     qwen = make_tiny_model(tmp_path / "qwen", "Qwen3ForCausalLM", None, num_hidden_layers=1)
-    with pytest.raises(ModelLoadError, match="is not an EAGLE-3 head"):
+    with pytest.raises(ModelLoadError, match="is not a head of speculative_config method 'eagle3'"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(qwen)})
     with pytest.raises(ModelLoadError, match="num_hidden_layers 4: an EAGLE-3 head has one decoder layer"):
         LLM(str(target), speculative_config={"method": "eagle3", "model": str(target)})
@@ -183,7 +214,7 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
     with pytest.raises(ModelLoadError, match="target has 2 layers"):
         LLM(str(shallow), speculative_config={"method": "eagle3", "model": str(head)})
     cohere = make_tiny_model(tmp_path / "cohere", "CohereForCausalLM", None, num_hidden_layers=4)
-    with pytest.raises(ConfigError, match="residual streams of CohereForCausalLM"):
+    with pytest.raises(ConfigError, match="hidden states of CohereForCausalLM's layers"):
         LLM(str(cohere), speculative_config={"method": "eagle3", "model": str(head)})
     two = tmp_path / "two-layers"
     two.mkdir()
