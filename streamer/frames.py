@@ -76,11 +76,15 @@ class TierCopy(msgspec.Struct, array_like=True):
 class RankStep(msgspec.Struct, tag=True):
     """One step, once for all its requests: the batch (its sampling fields emptied: rank 0
     samples alone), the runner's split threshold (the warm-up changes it), and the host
-    tier's copies since the last step, in order, which each rank makes on its shard first."""
+    tier's copies since the last step, in order, which each rank starts on its shard first."""
 
     batch: Batch
     split_decode_tokens: int
     tier_copies: list[TierCopy] = msgspec.field(default_factory=list)
+    loads_ready: int = 0
+    """How many of the host tier's loads (all sent so far, in their order) rank 0 had seen
+    complete: the step may read their pages, so the other ranks wait for those alone (a load
+    whose request still waits runs on beside their steps, as on rank 0)."""
 
 
 class RankPing(msgspec.Struct, tag=True):

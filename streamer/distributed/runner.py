@@ -4,7 +4,8 @@ Rank 0 (TPRunner) is the engine's runner: before each step's forward it broadcas
 step (step.py), then runs the same forward as every rank on its shard; it samples alone and
 broadcasts the sampled token ids, which the next step may read on the device (packing.py's
 pending rows). The host tier (the scheduler's, rank 0's) logs its copies between device and
-host pages; each step sends them, and every rank makes them on its shard before the step. A
+host pages; each step sends them, every rank starts them on its shard, and waits for a load
+only at the step rank 0 may read its pages in (TierFollower). A
 speculative draft (draft_model, eagle3) is whole and on rank 0 alone: it
 proposes before the step is sent, so the other ranks receive the verify chunks' tokens. The other ranks (follow_steps) run each step they receive and take the
 tokens; they never schedule nor sample.
@@ -47,6 +48,8 @@ class TPRunner(ModelRunner):
         super().__init__(config, model_path, diagnostics)
         if config.host_kv_cache_gb:  # (the scheduler's host tier logs its copies here)
             self.pool.tier_log = deque()
+        self.loads_ready = 0
+        """How many of the tier's loads rank 0 has seen complete (RankStep.loads_ready)."""
         self.channel = StepChannel(group)
         self.channel.start_keepalive()
         workers.watch(self.fail)
@@ -84,7 +87,13 @@ class TPRunner(ModelRunner):
         log = self.pool.tier_log
         while log:  # (the scheduler's thread may append meanwhile: the rest goes with the next step)
             copies.append(log.popleft())
-        self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens, copies))
+        loads = self.pool.tier_loads
+        # (loads complete in their order: one copy stream; a request reads its pages only once
+        # the scheduler saw its load complete, before this)
+        while loads and (loads[0] is None or loads[0].query()):
+            loads.popleft()
+            self.loads_ready += 1
+        self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens, copies, self.loads_ready))
 
     def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
                 plan: Any = None, proposed: Any = None) -> Launched:
@@ -126,15 +135,16 @@ def follow_steps(runner: ModelRunner, channel: StepChannel, tier: HostTier | Non
     """A rank other than 0: run every step rank 0 sends, until RankStop; first the host
     tier's copies rank 0 made since the last step, the same on this rank's shard (tier)."""
     group = channel.group
+    copies = None if tier is None else TierFollower(tier)
     while True:
         msg = channel.recv()
         if isinstance(msg, RankStop):
             return
         if not isinstance(msg, RankStep):
             continue  # a keep-alive
-        if msg.tier_copies:
-            assert tier is not None, "host tier copies without a host tier"
-            copy_as_rank_0(tier, msg.tier_copies)
+        if msg.tier_copies or msg.loads_ready:
+            assert copies is not None, "host tier copies without a host tier"
+            copies.follow(msg.tier_copies, msg.loads_ready)
         batch = msg.batch
         runner.split_decode_tokens = msg.split_decode_tokens
         runner.forward(batch)
@@ -145,17 +155,30 @@ def follow_steps(runner: ModelRunner, channel: StepChannel, tier: HostTier | Non
         runner.last_tokens, runner.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
 
 
-def copy_as_rank_0(tier: HostTier, copies: list[TierCopy]) -> None:
-    """Make rank 0's host tier copies, in its order, on this rank's shard, before the step
-    that follows them: its kernels wait for the write-backs' gathers and for the loads."""
-    loaded = None
-    for c in copies:
-        if c.write_back:
-            tier.write(c.gpu, c.host)
-        else:
-            loaded = tier.load(c.host, c.gpu)
-    if tier.cuda:
-        stream = torch.cuda.current_stream()
-        for event in (tier.pool.fence, loaded):
-            if event is not None:
+class TierFollower:
+    """A rank other than 0's shard of the host tier: rank 0's copies, in its order, on this
+    rank's pages. Write-backs: the step that follows waits for their gathers (it may reuse the
+    pages they free), as rank 0's does. Loads run on beside the steps until rank 0 says a step
+    may read their pages (loads_ready); that step waits for them."""
+
+    def __init__(self, tier: HostTier) -> None:
+        self.tier = tier
+        self.loads: deque[Any] = deque()
+        """This rank's load events not yet waited for, in their order."""
+        self.waited = 0
+
+    def follow(self, copies: list[TierCopy], loads_ready: int) -> None:
+        tier = self.tier
+        for c in copies:
+            if c.write_back:
+                tier.write(c.gpu, c.host)
+            else:
+                self.loads.append(tier.load(c.host, c.gpu))
+        stream = torch.cuda.current_stream() if tier.cuda else None
+        if stream is not None and copies and tier.pool.fence is not None:
+            stream.wait_event(tier.pool.fence)
+        while self.waited < loads_ready:
+            event = self.loads.popleft()
+            if stream is not None and event is not None:
                 stream.wait_event(event)
+            self.waited += 1

@@ -198,6 +198,12 @@ class HostTier:
         CUDA (None: done, on CPU)."""
         assert len(gpu) == len(host)
         self._log(False, gpu, host)
+        event = self._load(host, gpu)
+        if self.pool.tier_log is not None:
+            self.pool.tier_loads.append(event)
+        return event
+
+    def _load(self, host: list[int], gpu: list[int]) -> Any:
         parts, data = pool_parts(self.pool), self.host.data
         k = parts[0]
         self.load_backs += len(gpu)

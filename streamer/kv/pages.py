@@ -82,6 +82,9 @@ class PagePool:
         self.tier_log: deque[TierCopy] | None = None
         """Under tensor parallelism, on rank 0: the host tier's copies since the last step was
         sent, which the other ranks repeat on their shards before it (distributed/runner.py)."""
+        self.tier_loads: deque[Any] = deque()
+        """With tier_log: the events of the tier's loads (host -> device) not yet seen complete,
+        in their order (None: done)."""
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never free
         self._free: deque[int] = deque(range(1, num_pages))

@@ -90,6 +90,10 @@ class EagleDraft(DraftModel):
                 else:
                     head.lm_head.weight.data.normal_(0.0, 0.02)
         target.aux_layers = head.target_layers(int(target_cfg.num_hidden_layers), where)
+        # (the rows of any step that a CUDA graph runs: mirror reads them before the next forward)
+        rows = max(int(config.max_num_batched_tokens), int(config.max_num_seqs))
+        target.aux_out = torch.empty(rows, len(target.aux_layers) * int(target_cfg.hidden_size),
+                                     dtype=target.embed_tokens.weight.dtype, device=device)
         self.target = target
         self.features: torch.Tensor | None = None
         """[pages * page_size, hidden]: the head's input feature of each KV slot's token."""

@@ -55,16 +55,26 @@ from streamer.model.llama import LlamaForCausalLM
 def aux_layers(head_cfg: Any, target_layers: int, source: str) -> tuple[int, ...]:
     """The target layers whose inputs (residual streams) make the head's features, ascending
     (the order of the concatenation fc was trained on, as the engines that run these heads
-    capture them: in layer order)."""
+    capture them: in layer order). Two conventions name them: eagle_config's
+    eagle_aux_hidden_state_layer_ids are layer outputs (SGLang's), a top-level
+    eagle_aux_hidden_state_layer_ids layer inputs (vLLM's); a config with both that disagree
+    is refused."""
     eagle = getattr(head_cfg, "eagle_config", None) or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    if ids is None:
-        points = [2, target_layers // 2, target_layers - 3]
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    top = getattr(head_cfg, "eagle_aux_hidden_state_layer_ids", None)
+    for key, ids in (("eagle_config.eagle_aux_hidden_state_layer_ids", nested),
+                     ("eagle_aux_hidden_state_layer_ids", top)):
+        if ids is not None and not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
+            raise ModelLoadError(f"{source}: {key} must list 3 layer indices, not {ids!r}")
+    if nested is not None:
+        points = [i + 1 for i in nested]  # (a layer's output is the next layer's input)
+        if top is not None and sorted(top) != sorted(points):
+            raise ModelLoadError(f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids {nested} (layer outputs) "
+                                 f"and eagle_aux_hidden_state_layer_ids {top} (layer inputs) name different layers")
+    elif top is not None:
+        points = list(top)
     else:
-        if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
-            raise ModelLoadError(f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer "
-                                 f"indices, not {ids!r}")
-        points = [i + 1 for i in ids]  # (a layer's output is the next layer's input)
+        points = [2, target_layers // 2, target_layers - 3]
     if not all(0 <= p < target_layers for p in points):
         raise ModelLoadError(f"{source}: the head reads the target's layers at {sorted(points)} (inputs), but the "
                              f"target has {target_layers} layers: this head is for another model")
@@ -253,16 +263,11 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         return {n for n in super().expected_weight_names() if n not in ("embed_tokens.weight", "fc.bias")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        # the speculators format's names for the same tensors
-        renames = {"fusion_fc.weight": "fc.weight", "fusion_fc.bias": "fc.bias",
-                   "pre_lm_head_layernorm.weight": "hidden_states_layernorm.weight"}
-
         def renamed() -> Iterable[tuple[str, torch.Tensor, str]]:
             for name, tensor, source in weights:
                 if name.startswith("midlayer."):
                     raise ModelLoadError(f"{source}: tensor {name!r}: an EAGLE-3 head, which runs with "
                                          "speculative_config method 'eagle3'")
-                name = renames.get(name, name)
                 if name.removeprefix("model.") == "embed_tokens.weight":
                     self.own_embeddings = True
                 if name == "fc.bias":

@@ -86,7 +86,10 @@ def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[st
     for f in files:
         if f.suffix == ".bin":
             try:
-                state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # (a file from before PyTorch 1.6's zip format cannot be mapped)
+                    state = torch.load(str(f), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001
                 raise ModelLoadError(f"{f}: not a readable PyTorch checkpoint of tensors ({e})") from None
             if not isinstance(state, dict):

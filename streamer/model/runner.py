@@ -88,6 +88,10 @@ class ModelRunner:
                     self.draft = EagleDraft(draft_path, target=self.model, target_cfg=cfg, target_path=model_path,
                                              config=config, device=self.device, max_model_len=self.max_model_len,
                                              kv_dtype=self.kv_dtype)
+        if self.draft is not None and self.device.type == "cuda" and config.decode_gemv:
+            for m in self.draft.model.modules():  # (as the target's, above)
+                if isinstance(m, Linear):
+                    m.decode_gemv = True
         self.pool = self._make_pool()
         if self.draft is not None:
             graphs = self.device.type == "cuda" and config.cuda_graphs

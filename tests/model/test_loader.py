@@ -60,6 +60,11 @@ def test_pytorch_bin_checkpoints_load_the_same_weights(qwen2):
     for (n, a), (_, b), (_, c) in zip(whole.named_parameters(), from_bin.named_parameters(),
                                       sharded.named_parameters()):
         assert torch.equal(a, b) and torch.equal(a, c), n
+    torch.save({k: tensors[k] for k in shards["pytorch_model-00001-of-00002.bin"]},
+               str(qwen2 / "pytorch_model-00001-of-00002.bin"), _use_new_zipfile_serialization=False)
+    legacy, _ = load_model(qwen2)  # (a file from before PyTorch 1.6's zip format: not memory-mapped)
+    for (n, a), (_, b) in zip(whole.named_parameters(), legacy.named_parameters()):
+        assert torch.equal(a, b), n
     (qwen2 / "pytorch_model-00001-of-00002.bin").write_bytes(b"not a pickle")
     with pytest.raises(ModelLoadError, match="pytorch_model-00001-of-00002.bin: not a readable PyTorch checkpoint"):
         load_model(qwen2)

@@ -189,6 +189,14 @@ def test_the_layers_a_head_reads():
     Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}
     with pytest.raises(ModelLoadError, match="trained for another model|for another model"):
         aux_layers(Cfg(), 32, "x")
+    Cfg.eagle_config = None
+    Cfg.eagle_aux_hidden_state_layer_ids = [2, 16, 29]  # (top level: layer inputs, vLLM's convention)
+    assert aux_layers(Cfg(), 32, "x") == (2, 16, 29)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}  # (the same layers: agreed)
+    assert aux_layers(Cfg(), 32, "x") == (2, 16, 29)
+    Cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}
+    with pytest.raises(ModelLoadError, match="name different layers"):
+        aux_layers(Cfg(), 32, "x")
 
 
 def test_what_cannot_run_is_refused_by_name(tmp_path, pair, default_model):
