@@ -32,10 +32,15 @@ class Reference:
     top_ids: list[list[int]] = field(default_factory=list)
 
 
-@cache
 def _hf_model(path: str, w8a8: bool = False, expert_groups: int = 0):
     """transformers' model of a folder, or of a .gguf file (expert_groups: see
-    emulate_block_experts)."""
+    emulate_block_experts); loaded once per (path, w8a8, expert_groups), however the
+    arguments are spelled (`_hf_model(p)` and `_hf_model(p, False, 0)` are one model)."""
+    return _load_hf_model(str(path), bool(w8a8), int(expert_groups))
+
+
+@cache
+def _load_hf_model(path: str, w8a8: bool, expert_groups: int):
     from transformers import AutoModelForCausalLM
 
     # a GGUF file is read by transformers' own GGUF loader: the oracle of a converted file
@@ -121,9 +126,24 @@ def fp8_kv_cache() -> Iterator[None]:
         DynamicLayer.update = update
 
 
-@cache
 def hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool = False, w8a8: bool = False,
               expert_groups: int = 0) -> Reference:
+    """transformers' greedy continuation of `prompt`, max_new tokens. Computed once per
+    (path, prompt, kv_fp8, w8a8, expert_groups), however the arguments are spelled: a
+    reference of more tokens serves a shorter request too (greedy decoding without EOS: the
+    first n tokens and their logits do not depend on how many follow)."""
+    key = (str(path), tuple(prompt), bool(kv_fp8), bool(w8a8), int(expert_groups))
+    ref = _REFERENCES.get(key)
+    if ref is None or len(ref.tokens) < max_new:
+        ref = _REFERENCES[key] = _hf_greedy(*key[:2], max_new, *key[2:])
+    return Reference(ref.tokens[:max_new], ref.top2_gap[:max_new], ref.top_ids[:max_new])
+
+
+_REFERENCES: dict[tuple, Reference] = {}
+
+
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new: int, kv_fp8: bool, w8a8: bool,
+               expert_groups: int) -> Reference:
     from transformers import GenerationConfig
 
     model = _hf_model(path, w8a8, expert_groups)
