@@ -17,6 +17,10 @@ from streamer.model import layers
 from tests.conftest import make_tiny_model
 from tests.kernels.device import CUDA
 
+# tokens generated: the prefill's and DECODE_STEPS one-token steps (each a GEMV per linear
+# layer through the interpreter, ~0.25 s apiece on CPU: two steps show the path as five did)
+DECODE_STEPS = 2
+
 
 def count_calls(monkeypatch, module, *names: str) -> dict[str, int]:
     """Wrap module.<name> for each name so that calls are counted in the returned dict."""
@@ -41,7 +45,7 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
     # Qwen2: the Llama decoder plus the qkv bias, added after the GEMV
     path = make_tiny_model(tmp_path / "m", "Qwen2ForCausalLM", None, vocab_size=512)
     prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(1)).tolist()
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=1 + DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=1)
 
     def run():
         with LLM(str(path), dtype="float32", device="cpu", cuda_graphs=False) as llm:
@@ -52,9 +56,9 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
     monkeypatch.setattr(layers, "use_gemv", lambda x, w, per_row=False: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
-    # 5 decode steps of one token, 2 layers: qkv, o and down per layer and the LM head, gate_up
+    # the decode steps of one token, 2 layers: qkv, o and down per layer and the LM head, gate_up
     # and its activation in gemv_glu; and the prefill's LM head (one row: the last position)
-    assert calls == {"gemv": 5 * (3 * 2 + 1) + 1, "gemv_glu": 5 * 2}
+    assert calls == {"gemv": DECODE_STEPS * (3 * 2 + 1) + 1, "gemv_glu": DECODE_STEPS * 2}
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
@@ -68,7 +72,7 @@ def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeyp
 
     path = make_tiny_model(tmp_path / "m", "Qwen2ForCausalLM", None, vocab_size=512, initializer_range=0.05)
     prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(2)).tolist()
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=1 + DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=1)
 
     def run():
         with LLM(str(path), dtype="float32", device="cpu", cuda_graphs=False, quantization="fp8") as llm:
@@ -80,9 +84,9 @@ def test_one_token_float8_gemv_path_matches_the_scaled_mm_path(tmp_path, monkeyp
     monkeypatch.setattr(layers, "use_gemv", one_row)
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
-    # 5 one-token steps, 2 layers: qkv, o and down in the GEMV, gate_up with its activation
+    # the one-token steps, 2 layers: qkv, o and down in the GEMV, gate_up with its activation
     # in gemv_glu; the LM head stays in float32 (not quantized)
-    assert calls == {"fp8_gemv": 5 * 3 * 2, "fp8_gemv_glu": 5 * 2}
+    assert calls == {"fp8_gemv": DECODE_STEPS * 3 * 2, "fp8_gemv_glu": DECODE_STEPS * 2}
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
