@@ -1,10 +1,14 @@
 """Reliability tests: a real `python -m streamer serve` subprocess per test module.
 
-Each module gets its own server on a free loopback port, started once
-(module-scoped fixture `server`), with the extra command-line flags the
-module lists in SERVER_ARGS. The fixture waits for /health, and on teardown
-sends SIGTERM and waits for the process. The server's output goes to a log
-file whose tail is shown when something fails.
+Each module gets a server on a free loopback port (module-scoped fixture
+`server`), with the extra command-line flags the module lists in SERVER_ARGS.
+The fixture waits for /health. A module's server is kept for the next module
+when that one asks for the same flags and the server is still up and healthy
+(starting one costs several seconds of the 2-core CI machine); otherwise it is
+stopped (SIGTERM, then a wait for the process) before the next one starts, so
+that at most one runs at a time. A module that ends its server or reads its
+whole log sets FRESH_SERVER = True: it gets a server of its own, stopped after
+it. The server's output goes to a log file whose tail is shown when something fails.
 """
 
 from __future__ import annotations
@@ -124,16 +128,47 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = list(getattr(request.module, "SERVER_ARGS", []))
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess(args, log)
+def _healthy(srv: ServerProcess) -> bool:
     try:
-        srv.wait_ready()
+        return srv.alive() and httpx.get(srv.url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def _kept_servers() -> Iterator[dict[tuple[str, ...], ServerProcess]]:
+    """The last module's server, by its flags, while the next module may want it (at most one)."""
+    kept: dict[tuple[str, ...], ServerProcess] = {}
+    yield kept
+    for srv in kept.values():
+        srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           _kept_servers: dict[tuple[str, ...], ServerProcess]) -> Iterator[ServerProcess]:
+    args = tuple(getattr(request.module, "SERVER_ARGS", []))
+    fresh = getattr(request.module, "FRESH_SERVER", False)
+    srv = None if fresh else _kept_servers.pop(args, None)
+    for other in list(_kept_servers):
+        _kept_servers.pop(other).terminate()
+    if srv is not None and not _healthy(srv):
+        srv.terminate()
+        srv = None
+    if srv is None:
+        srv = ServerProcess(list(args), tmp_path_factory.mktemp("server") / "server.log")
+        try:
+            srv.wait_ready()
+        except BaseException:
+            srv.terminate()
+            raise
+    try:
         yield srv
     finally:
-        srv.terminate()
+        if fresh or not srv.alive():
+            srv.terminate()
+        else:
+            _kept_servers[args] = srv
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,6 +24,7 @@ from tests.reliability.conftest import ServerProcess
 # the engine in a process of its own, as on CUDA (on CPU the default is one process):
 # SIGTERM reaches the server process, which stops the engine process in order
 SERVER_ARGS = ["--engine-process"]
+FRESH_SERVER = True  # (conftest.py) SIGTERM ends it, and its whole log is read
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.8}
 
