@@ -34,8 +34,15 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy streamer/engine streamer/server streamer/lang streamer/distributed streamer/router streamer/messages.py streamer/engine_stats.py streamer/frames.py streamer/config.py streamer/speculative_config.py streamer/model/draft.py streamer/model/eagle_draft.py streamer/sampling/rejection.py streamer/kv
 
+# The suite in PYTEST_WORKERS processes (pytest-xdist), a test file at a time each
+# (--dist loadfile: a module's fixtures are built once and its tests keep their order), torch
+# on one thread in each: one pytest process kept ~1 of CI's 2 cores busy (Python-bound
+# interpreter kernels, servers, HTTP), and two processes of two OpenMP threads each would
+# contend for the cores.
+PYTEST_WORKERS ?= 2
+
 pytest: setup model browser
-	$(PY) -m pytest -q -x --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=15 -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 
