@@ -7,10 +7,27 @@ recomputes every position)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, INTER = 4, 2, 16, 96
+"""Every test head's attention and MLP shapes."""
+
+
+def _shapes(target: Path, seed: int, std: float
+            ) -> tuple[dict, int, int, Callable[..., torch.Tensor], torch.Generator]:
+    """The target's config, hidden size and vocabulary, a draw of random weights (std), and
+    its generator."""
+    tcfg = json.loads((target / "config.json").read_text())
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    return tcfg, tcfg["hidden_size"], tcfg["vocab_size"], w, g
 
 
 def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[int] | None, seed: int = 0,
@@ -21,25 +38,19 @@ def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[i
     target's vocabulary; pickle: saved as pytorch_model.bin (as most published heads are)."""
     from safetensors.torch import save_file
 
-    tcfg = json.loads((target / "config.json").read_text())
-    h, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
-    heads, kvh, hd, inter = 4, 2, 16, 96
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+    tcfg, h, vocab, w, g = _shapes(target, seed, std)
 
     t = {
         "midlayer.input_layernorm.weight": 1 + w(h) / 2,
         "midlayer.hidden_norm.weight": 1 + w(h) / 2,
         "midlayer.post_attention_layernorm.weight": 1 + w(h) / 2,
-        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
-        "midlayer.self_attn.k_proj.weight": w(kvh * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": w(kvh * hd, 2 * h),
-        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
-        "midlayer.mlp.gate_proj.weight": w(inter, h),
-        "midlayer.mlp.up_proj.weight": w(inter, h),
-        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "midlayer.self_attn.q_proj.weight": w(HEADS * HEAD_DIM, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, HEADS * HEAD_DIM),
+        "midlayer.mlp.gate_proj.weight": w(INTER, h),
+        "midlayer.mlp.up_proj.weight": w(INTER, h),
+        "midlayer.mlp.down_proj.weight": w(h, INTER),
         "fc.weight": w(h, 3 * h),
         "norm.weight": 1 + w(h) / 2,
         "lm_head.weight": w(draft_vocab, h),
@@ -54,8 +65,8 @@ def make_head(folder: Path, target: Path, *, draft_vocab: int, layer_ids: list[i
         t["embed_tokens.weight"] = w(vocab, h)
     cfg = {
         "architectures": [architecture], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
-        "num_key_value_heads": kvh, "head_dim": hd, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "intermediate_size": INTER, "num_hidden_layers": 1, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
         "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
     }
@@ -98,30 +109,24 @@ def agreeing_pair(root: Path) -> tuple[Path, Path]:
 def make_eagle1_head(folder: Path, target: Path, *, seed: int = 0, fc_bias: bool = True, std: float = 0.2,
                      architecture: str = "LlamaForCausalLM") -> Path:
     """A one-layer EAGLE-1/2 head for the target folder's model (pickled, as published)."""
-    tcfg = json.loads((target / "config.json").read_text())
-    h, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
-    heads, kvh, hd, inter = 4, 2, 16, 96
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+    tcfg, h, vocab, w, g = _shapes(target, seed, std)
 
     t = {
         "fc.weight": w(h, 2 * h),
-        "layers.0.self_attn.q_proj.weight": w(heads * hd, h),
-        "layers.0.self_attn.k_proj.weight": w(kvh * hd, h),
-        "layers.0.self_attn.v_proj.weight": w(kvh * hd, h),
-        "layers.0.self_attn.o_proj.weight": w(h, heads * hd),
+        "layers.0.self_attn.q_proj.weight": w(HEADS * HEAD_DIM, h),
+        "layers.0.self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, h),
+        "layers.0.self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, h),
+        "layers.0.self_attn.o_proj.weight": w(h, HEADS * HEAD_DIM),
         "layers.0.post_attention_layernorm.weight": 1 + w(h) / 2,
-        "layers.0.mlp.gate_proj.weight": w(inter, h),
-        "layers.0.mlp.up_proj.weight": w(inter, h),
-        "layers.0.mlp.down_proj.weight": w(h, inter),
+        "layers.0.mlp.gate_proj.weight": w(INTER, h),
+        "layers.0.mlp.up_proj.weight": w(INTER, h),
+        "layers.0.mlp.down_proj.weight": w(h, INTER),
     }
     if fc_bias:
         t["fc.bias"] = w(h)
     cfg = {
-        "architectures": [architecture], "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
-        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kvh, "head_dim": hd,
+        "architectures": [architecture], "model_type": "llama", "hidden_size": h, "intermediate_size": INTER,
+        "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "vocab_size": vocab, "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "bias": fc_bias,
     }
@@ -154,7 +159,7 @@ def _attention(t: dict[str, torch.Tensor], p: str, cfg: dict, x: torch.Tensor) -
     v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kvh, hd)
     k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return o.transpose(0, 1).reshape(n, heads * hd) @ t[p + "self_attn.o_proj.weight"].T
+    return o.transpose(0, 1).reshape(n, HEADS * HEAD_DIM) @ t[p + "self_attn.o_proj.weight"].T
 
 
 def _mlp(t: dict[str, torch.Tensor], p: str, y: torch.Tensor) -> torch.Tensor:
