@@ -129,8 +129,10 @@ class GptOssForCausalLM(MoEForCausalLM):
 
     def make_mlp(self, i: int) -> nn.Module | None:
         cfg = self.config
+        # transformers before ~5.20 has no swiglu_alpha in GptOssConfig: its experts hard-code 1.702
+        alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
         return GptOssMoE(cfg.hidden_size, self.expert_intermediate(), self.num_experts(), int(cfg.num_experts_per_tok),
-                         float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+                         alpha, float(getattr(cfg, "swiglu_limit", 7.0)))
 
     def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
         m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?", name)

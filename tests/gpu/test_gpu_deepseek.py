@@ -64,10 +64,10 @@ def test_cuda_graphs_and_eager_give_the_same_tokens(models, arch):
     """Decode steps replayed from graphs (split-KV decode at the graph's page-table width,
     padding rows writing no latent) and prefill / mixed steps from the extend graphs (the tile
     list) against eager steps: the same tokens up to an exact tie, or a router flip to a
-    runner-up within MOE_PARTING (a padded batch may run another MoE path)."""
+    near-best token within MOE_PARTING (a padded batch may run another MoE path)."""
     batch = prompts(8)
     shared = [p[:100] + [7, 8, 9] for p in batch[-3:]]  # (from the radix cache: a cached prefix)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20)
 
     def run(graphs: bool):
         with LLM(str(models[arch]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, cuda_graphs=graphs) as llm:
@@ -88,7 +88,10 @@ def test_cuda_graphs_and_eager_give_the_same_tokens(models, arch):
             if abs(top[0][1] - top[1][1]) < 1e-4:
                 break
             if s != t:
-                assert t == top[1][0] and top[0][1] - top[1][1] <= MOE_PARTING, (arch, x.request_id, i, top)
+                # a router flip moves the whole hidden state: the graphs' token may be any of the
+                # eager run's near-best (seen on the H200: a token outside its top two, which were 0.008 apart)
+                near = [tok for tok, lp in top if top[0][1] - lp <= MOE_PARTING]
+                assert t in near, (arch, x.request_id, i, t, top)
                 break
             compared += 1
     assert compared >= 0.4 * len(a) * params.max_tokens
