@@ -32,6 +32,7 @@ from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
 from streamer.engine.protocol import ModelInfo
 from streamer.engine.scheduler import Scheduler
+from streamer.engine.step_thread import StepThread
 from streamer.engine.tokenizer import load_tokenizer
 from streamer.engine_stats import EngineStats
 from streamer.messages import (
@@ -45,7 +46,7 @@ from streamer.messages import (
     Tokenize,
     ToScheduler,
 )
-from streamer.model.runner import ModelRunner
+from streamer.model.runner import ModelRunner, pick_device
 from streamer.model.source import model_name, resolve_model
 from streamer.model.windows import kv_window
 
@@ -128,10 +129,14 @@ class AsyncEngine:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.model_path = resolve_model_path(self.config)
         self.diagnostics = Diagnostics.from_env()
+        self.step_thread = StepThread()
+        """Runs every step; on the CPU the runner is built there too (engine/step_thread.py says why)."""
         if self.config.tensor_parallel_size > 1:  # rank 0 of a group (streamer/distributed/)
             from streamer.distributed.launch import start_ranks
 
             self.runner = start_ranks(self.config, self.model_path, self.diagnostics)
+        elif pick_device(self.config.device).type == "cpu":
+            self.runner = self.step_thread.call(ModelRunner, self.config, str(self.model_path), self.diagnostics)
         else:
             self.runner = ModelRunner(self.config, str(self.model_path), self.diagnostics)
         self._collector_started = False
@@ -191,7 +196,7 @@ class AsyncEngine:
         actors = {
             "tokenizer": tokenizer.run(self.tokenizer, self.q_tok, self.q_sched, self.q_detok),
             "scheduler": scheduler.run(self.scheduler, self.q_sched, self.q_exec, self.q_detok, self.overlap),
-            "executor": executor.run(self.runner, self.q_exec, self.q_sched),
+            "executor": executor.run(self.runner, self.q_exec, self.q_sched, self.step_thread),
             "detokenizer": detokenizer.run(self.hf_tokenizer, self.q_detok, self.q_sched),
         }
         if self.runner.device.type == "cuda":

@@ -6,8 +6,8 @@ Inbox:  Batch, MaskFill (from the scheduler), Shutdown (the engine stops); an `I
 Outbox: StepOutput -> scheduler inbox, in the order of the batches; DraftsDrawn (a batch
         sent with masks_await_drafts: the draft's proposals, right after its forward).
 Invariants:
-  - the model runs only in the "launch" worker thread, so the event loop keeps
-    serving while a step computes;
+  - the model runs only in the engine's StepThread (engine/step_thread.py: on the CPU it
+    was built there too), so the event loop keeps serving while a step computes;
   - a batch is launched as soon as it arrives, while earlier steps are still
     running; a second thread waits for each launched step's tokens, so waiting
     never holds up the next launch (the device always has queued work when the
@@ -28,6 +28,7 @@ import queue
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+from streamer.engine.step_thread import StepThread
 from streamer.messages import Batch, DraftsDrawn, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
 from streamer.model.launched import Launched
 from streamer.model.runner import ModelRunner
@@ -55,8 +56,10 @@ class Inbox(asyncio.Queue[ToExecutor]):
             super().put_nowait(item)
 
 
-async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToScheduler]) -> None:
+async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToScheduler], step: StepThread) -> None:
+    """step: the thread that runs the model (it outlives this actor: the engine may start again)."""
     loop = asyncio.get_running_loop()
+    thread = step.pool
     last: asyncio.Task | None = None  # the newest collection: outputs leave in step order
 
     waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-wait")
@@ -94,7 +97,7 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToS
                 return runner.sample(pending, fill.masks)
             # an earlier step's fill: that step failed at launch and its error has been sent
 
-    with waiter, ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-step") as thread:
+    with waiter:
         try:
             while True:
                 msg = await inbox.get()

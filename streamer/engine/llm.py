@@ -122,6 +122,7 @@ class LLM:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
         self.engine.runner.release()  # the model and the KV pool go now, not at garbage collection
+        self.engine.step_thread.close()  # (and its OpenMP team: engine/step_thread.py)
 
     def __enter__(self) -> LLM:
         return self

@@ -13,6 +13,7 @@ import time
 import torch
 
 from streamer.engine import executor
+from streamer.engine.step_thread import StepThread
 from streamer.messages import Batch, MaskFill, SampledToken, Shutdown, StepOutput
 from streamer.model.launched import Launched
 
@@ -58,13 +59,15 @@ def batch(step: int, deferred: bool = False) -> Batch:
 async def drive(runner: ScriptedRunner, messages: list, expect: int) -> list[StepOutput]:
     inbox = executor.Inbox()
     out: asyncio.Queue = asyncio.Queue()
-    task = asyncio.create_task(executor.run(runner, inbox, out))
+    step = StepThread()
+    task = asyncio.create_task(executor.run(runner, inbox, out, step))
     for m in messages:
         inbox.put_nowait(m)
         await asyncio.sleep(random.random() * 0.003)
     got = [await asyncio.wait_for(out.get(), 5) for _ in range(expect)]
     inbox.put_nowait(Shutdown())
     await asyncio.wait_for(task, 5)
+    step.close()
     assert out.empty()
     return got
 
@@ -111,7 +114,7 @@ async def launched_deferred(runner: ScriptedRunner):
     """The actor running, with deferred step 1 launched: (inbox, outbox, task)."""
     inbox = executor.Inbox()
     out: asyncio.Queue = asyncio.Queue()
-    task = asyncio.create_task(executor.run(runner, inbox, out))
+    task = asyncio.create_task(executor.run(runner, inbox, out, StepThread()))
     inbox.put_nowait(batch(1, deferred=True))
     while ("launch", 1) not in runner.events:
         await asyncio.sleep(0.001)
