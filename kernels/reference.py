@@ -213,9 +213,6 @@ def paged_attention(
         pages = page_table[b, k0 // page_size :]
         k = gather_kv(k_cache, pages, length - k0).to(q.dtype)
         v = gather_kv(v_cache, pages, length - k0).to(q.dtype)
-        if kvh != h:
-            k = k.repeat_interleave(h // kvh, dim=1)
-            v = v.repeat_interleave(h // kvh, dim=1)
         mask = None
         if ql > 1 or window > 0:
             qpos = torch.arange(length - ql, length, device=q.device)[:, None]
@@ -223,8 +220,11 @@ def paged_attention(
             mask = kpos <= qpos
             if window > 0:
                 mask &= kpos > qpos - window
-        qb, kb, vb = q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if softcap > 0 or sinks is not None:
+            if kvh != h:
+                k = k.repeat_interleave(h // kvh, dim=1)
+                v = v.repeat_interleave(h // kvh, dim=1)
+            qb, kb, vb = q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
             scores = (qb.float() @ kb.float().transpose(1, 2)) * scale
             if softcap > 0:
                 scores = softcap * torch.tanh(scores / softcap)
@@ -238,9 +238,16 @@ def paged_attention(
             else:
                 probs = torch.softmax(scores, dim=-1)
             o = (probs @ vb.float()).to(q.dtype)
+            out[q0:q1] = o.transpose(0, 1)
         else:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-        out[q0:q1] = o.transpose(0, 1)
+            # the query heads of one KV head as one batch row of group * ql queries (head
+            # h reads KV head h // group): K and V are read as stored, not repeated per head
+            g, d = h // kvh, q.shape[2]
+            qg = q[q0:q1].reshape(ql, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * ql, d)
+            if mask is not None and g > 1:
+                mask = mask.repeat(g, 1)
+            o = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+            out[q0:q1] = o.view(kvh, g, ql, d).permute(2, 0, 1, 3).reshape(ql, h, d)
     return out
 
 

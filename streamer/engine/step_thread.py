@@ -40,4 +40,6 @@ class StepThread:
         return self.pool.submit(fn, *args)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """The thread ends once idle (at once, when the engine has stopped). Not waited for: a
+        step that hangs (a stop that timed out) must not hang the caller's close too."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
