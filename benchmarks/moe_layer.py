@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from kernels import moe, moe_gemv, moe_route, reference
+from kernels import moe, moe_gemv, moe_route, reference_moe
 
 BANDWIDTH = 4.25e12
 
@@ -68,13 +68,13 @@ def main() -> None:
     for t in [int(x) for x in a.tokens.split(",")]:
         x = torch.randn(t, h, device=dev).to(dt)
         logits = torch.nn.functional.linear(x, router)
-        weights, ids = reference.route_topk(logits, k, True, dt)
+        weights, ids = reference_moe.route_topk(logits, k, True, dt)
         hit = torch.unique(ids).numel()
         floor = 1e6 * hit * per_expert / BANDWIDTH
         grouped = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids))
         gemv = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids))
         route = time_us(lambda: moe_route.route_topk(logits, k, True, dt))
-        torch_route = time_us(lambda: reference.route_topk(logits, k, True, dt))
+        torch_route = time_us(lambda: reference_moe.route_topk(logits, k, True, dt))
         print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
         for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2)):
             us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
@@ -103,7 +103,7 @@ def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int) -
     for sizes, configs in SWEEP.items():
         for t in sizes:
             x = torch.randn(t, h, device=w_gu.device).to(w_gu.dtype)
-            weights, ids = reference.route_topk(torch.nn.functional.linear(x, router), k, True, x.dtype)
+            weights, ids = reference_moe.route_topk(torch.nn.functional.linear(x, router), k, True, x.dtype)
             hit = torch.unique(ids).numel()
             flops = 2 * t * k * 3 * h * i
             chosen = moe.default_config(t * k, e, h, i)

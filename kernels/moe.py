@@ -1,5 +1,5 @@
 """`fused_moe`: a mixture-of-experts MLP as two grouped GEMMs (Triton), the semantics of
-kernels.reference.fused_moe.
+kernels.reference_moe.fused_moe.
 
 NOTE the layout. The T*k (token, slot) pairs are numbered p = t * k + j. `align_pairs`
 (kernels/moe_align.py) sorts them by expert and pads each expert's group to a multiple of
@@ -285,7 +285,7 @@ def fused_moe(
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """kernels.reference.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
+    """kernels.reference_moe.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
     [T, H] in x's dtype. Three small kernels align the pairs (`align_pairs`), two grouped GEMMs, one
     sum over the slots: no host synchronisation (CUDA-graph capturable).

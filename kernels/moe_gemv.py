@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP for a few tokens (decode): `moe_gemv`, the semantics of
-kernels.reference.fused_moe (the router's kernels for a few tokens: kernels/moe_route.py).
+kernels.reference_moe.fused_moe (the router's kernels for a few tokens: kernels/moe_route.py).
 
 Why apart from kernels/moe.py: at batch 1 a Qwen3-30B-A3B layer routes 8 (token, slot)
 pairs to 8 experts. The grouped GEMM there first aligns the pairs by expert (three small
@@ -243,7 +243,7 @@ def moe_gemv(
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """kernels.reference.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
+    """kernels.reference_moe.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
     Two kernels, no host synchronisation (CUDA-graph capturable). With the scales (float8
     experts): x and the activation quantized per row first (two more kernels); with block =

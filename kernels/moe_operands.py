@@ -2,7 +2,7 @@
 GEMV) as both prepare them: activation constants, expert biases, and float8 experts' inputs
 and scales.
 
-Float8 experts come two ways, named as kernels.reference.fused_moe names them:
+Float8 experts come two ways, named as kernels.reference_moe.fused_moe names them:
   per row     w_gate_up_scale [E, 2I], w_down_scale [E, H] (block None); each GEMM's input
               quantized per row (quantize_rows), one scale per row.
   per block   block = (bn, bk): w_gate_up_scale [E, 2 * ceil(I / bn), ceil(H / bk)] (the

@@ -1,6 +1,6 @@
 """The router of a mixture of experts on the GPU: its softmax-top-k in one kernel
 (`route_topk`), and for a few tokens (moe_gemv.use_gemv) the router's GEMV with its top-k in
-one kernel (`route`). Same semantics as kernels.reference.route_topk."""
+one kernel (`route`). Same semantics as kernels.reference_moe.route_topk."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def _router_kernel(
 def route_topk(
     logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.reference.route_topk in one kernel: logits [T, E] -> (weights [T, k] float32,
+    """kernels.reference_moe.route_topk in one kernel: logits [T, E] -> (weights [T, k] float32,
     ids [T, k] int32)."""
     t, experts = logits.shape
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+from kernels import reference, reference_moe
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -178,7 +178,7 @@ def fused_moe(
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """kernels.reference.fused_moe (activation "silu", "gelu_tanh" or gpt-oss's "swigluoai";
+    """kernels.reference_moe.fused_moe (activation "silu", "gelu_tanh" or gpt-oss's "swigluoai";
     optional float8 scales, per row or per [bn, bk] block with `block`, and expert biases)."""
     kw: dict[str, Any] = {
         "w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale,
@@ -191,7 +191,7 @@ def fused_moe(
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
             return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
         return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
-    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
+    return reference_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
 
 
 def route(
@@ -213,7 +213,7 @@ def route_topk(
         from kernels import moe_route
 
         return moe_route.route_topk(logits, top_k, renormalize, round_to)
-    return reference.route_topk(logits, top_k, renormalize, round_to)
+    return reference_moe.route_topk(logits, top_k, renormalize, round_to)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

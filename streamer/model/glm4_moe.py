@@ -2,7 +2,7 @@
 and a shared expert, on a Llama decoder with partial rotary (transformers 5.24's
 modeling_glm4_moe.py).
 
-- Router (`GroupedRouter`, kernels.reference.route_grouped): float32 logits from a float32
+- Router (`GroupedRouter`, kernels.reference_moe.route_grouped): float32 logits from a float32
   weight (transformers keeps gate.weight and e_score_correction_bias in float32), sigmoid
   scores, experts chosen on scores + e_score_correction_bias within the topk_group best of
   n_group groups, weighted by their scores (renormalized with norm_topk_prob) times
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import route_grouped
+from kernels.reference_moe import route_grouped
 from streamer.model.layers import MLP
 from streamer.model.moe import MoEForCausalLM, SparseMoE
 

@@ -9,7 +9,7 @@ through kernels.ops.fused_moe over stacked weights, named as transformers 5.24 n
 modules: mlp.experts.gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows)
 and mlp.experts.down_proj [E, H, I], with the router's mlp.gate.weight [E, H].
 With quantization "fp8" the experts are float8 (one scale per row of each expert, the
-inputs quantized per row: kernels.reference.fused_moe); the router stays in the model's dtype.
+inputs quantized per row: kernels.reference_moe.fused_moe); the router stays in the model's dtype.
 A block-scaled float8 checkpoint's experts stay as stored (Experts.block): float8 with one
 scale per [bn, bk] block, the inputs quantized per row and group of bk columns.
 
@@ -66,7 +66,7 @@ class Experts(nn.Module):
         self.register_buffer("down_proj_scale", None, persistent=False)
         self.block: tuple[int, int] | None = None
         """A block-scaled float8 checkpoint's [bn, bk] (expect_fp8): the experts float8 as stored, their
-        scales block grids (kernels.reference.fused_moe's layout: gate_up_proj_scale [E, 2 * ceil(I / bn),
+        scales block grids (kernels.reference_moe.fused_moe's layout: gate_up_proj_scale [E, 2 * ceil(I / bn),
         ceil(H / bk)], the gate's block rows then the up's; down_proj_scale [E, ceil(H / bn), ceil(I / bk)])."""
         self.dequantized_block: tuple[int, int] | None = None
         """A block-scaled float8 checkpoint's [bn, bk] that the kernels cannot take (model/fp8_checkpoint.py

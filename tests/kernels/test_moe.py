@@ -1,4 +1,4 @@
-"""kernels.moe.fused_moe == kernels.reference.fused_moe (issue 30), and the alignment's
+"""kernels.moe.fused_moe == kernels.reference_moe.fused_moe (issue 30), and the alignment's
 invariants.
 
 Without a GPU these run through the Triton interpreter on tiny shapes (H, I not multiples
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels import moe as M
-from kernels import reference as R
+from kernels import reference_moe as RM
 from kernels.moe_align import align_pairs
 from tests.kernels.device import CUDA, DEVICE, cuda
 
@@ -58,7 +58,7 @@ def assert_like_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def _check(args, activation="silu", config=None):
     out = M.fused_moe(*args, activation=activation, config=config)
-    assert_like_reference(out, R.fused_moe(*args, activation=activation))
+    assert_like_reference(out, RM.fused_moe(*args, activation=activation))
     return out
 
 
@@ -208,5 +208,5 @@ def test_cuda_fused_moe_graph_capture_replay():
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(
-            out.float(), R.fused_moe(x, w_gu, w_d, weights, ids).float(), atol=2**-6, rtol=2**-6
+            out.float(), RM.fused_moe(x, w_gu, w_d, weights, ids).float(), atol=2**-6, rtol=2**-6
         )

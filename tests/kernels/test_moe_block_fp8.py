@@ -1,7 +1,7 @@
 """Block-scaled float8 experts (issue 30, Qwen3-30B-A3B-FP8 style: one fp32 scale per [bn, bk]
 block of each projection, inputs quantized per token and per group of bk columns): the
 grouped GEMM (kernels/moe.py) and the few-token GEMV (kernels/moe_gemv.py) equal
-kernels.reference.fused_moe's block formula, and that formula is the dense block-scaled
+kernels.reference_moe.fused_moe's block formula, and that formula is the dense block-scaled
 linear layer's (streamer/model/quant.py block_fp8_linear) applied expert by expert.
 
 The shapes cut the tiles and the blocks unevenly: H 80 and I 48 are multiples of neither the
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kernels import moe as M
 from kernels import moe_gemv as G
-from kernels import reference as R
+from kernels import reference_moe as RM
 from tests.kernels.device import DEVICE, cuda
 from tests.kernels.test_moe import _problem
 from tests.kernels.test_moe_fp8 import fp8_experts
@@ -54,7 +54,7 @@ def _check(fn, args, block, activation="silu", **kw):
     q_gu, s_gu, q_d, s_d = block_experts(w_gu, w_d, block)
     scales = dict(w_gate_up_scale=s_gu, w_down_scale=s_d, block=block)
     out = fn(x, q_gu, q_d, weights, ids, activation, **scales, **kw)
-    ref = R.fused_moe(x, q_gu, q_d, weights, ids, activation, **scales)
+    ref = RM.fused_moe(x, q_gu, q_d, weights, ids, activation, **scales)
     assert out.dtype == ref.dtype == x.dtype and out.shape == ref.shape
     err = (out.float() - ref.float()).abs()
     scale = ref.float().abs().max().item()
@@ -109,7 +109,7 @@ def test_reference_is_the_dense_block_linear_per_expert():
     x, w_gu, w_d, _, _ = (a.cpu() for a in _problem(5, 80, 48, 1, 1, torch.float32, seed=7))
     q_gu, s_gu, q_d, s_d = block_experts(w_gu, w_d, block)
     ids, weights = torch.zeros(5, 1, dtype=torch.int32), torch.ones(5, 1)
-    got = R.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d, block=block)
+    got = RM.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d, block=block)
     gate = block_fp8_linear(x, q_gu[0, :48], s_gu[0, :2], block, None)
     up = block_fp8_linear(x, q_gu[0, 48:], s_gu[0, 2:], block, None)
     want = block_fp8_linear(F.silu(gate) * up, q_d[0], s_d[0], block, None)
@@ -123,8 +123,8 @@ def test_one_block_per_row_is_the_per_row_formula():
     the inputs' groups whole rows, so the block path computes the per-row float8 path."""
     x, w_gu, w_d, weights, ids = (a.cpu() for a in _problem(12, 80, 48, 4, 2, torch.float32, seed=4))
     q_gu, s_gu, q_d, s_d = fp8_experts(w_gu, w_d)
-    rows = R.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d)
-    blocks = R.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu[..., None], w_down_scale=s_d[..., None],
+    rows = RM.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d)
+    blocks = RM.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu[..., None], w_down_scale=s_d[..., None],
                          block=(1, 128))
     err = (blocks - rows).abs()
     assert err.max() <= 0.03 * rows.abs().max() and err.median() <= 1e-5 * rows.abs().max()
@@ -133,8 +133,8 @@ def test_one_block_per_row_is_the_per_row_formula():
 def test_block_formula_stays_close_to_the_unquantized_moe():
     x, w_gu, w_d, weights, ids = (a.cpu() for a in _problem(16, 128, 64, 8, 2, torch.float32, seed=2))
     q_gu, s_gu, q_d, s_d = block_experts(w_gu, w_d, (32, 32))
-    fp8 = R.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d, block=(32, 32))
-    full = R.fused_moe(x, w_gu, w_d, weights, ids)
+    fp8 = RM.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d, block=(32, 32))
+    full = RM.fused_moe(x, w_gu, w_d, weights, ids)
     rel = (fp8 - full).norm() / full.norm()
     assert 1e-3 < rel.item() < 0.08  # quantized (not equal), and close
 

@@ -1,6 +1,6 @@
 """Float8 experts (issue 30, `--quantization fp8`): the grouped GEMM (kernels/moe.py) and the
 few-token GEMV (kernels/moe_gemv.py) on float8 weights with per-row scales equal
-kernels.reference.fused_moe's float8 formula, and that formula stays close to the bf16 MoE.
+kernels.reference_moe.fused_moe's float8 formula, and that formula stays close to the bf16 MoE.
 
 Tolerance: both sides quantize x with the same function (the same bits) and multiply exact
 float8 products; only the float32 summation order differs. That moves an intermediate by an
@@ -17,6 +17,7 @@ import torch
 from kernels import moe as M
 from kernels import moe_gemv as G
 from kernels import reference as R
+from kernels import reference_moe as RM
 from tests.kernels.device import DEVICE, cuda
 from tests.kernels.test_moe import _problem
 
@@ -35,7 +36,7 @@ def _check(fn, args, activation="silu", **kw):
     x, w_gu, w_d, weights, ids = args
     q_gu, s_gu, q_d, s_d = fp8_experts(w_gu, w_d)
     out = fn(x, q_gu, q_d, weights, ids, activation, w_gate_up_scale=s_gu, w_down_scale=s_d, **kw)
-    ref = R.fused_moe(x, q_gu, q_d, weights, ids, activation, w_gate_up_scale=s_gu, w_down_scale=s_d)
+    ref = RM.fused_moe(x, q_gu, q_d, weights, ids, activation, w_gate_up_scale=s_gu, w_down_scale=s_d)
     assert out.dtype == ref.dtype == x.dtype and out.shape == ref.shape
     err = (out.float() - ref.float()).abs()
     scale = ref.float().abs().max().item()
@@ -66,8 +67,8 @@ def test_fp8_formula_stays_close_to_bf16():
     element) average out over the dot products to a few percent of the output."""
     x, w_gu, w_d, weights, ids = _problem(16, 128, 64, 8, 2, torch.float32, seed=2)
     q_gu, s_gu, q_d, s_d = fp8_experts(w_gu, w_d)
-    fp8 = R.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d)
-    full = R.fused_moe(x, w_gu, w_d, weights, ids)
+    fp8 = RM.fused_moe(x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d)
+    full = RM.fused_moe(x, w_gu, w_d, weights, ids)
     rel = (fp8 - full).norm() / full.norm()
     assert 1e-3 < rel.item() < 0.08  # quantized (not equal), and close
 

@@ -1,5 +1,5 @@
-"""kernels.moe_gemv (issue 30's decode path): moe_gemv == kernels.reference.fused_moe for a
-few tokens, and kernels.moe_route's route_topk and route == kernels.reference.route_topk.
+"""kernels.moe_gemv (issue 30's decode path): moe_gemv == kernels.reference_moe.fused_moe for a
+few tokens, and kernels.moe_route's route_topk and route == kernels.reference_moe.route_topk.
 
 Tolerances as tests/kernels/test_moe.py: float32 differs by summation order only; in bf16
 both round every stage to bf16, so an intermediate may differ by one ulp (2^-6 on outputs
@@ -14,7 +14,7 @@ import torch
 
 from kernels import moe_gemv as G
 from kernels import moe_route as MR
-from kernels import reference as R
+from kernels import reference_moe as RM
 from tests.kernels.device import DEVICE, cuda
 from tests.kernels.test_moe import _problem, assert_like_reference
 
@@ -23,7 +23,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 def _check(args, activation="silu", **tiles):
     out = G.moe_gemv(*args, activation=activation, **tiles)
-    assert_like_reference(out, R.fused_moe(*args, activation=activation))
+    assert_like_reference(out, RM.fused_moe(*args, activation=activation))
 
 
 @DTYPES
@@ -64,7 +64,7 @@ def test_route_topk_matches_reference(renormalize, round_to, e, k):
     gen = torch.Generator().manual_seed(e * k)
     logits = (torch.randn(7, e, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     w, ids = MR.route_topk(logits, k, renormalize, round_to)
-    rw, rids = R.route_topk(logits, k, renormalize, round_to)
+    rw, rids = RM.route_topk(logits, k, renormalize, round_to)
     assert ids.dtype == rids.dtype == torch.int32 and w.dtype == rw.dtype == torch.float32
     tol = 1e-6 if round_to is None else 2**-8
     _same_routing(w, ids, rw, rids, tol)
@@ -80,7 +80,7 @@ def test_route_is_the_router_linear_then_route_topk(dtype, t, h, e, k):
     gen = torch.Generator().manual_seed(t * e)
     x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
     w = torch.randn(e, h, generator=gen).to(dtype).to(DEVICE)
-    rw, rids = R.route_topk(torch.nn.functional.linear(x, w), k, True, dtype)
+    rw, rids = RM.route_topk(torch.nn.functional.linear(x, w), k, True, dtype)
     for _ in range(2):
         got_w, got_ids = MR.route(x, w, k, True, dtype)
         _same_routing(got_w, got_ids, rw, rids, 1e-6 if dtype == torch.float32 else 2**-7)
@@ -114,7 +114,7 @@ def test_route_topk_gives_real_experts_for_non_finite_logits(e):
     w, ids = MR.route_topk(logits, 2, True)
     assert ((ids >= 0) & (ids < e)).all()
     assert (ids[:, 0] != ids[:, 1]).all()
-    rw, rids = R.route_topk(logits[:1], 2, True)
+    rw, rids = RM.route_topk(logits[:1], 2, True)
     _same_routing(w[:1], ids[:1], rw, rids, 1e-6)
 
 
@@ -126,5 +126,5 @@ def test_moe_gemv_model_sized(t):
     _check(args)
     logits = torch.randn(t, 128, device=DEVICE).to(torch.bfloat16)
     w, ids = MR.route_topk(logits, 8, True, torch.bfloat16)
-    rw, rids = R.route_topk(logits, 8, True, torch.bfloat16)
+    rw, rids = RM.route_topk(logits, 8, True, torch.bfloat16)
     _same_routing(w, ids, rw, rids, 2**-8)

@@ -1,5 +1,5 @@
 """gpt-oss's experts: per-expert biases and the clamped SwiGLU ("swigluoai") in
-kernels.reference.fused_moe, the grouped GEMM (kernels/moe.py) and the few-token GEMV
+kernels.reference_moe.fused_moe, the grouped GEMM (kernels/moe.py) and the few-token GEMV
 (kernels/moe_gemv.py).
 
 The reference is checked against transformers' GptOssExperts (its loop written out here on
@@ -19,6 +19,7 @@ from kernels import moe as M
 from kernels import moe_gemv as G
 from kernels import ops
 from kernels import reference as R
+from kernels import reference_moe as RM
 from tests.kernels.device import DEVICE
 from tests.kernels.test_moe import _problem, assert_like_reference
 from tests.kernels.test_moe_fp8 import fp8_experts
@@ -88,7 +89,7 @@ def test_reference_is_gpt_oss_experts(alpha, limit):
     ours, our_bias = _deinterleave(gate_up, gate_up_bias)
     assert torch.equal(ours, w_gu) and torch.equal(our_bias, b_gu)
     want = _gpt_oss_loop(x, gate_up, gate_up_bias, down, down_bias, weights, ids, alpha, limit)
-    got = R.fused_moe(
+    got = RM.fused_moe(
         x,
         ours,
         w_d,
@@ -122,12 +123,12 @@ def test_reference_without_biases_or_clamp_is_plain_swiglu():
     """swigluoai with a limit nobody reaches and alpha 1: (up + 1) * silu(gate); no biases
     passed equals zero biases (float32)."""
     x, w_gu, w_d, weights, ids = _problem(5, 40, 24, 4, 2, torch.float32, seed=2)
-    got = R.fused_moe(x, w_gu, w_d, weights, ids, "swigluoai", swiglu_alpha=1.0, swiglu_limit=1e9)
+    got = RM.fused_moe(x, w_gu, w_d, weights, ids, "swigluoai", swiglu_alpha=1.0, swiglu_limit=1e9)
     plus_one = torch.zeros(4, 48, device=x.device)
     plus_one[:, 24:] = 1.0
-    want = R.fused_moe(x, w_gu, w_d, weights, ids, "silu", w_gate_up_bias=plus_one)
+    want = RM.fused_moe(x, w_gu, w_d, weights, ids, "silu", w_gate_up_bias=plus_one)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    zeros = R.fused_moe(
+    zeros = RM.fused_moe(
         x,
         w_gu,
         w_d,
@@ -137,7 +138,7 @@ def test_reference_without_biases_or_clamp_is_plain_swiglu():
         w_gate_up_bias=torch.zeros_like(plus_one),
         w_down_bias=torch.zeros(4, 40, device=x.device),
     )
-    torch.testing.assert_close(zeros, R.fused_moe(x, w_gu, w_d, weights, ids, "swigluoai"), atol=0, rtol=0)
+    torch.testing.assert_close(zeros, RM.fused_moe(x, w_gu, w_d, weights, ids, "swigluoai"), atol=0, rtol=0)
 
 
 KERNELS = pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def _check(kernel, args, b_gu, b_d, activation, bias, **kw):
     if bias:
         kw |= {"w_gate_up_bias": b_gu, "w_down_bias": b_d}
     out = kernel(*args, activation=activation, **kw)
-    assert_like_reference(out, R.fused_moe(*args, activation=activation, **kw))
+    assert_like_reference(out, RM.fused_moe(*args, activation=activation, **kw))
 
 
 @DTYPES
@@ -204,12 +205,12 @@ def test_fp8_with_biases_matches_reference(kernel, activation):
     q_gu, s_gu, q_d, s_d = fp8_experts(w_gu, w_d)
     kw = {"w_gate_up_scale": s_gu, "w_down_scale": s_d, "w_gate_up_bias": b_gu, "w_down_bias": b_d}
     out = kernel(x, q_gu, q_d, weights, ids, activation=activation, **kw)
-    ref = R.fused_moe(x, q_gu, q_d, weights, ids, activation, **kw)
+    ref = RM.fused_moe(x, q_gu, q_d, weights, ids, activation, **kw)
     err = (out.float() - ref.float()).abs()
     scale = ref.float().abs().max().item()
     assert err.max().item() <= 0.03 * scale
     assert err.median().item() <= 0.004 * scale
-    no_bias = R.fused_moe(x, q_gu, q_d, weights, ids, activation, w_gate_up_scale=s_gu, w_down_scale=s_d)
+    no_bias = RM.fused_moe(x, q_gu, q_d, weights, ids, activation, w_gate_up_scale=s_gu, w_down_scale=s_d)
     assert (ref.float() - no_bias.float()).abs().max().item() > 0.1  # (the biases count)
 
 
@@ -220,7 +221,7 @@ def test_ops_passes_biases_and_activation(t):
     args, b_gu, b_d = _gpt_oss_problem(t, 40, 24, 4, 2, torch.float32, seed=t)
     kw = {"w_gate_up_bias": b_gu, "w_down_bias": b_d, "swiglu_alpha": 1.5, "swiglu_limit": 5.0}
     out = ops.fused_moe(*args, "swigluoai", **kw)
-    torch.testing.assert_close(out, R.fused_moe(*args, "swigluoai", **kw), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, RM.fused_moe(*args, "swigluoai", **kw), atol=1e-5, rtol=1e-5)
     plain = ops.fused_moe(*args, "swigluoai")
     assert (out - plain).abs().max().item() > 0.1
 
