@@ -13,7 +13,7 @@ import pytest
 from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError
 from tests.conftest import make_tiny_model
-from tests.oracle import Comparison, compare
+from tests.engine.spec.checks import assert_greedy_unchanged, settle
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -29,29 +29,11 @@ def tiny(tmp_path_factory, default_model):
     return target, draft
 
 
-def settle(llm: LLM) -> None:
-    s = llm.wait_idle()
-    llm.check()
-    assert s.running == 0 and s.waiting == 0
-    assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
-
-
 @pytest.mark.parametrize("page_size, pages, overlap", [(1, 90, False), (16, None, True)])
 def test_a_tiny_random_draft_leaves_the_greedy_output_of_a_tiny_target_unchanged(tiny, page_size, pages, overlap):
     target, draft = tiny
-    prompts = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
-             speculative_config=spec, overlap_schedule=overlap) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        s = llm.stats()
-        settle(llm)
-    assert s.spec_verifies > 0 and s.spec_draft_tokens >= s.spec_verifies
-    assert (s.preemptions > 0) == (pages is not None)
-    cmp = Comparison()
-    for p, o in zip(prompts, got):
-        compare(target, p, o, cmp)
-    assert not cmp.failures, cmp.failures
+    assert_greedy_unchanged(target, spec, GREEDY, page_size=page_size, pages=pages, overlap=overlap)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError, ModelLoadError
 from streamer.model.eagle_heads import aux_layers
 from tests.conftest import make_tiny_model
+from tests.engine.spec.checks import PROMPTS, assert_greedy_unchanged
 from tests.engine.spec.eagle_heads import (
     agreeing_pair,
     make_eagle1_head,
@@ -25,7 +26,7 @@ from tests.engine.spec.eagle_heads import (
     reference_proposals,
 )
 from tests.model.test_deepseek import CONFIGS
-from tests.oracle import Comparison, _hf_model, compare
+from tests.oracle import _hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 IDS = [0, 1, 2]
@@ -42,9 +43,6 @@ def pair(tmp_path_factory, default_model):
     return target, head
 
 
-PROMPTS = [[5, 17, 99, 5, 17, 300, 41], [7] * 3 + list(range(100, 130)), [1, 2, 3]]
-
-
 @pytest.mark.parametrize("method, page_size, pages, overlap",
                          [("eagle3", 1, 60, False), ("eagle3", 16, None, True), ("eagle", 4, 18, True)])
 def test_greedy_output_with_an_eagle_head_is_plain_greedy_output(pair, tmp_path, method, page_size, pages, overlap):
@@ -52,17 +50,7 @@ def test_greedy_output_with_an_eagle_head_is_plain_greedy_output(pair, tmp_path,
     if method == "eagle":
         head = make_eagle1_head(tmp_path / "eagle1", target)
     spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
-    with LLM(str(target), page_size=page_size, num_pages=pages, max_num_batched_tokens=16,
-             speculative_config=spec, overlap_schedule=overlap) as llm:
-        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        s = llm.stats()
-        llm.check()
-    assert s.spec_verifies > 0 and s.spec_draft_tokens >= s.spec_verifies
-    assert (s.preemptions > 0) == (pages is not None)
-    cmp = Comparison()
-    for p, o in zip(PROMPTS, got):
-        compare(target, p, o, cmp)
-    assert not cmp.failures, cmp.failures
+    assert_greedy_unchanged(target, spec, GREEDY, page_size=page_size, pages=pages, overlap=overlap)
 
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",

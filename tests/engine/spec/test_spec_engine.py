@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from streamer import LLM, SamplingParams
+from tests.engine.spec.checks import settle
 from tests.oracle import Comparison, compare
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -59,13 +60,6 @@ def gen(llm: LLM, prompts, params):
     out = llm.generate(prompts, params)
     llm.wait_idle()
     return out
-
-
-def settle(llm: LLM) -> None:
-    s = llm.wait_idle()
-    llm.check()
-    assert s.running == 0 and s.waiting == 0
-    assert s.pages_used == s.pages_cached, "every page is free or held by the cache"
 
 
 def test_batched_greedy_equals_plain_greedy_and_transformers(default_model, spec, prompts, expected):
