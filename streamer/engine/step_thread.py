@@ -22,7 +22,7 @@ the executor has stopped (no step left to run).
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -35,9 +35,6 @@ class StepThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the thread, waited for (the caller blocks)."""
         return self.pool.submit(fn, *args).result()
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self.pool.submit(fn, *args)
 
     def close(self) -> None:
         """The thread ends once idle (at once, when the engine has stopped). Not waited for: a
