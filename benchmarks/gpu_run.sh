@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_run.sh <part>   (part: check | arch | w1w2 | w3w4 | all | w5 | w6 | grammar | grammar8b | gemv
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
-#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun)
+#                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
+#                                        | graphstep | ab)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -308,7 +309,7 @@ if [ "$part" = moepeer ]; then
   [[ $w == *W8* ]] && bench --workload W8 --num-requests "${W8_N:-256}" $q --peer vllm --json "$OUT/moe_w8_peer$tag.json" | tail -1
 fi
 if [ "$part" = deepseek ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
+  [ "${DS_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
       tests/kernels/test_mla*.py tests/kernels/test_moe_block_fp8.py 2>&1 | tail -8
   [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
   cp /tmp/moeso/*.so .peer/site/vllm/ || { echo "no /tmp/moeso: run the moeso part first, on this machine"; exit 3; }
@@ -337,6 +338,24 @@ if [ "$part" = moesweep ]; then
   python3 benchmarks/moe_layer.py --sweep 2>&1 | tail -56
   STREAMER_STEP_TRACE="$OUT/w8_steps.jsonl" bench --workload W8 --num-requests "${W8_N:-256}" --no-peer --json "$OUT/moe_w8.json" | tail -1
   python3 -m streamer bench steps "$OUT/w8_steps.jsonl" | head -20
+fi
+if [ "$part" = graphstep ]; then
+  # where a batch-1 decode step's time goes in CUDA graphs (as W2 runs): each kernel's time and the idle
+  # gap before it, Qwen3-30B-A3B (issue 30) then Llama-3.1-8B (issue 32); the traces to $OUT
+  for c in ${STEP_CASES:-5 0}; do
+    python3 benchmarks/profile_gpu.py step --case "$c" --graphs --out "$OUT" 2>&1 | grep -v "it/s" | tail -48
+  done
+fi
+if [ "$part" = moelayer ]; then
+  python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60
+fi
+if [ "$part" = ab ]; then
+  # W2 (batch 1) for the working tree, then for the code in .base, on the same machine (make .base as for
+  # w3ab); AB_MODEL: the model folder (default the Qwen3-30B-A3B shape)
+  m="--workload W2 --no-peer --model-dir ${AB_MODEL:-benchmarks/configs/qwen3-30b-a3b}"
+  bench $m --json "$OUT/ab_tree.json" | tail -1
+  (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
+      | grep -v "\] [0-9]*/[0-9]* " | tail -1)
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

@@ -76,12 +76,21 @@ def main() -> None:
         route = time_us(lambda: moe_route.route_topk(logits, k, True, dt))
         torch_route = time_us(lambda: reference_moe.route_topk(logits, k, True, dt))
         print(f"{t:4d} {hit:11d} {floor:9.1f} {grouped:10.1f} {gemv:8.1f} {route:9.1f} {torch_route:14.1f}")
+        if moe_gemv.use_gemv(t):
+            for warps in (1, 2, 4):
+                us = time_us(lambda: moe_route.route(x, router, k, True, dt, num_warps=warps))
+                print(f"      fused router, {warps} warps: {us:7.1f} us")
         for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2)):
             us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
             print(f"      gemv gate_up n {bn:3d} k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
         for down in ((4, 256, 1, 8), (4, 256, 3, 8), (2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 3, 8),
-                     (4, 128, 2, 8), (1, 256, 3, 4)):
-            us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, down=down))
+                     (4, 128, 2, 8), (1, 256, 3, 4), (4, 128, 6, 8), (2, 128, 6, 4), (2, 128, 3, 4), (1, 128, 6, 2),
+                     (2, 256, 3, 4), (4, 128, 3, 8)):
+            try:
+                us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, down=down))
+            except Exception as ex:  # noqa: BLE001 - e.g. out of registers
+                print(f"      gemv down {down}: {type(ex).__name__}")
+                continue
             print(f"      gemv down (n, k, unroll, warps) {down}: {us:7.1f} us ({floor / us:5.1%} of floor)")
 
 

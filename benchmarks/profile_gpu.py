@@ -21,7 +21,8 @@ Attention and small kernels:
   overlap       attention beside the GEMMs: micro-batches on two streams
   power         board power, SM clock and energy per call of kernels run back to back
 Engine steps and the host:
-  step          kernel-time breakdown of decode steps (--case N, --graphs, --kv-cache-dtype, --quantization)
+  step          kernel-time breakdown of decode steps, and the gaps before each kernel (--case N, --graphs,
+                --kv-cache-dtype, --quantization, --out DIR: the chrome trace)
   grammar       device work of JSON-constrained steps (--model DIR)
   ttft          a lone request: wall vs GPU time to first token (--set key=value ...; --launch:
                 the runner's step called directly, with a cProfile)
@@ -833,7 +834,7 @@ def bench_overlap(layers: int = 16) -> None:
 
 
 def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: bool = False,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, out: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from streamer import LLM
@@ -856,6 +857,10 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
             llm.generate(prompts, sp)  # prompts cached: one short prefill, then decodes
             torch.cuda.synchronize()
         _device_table(prof, steps, f"{model} bs={bs} ctx={ctx}: decode steps (incl. one prefill)", top=26)
+        _gap_table(prof, steps)
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(out) / f"step_{model}_bs{bs}{'_graphs' if graphs else ''}.json"))
         llm.close()
         del llm
         torch.cuda.empty_cache()
@@ -872,6 +877,38 @@ def _device_table(prof, steps: int, title: str, top: int = 14) -> None:
     print(f"\n== {title}: {steps} steps, device time {whole / 1e3:.2f} ms ({whole / 1e3 / steps:.3f} ms/step)")
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us / 1e3 / steps:8.3f} ms/step {100 * us / whole:5.1f}%  x{counts[name] / steps:5.1f}  {name}")
+
+
+def _gap_table(prof, steps: int, top: int = 16, step_gap_us: float = 30.0) -> None:
+    """The device timeline: each kernel's time and the idle time before it (gaps shorter than
+    step_gap_us: within a step; a longer one is the host between steps), by kernel name. In CUDA
+    graphs the gaps are what launch latency and ramp-up cost beyond the kernels' own time."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                   if ev.device_type.name == "CUDA")
+    busy: dict[str, float] = collections.defaultdict(float)
+    gaps: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    between = 0.0
+    last_end = None
+    for start, end, name in spans:
+        busy[name] += end - start
+        counts[name] += 1
+        if last_end is not None:
+            gap = max(0.0, start - last_end)
+            if gap < step_gap_us:
+                gaps[name] += gap
+            else:
+                between += gap
+        last_end = end if last_end is None else max(last_end, end)
+    if not spans:
+        return
+    whole = spans[-1][1] - spans[0][0]
+    print(f"  timeline: {whole / 1e3 / steps:.3f} ms/step from first to last kernel; kernels "
+          f"{sum(busy.values()) / 1e3 / steps:.3f}, gaps within steps {sum(gaps.values()) / 1e3 / steps:.3f}, "
+          f"between steps {between / 1e3 / steps:.3f}")
+    for name, us in sorted(busy.items(), key=lambda kv: -(kv[1] + gaps[kv[0]]))[:top]:
+        n = counts[name]
+        print(f"  {us / n:7.2f} us + gap {gaps[name] / n:5.2f} us  x{n / steps:5.1f}/step  {name}")
 
 
 def profile_grammar(model: str, n: int = 64, tokens: int = 40) -> None:
@@ -1056,7 +1093,7 @@ def main() -> None:
     p.add_argument("-n", type=int, default=256)
     p.add_argument("--quantization", default=None, help="step: the engine's quantization (fp8)")
     p.add_argument("--graphs", action="store_true", help="step: decode steps replayed from CUDA graphs")
-    p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here")
+    p.add_argument("--out", default=None, help="attn-fp8: write the kernels' TTGIR/PTX here; step: the trace")
     p.add_argument("--rows", default=None, help="gemm-rows: comma-separated row counts")
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480, "
                         "5: Qwen3-30B-A3B batch 1, 6: Qwen3-30B-A3B batch 128)")
@@ -1071,7 +1108,7 @@ def main() -> None:
     elif a.part == "attn-fp8":
         bench_attn_fp8(a.out)
     elif a.part == "step":
-        profile_step(a.case, a.kv_cache_dtype, a.graphs, a.quantization)
+        profile_step(a.case, a.kv_cache_dtype, a.graphs, a.quantization, a.out)
     elif a.part == "grammar":
         profile_grammar(a.model)
     elif a.part == "serve":

@@ -94,7 +94,7 @@ def moe() -> None:
             if gk and bk > gk:  # (moe_gemv cuts a block-scaled chunk to bk, unrolling further)
                 bk, un = gk, un * bk // gk
             consts = dict(TOPK=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk, ACT="silu",
-                          ALPHA=1.702, LIMIT=7.0, HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False)
+                          ALPHA=1.702, LIMIT=7.0, HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False, PDL=True)
             print(f"moe gate_up {kind} {bn}x{bk}x{un}:", "{}/{}".format(*usage(_gate_up_kernel, sig, consts,
                                                                              num_warps=4, num_stages=1)), flush=True)
         sig = {"h_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
@@ -105,7 +105,7 @@ def moe() -> None:
             if gk and bk > gk:
                 bk, un = gk, un * bk // gk
             consts = dict(TOPK=8, TOPK_PAD=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk,
-                          HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False)
+                          HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False, PDL=True)
             print(f"moe down {kind} {bn}x{bk}x{un} w{warps}:", "{}/{}".format(*usage(_down_kernel, sig, consts,
                                                                                   num_warps=warps, num_stages=1)),
                   flush=True)

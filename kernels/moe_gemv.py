@@ -33,6 +33,8 @@ from kernels import reference
 from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 from kernels.moe_operands import (
     act_constants,
@@ -105,10 +107,12 @@ def _gate_up_kernel(
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """inter[p, n] = moe_glu(x[p // k] . Wg_e[n] + bg_e[n], x[p // k] . Wu_e[n] + bu_e[n]) for
     BLOCK_N rows n, e = ids[p] (the biases [E, 2I] with HAS_BIAS). Float8 (SCALED): per-row
     scales, or with GROUP_K (> 0) [GROUP_N, GROUP_K] block scales (kernels/moe.py's layout)."""
+    _pdl_enter(PDL)  # (ids and x come from the kernels before)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,11 +185,13 @@ def _down_kernel(
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] for BLOCK_N rows n (each slot's product plus its expert's bias [E, H] with
     HAS_BIAS): the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N + i, so the k
     slots' W rows (k experts) stream at once rather than one slot after the other
     (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     r = tl.arange(0, TOPK_PAD * BLOCK_N)
@@ -280,6 +286,7 @@ def moe_gemv(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     dtype = _TL_DTYPES[out.dtype]
     interp = _interpreting()
+    pdl = _pdl_enabled(x)
     h = torch.empty((t * topk, inter), dtype=out.dtype, device=x.device)
     _gate_up_kernel[(t * topk, triton.cdiv(inter, block_n))](
         x, w_gate_up, ids, h, sx, sw_gu, b_gu,
@@ -287,8 +294,8 @@ def moe_gemv(
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter * w_gate_up.stride(1), h.stride(0),
         sw_gu.stride(0), grid_rows[0], sx.stride(0),
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, GROUP_N=group_n, GROUP_K=group_k,
-        **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp,
-        num_warps=4, num_stages=1,
+        **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
+        num_warps=4, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     sh = h
     if scaled:
@@ -299,7 +306,7 @@ def moe_gemv(
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), sw_d.stride(0), grid_rows[1], sh.stride(0),
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
         GROUP_N=group_n, GROUP_K=group_k,
-        HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, num_warps=d_warps,
-        num_stages=1,
+        HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl, num_warps=d_warps,
+        num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 """The router of a mixture of experts on the GPU: its softmax-top-k in one kernel
 (`route_topk`), and for a few tokens (moe_gemv.use_gemv) the router's GEMV with its top-k in
-one kernel (`route`). Same semantics as kernels.reference_moe.route_topk."""
+one kernel (`route`), which can also take the post-attention add + RMSNorm before it
+(`norm_route`). Same semantics as kernels.reference_moe.route_topk."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
+from kernels.common import pdl_enabled as _pdl_enabled
+from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
 
@@ -81,10 +84,17 @@ def _router_kernel(
     count_ptr,
     weight_ptr,
     ids_ptr,
+    res_ptr,
+    nw_ptr,
+    normed_ptr,
+    new_res_ptr,
+    eps,
     E,
     H,
     stride_x,
     stride_w,
+    stride_r,
+    stride_n,
     TOPK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,19 +104,49 @@ def _router_kernel(
     DTYPE: tl.constexpr,
     LOGIT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+    NORM: tl.constexpr = False,
+    X_DTYPE: tl.constexpr = tl.float32,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
-    atomic count, reset by that program for the next call) routes the token (`_topk_store`)."""
+    atomic count, reset by that program for the next call) routes the token (`_topk_store`).
+
+    NORM: x is the attention's output and the router's input is rms_norm(x + residual) with the
+    weight at nw_ptr, as kernels/norm.py's fused add + RMSNorm computes it (the sum rounded to
+    X_DTYPE, the normalized value to X_DTYPE, times the weight rounded to LOGIT_DTYPE, the
+    promoted dtype): every program normalizes the row itself (a row of the hidden size, from L2)
+    and program (t, 0) stores it and the sum, for the experts and the next layer."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + clamped[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    rstd = 0.0
+    if NORM:  # the row's statistic first (H > BLOCK_K: a pass over its chunks)
+        sq = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for k in range(0, H, BLOCK_K):
+            mask_k = offs_k < H - k
+            xs = tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
+            xs = _round_to(xs + tile_row(res_ptr + t * stride_r + k, rows, offs_k, mask_k), X_DTYPE, INTERP)
+            xs = xs.to(tl.float32)
+            sq += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.max(tl.sum(sq, axis=1), axis=0) / H + eps)  # (every row of the tile: one value)
     for k in range(0, H, BLOCK_K):
         mask_k = offs_k < H - k
         xv = tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
+        if NORM:
+            xs = _round_to(xv + tile_row(res_ptr + t * stride_r + k, rows, offs_k, mask_k), X_DTYPE, INTERP)
+            nv = tile_row(nw_ptr + k, rows, offs_k, mask_k)
+            xn = _round_to(nv * _round_to(xs.to(tl.float32) * rstd, X_DTYPE, INTERP).to(tl.float32), LOGIT_DTYPE,
+                           INTERP)
+            keep = (rows == 0)[:, None] & mask_k[None, :]  # (program (t, 0)'s first row stores the rows)
+            at = k + offs_k[None, :] + (rows * 0)[:, None]
+            tl.store(new_res_ptr + t * stride_r + at, xs, mask=keep)
+            tl.store(normed_ptr + t * stride_n + at, xn, mask=keep)
+            xv = xn.to(tl.float32)
         acc += tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32) * xv
     z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
     tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
@@ -143,6 +183,7 @@ def route_topk(
 
 ROUTER_ROWS = 1
 ROUTER_K = 2048
+ROUTER_WARPS = 4
 """`route`: one router row per program, up to 2,048 columns per load (Qwen3-30B-A3B's whole
 row: 128 programs with one load each). 4 rows x 256-column chunks took 10.2 us per layer on
 the H200, more than cuBLAS + the top-k kernel (8.0): 8 dependent loads per program."""
@@ -151,12 +192,30 @@ _counts: dict[torch.device, torch.Tensor] = {}
 
 
 def route(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None,
+    num_warps: int = ROUTER_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route_topk(F.linear(x, weight), ...) for a few tokens (use_gemv) in one kernel: the
     router's GEMV and the top-k, the last program of each token doing its top-k. Its counts
     live in one zeroed buffer per device, left zeroed by every call, so calls on one device
-    must not run concurrently (the engine runs its model on one stream)."""
+    must not run concurrently (the engine runs its model on one stream). num_warps: per program
+    (tuning: the last program's top-k reduces across them k times)."""
+    weights, ids, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps, None)
+    return weights, ids
+
+
+def norm_route(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, round_to: torch.dtype | None = None, num_warps: int = ROUTER_WARPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.norm.fused_add_rms_norm(x, residual, norm_weight, eps) and then `route` of the
+    normalized rows, in one kernel: (weights, ids, the normalized rows, x + residual). A decode
+    step of a mixture of experts saves the norm's launch (the router's programs each normalize
+    the row they read anyway)."""
+    return _launch(x, weight, top_k, renormalize, round_to, num_warps, (residual, norm_weight, eps))
+
+
+def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm):
     t, hidden = x.shape
     experts = weight.shape[0]
     assert use_gemv(t) and weight.shape == (experts, hidden)
@@ -169,10 +228,23 @@ def route(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     x = x.contiguous()
     weight = weight.contiguous()
+    if norm is None:
+        residual = normed = new_res = norm_weight = x
+        eps, in_dtype = 0.0, x.dtype
+    else:
+        residual, norm_weight, eps = norm
+        assert residual.shape == x.shape and norm_weight.shape == (hidden,)
+        residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
+        in_dtype = torch.promote_types(norm_weight.dtype, x.dtype)  # (the norm's output dtype)
+        normed = torch.empty((t, hidden), dtype=in_dtype, device=x.device)
+        new_res = torch.empty_like(x)
+    pdl = _pdl_enabled(x)
     _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
-        x, weight, logits, counts, weights, ids, experts, hidden, x.stride(0), weight.stride(0),
+        x, weight, logits, counts, weights, ids, residual, norm_weight, normed, new_res, float(eps),
+        experts, hidden, x.stride(0), weight.stride(0), residual.stride(0), normed.stride(0),
         TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(ROUTER_K, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
         RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
-        LOGIT_DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), num_warps=4,
+        LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
+        X_DTYPE=_TL_DTYPES[x.dtype], num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
-    return weights, ids
+    return weights, ids, normed, new_res

@@ -206,6 +206,21 @@ def route(
     return route_topk(torch.nn.functional.linear(x, weight), top_k, renormalize, round_to)
 
 
+def norm_route(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, round_to: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(x, residual, norm_weight, eps) then `route` of the normalized rows:
+    (weights, ids, normalized rows, x + residual); a few tokens on the GPU in one kernel."""
+    if _triton(x):
+        from kernels import moe_gemv, moe_route
+
+        if moe_gemv.use_gemv(x.shape[0]):
+            return moe_route.norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
+
+
 def route_topk(
     logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,8 +56,12 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, cos_sin)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
-        x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
+        norm_forward = getattr(self.mlp, "norm_forward", None)  # (a mixture of experts: moe.SparseMoE)
+        if norm_forward is not None:
+            x, residual = norm_forward(x, residual, self.post_attention_layernorm)
+        else:
+            x, residual = self.post_attention_layernorm(x, residual)
+            x = self.mlp(x)
         return (x if self.residual_multiplier == 1.0 else x * self.residual_multiplier), residual
 
 

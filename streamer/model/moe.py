@@ -37,7 +37,7 @@ from torch import nn
 from kernels import ops
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
-from streamer.model.layers import MLP, weight_device
+from streamer.model.layers import MLP, RMSNorm, weight_device
 from streamer.model.llama import LlamaForCausalLM
 from streamer.model.quant import dequantize_blocks
 from streamer.model.tp_group import TPGroup
@@ -134,7 +134,23 @@ class SparseMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        return self.mix(x, *self.route(x))
+
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual)) and the new residual: the decoder layer's post-attention
+        add + RMSNorm and this block. With the plain router (not a subclass's) and a plain norm, the
+        router's kernel does the norm too (ops.norm_route: one launch fewer per layer at decode)."""
+        if type(self).route is SparseMoE.route and norm.offset == 0.0:
+            weights, ids, x, residual = ops.norm_route(
+                x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+                x.dtype if self.weights_in_hidden_dtype else None,
+            )
+            return self.mix(x, weights, ids), residual
+        x, residual = norm(x, residual)
+        return self.forward(x), residual
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for routed rows x (the block's output)."""
         ex = self.experts
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block)
@@ -152,8 +168,8 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert = MLP(hidden, shared_intermediate, act)  # (its own all-reduce under TP)
         self.shared_expert_gate = Router(hidden, 1)  # (one row: the gate's [1, hidden] weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(x)
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        routed = super().mix(x, weights, ids)
         return routed + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
 
 

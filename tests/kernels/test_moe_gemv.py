@@ -1,5 +1,6 @@
 """kernels.moe_gemv (issue 30's decode path): moe_gemv == kernels.reference_moe.fused_moe for a
-few tokens, and kernels.moe_route's route_topk and route == kernels.reference_moe.route_topk.
+few tokens, and kernels.moe_route's route_topk, route and norm_route == kernels.reference_moe.route_topk
+(norm_route after the reference's add + RMSNorm).
 
 Tolerances as tests/kernels/test_moe.py: float32 differs by summation order only; in bf16
 both round every stage to bf16, so an intermediate may differ by one ulp (2^-6 on outputs
@@ -84,6 +85,29 @@ def test_route_is_the_router_linear_then_route_topk(dtype, t, h, e, k):
     for _ in range(2):
         got_w, got_ids = MR.route(x, w, k, True, dtype)
         _same_routing(got_w, got_ids, rw, rids, 1e-6 if dtype == torch.float32 else 2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,h,e,k", [(1, 40, 8, 2), (3, 64, 128, 8), (2, 4100, 8, 2)])
+def test_norm_route_is_the_add_and_norm_then_the_router(dtype, t, h, e, k):
+    """norm_route (the post-attention add + RMSNorm inside the router's kernel, each program
+    normalizing the row; over 2,048 columns in chunks) equals fused_add_rms_norm then route: the
+    same sum, the normalized rows within an ulp (the row statistic sums in another order), the
+    same routing; called again, the same (its counts reset)."""
+    from kernels import reference
+
+    gen = torch.Generator().manual_seed(t * h)
+    x, res = (torch.randn(t, h, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(DEVICE)
+    w = torch.randn(e, h, generator=gen).to(dtype).to(DEVICE)
+    normed, summed = reference.fused_add_rms_norm(x, res, nw, 1e-6)
+    rw, rids = RM.route_topk(torch.nn.functional.linear(normed, w), k, True, dtype)
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7
+    for _ in range(2):
+        got_w, got_ids, got_normed, got_sum = MR.norm_route(x, res, nw, 1e-6, w, k, True, dtype)
+        assert torch.equal(got_sum, summed)
+        torch.testing.assert_close(got_normed, normed, atol=ulp * 4, rtol=ulp)
+        _same_routing(got_w, got_ids, rw, rids, 1e-5 if dtype == torch.float32 else 2**-6)
 
 
 def _same_routing(w, ids, rw, rids, tol):
