@@ -199,12 +199,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        spec = self.speculative_config
-        if spec is not None and spec.drafted:
-            # (the host tier does not move the draft's KV pages: model/draft.py)
-            if self.host_kv_cache_gb:
-                raise ConfigError(f"speculative_config method {spec.method!r} does not run with host_kv_cache_gb "
-                                  "(the host tier keeps the target's KV only): use one of them, or method 'ngram'")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

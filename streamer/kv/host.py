@@ -1,12 +1,14 @@
 """HostTier: KV pages in host memory under the radix tree (--host-kv-cache-gb).
 
-The host pool holds pages in the device pool's page format, as raw bytes: a page is
-[2 (K, V), layers, bytes of one layer's page], the bytes each (layer, page) of the device
-pool's stored K or V tensor keeps (pages.py: the outer two dims of every layout), so a
-float8 page stays float8 and a page round-trips bit for bit. A pool without V storage
-(pages.py's shared_v: MLA's latent cache) has pages of [1 (K), layers, bytes]. On CUDA the host pool is
-pinned (copies are DMA, asynchronous); on CPU it is a second CPU pool, so the tiering runs
-in CI exactly as on the GPU, with synchronous copies.
+The host pool holds pages in the device pool's page format, as raw bytes: a host page is
+one row of bytes, the parts of `pool_parts` one after the other, each [layers, bytes of one
+layer's page]: the bytes each (layer, page) of the device pool's stored K and V tensors keep
+(pages.py: the outer two dims of every layout), so a float8 page stays float8 and a page
+round-trips bit for bit. A pool without V storage (pages.py's shared_v: MLA's latent cache)
+has K alone. A pool's companions (a speculative draft's KV and an EAGLE head's features,
+under the same page ids) follow in the same row, so they leave and come back with the page.
+On CUDA the host pool is pinned (copies are DMA, asynchronous); on CPU it is a second CPU
+pool, so the tiering runs in CI exactly as on the GPU, with synchronous copies.
 
 Which node's pages live where is the tree's business (radix.py); this module moves bytes
 and counts them. Host pages have their own free list; their LRU order is the tree's.
@@ -52,11 +54,9 @@ class HostPool:
     """num_pages host pages of `pool`'s format, a free list, nothing else."""
 
     def __init__(self, pool: PagePool, num_pages: int, pin: bool) -> None:
-        layers, _, page_bytes = pool.k_bytes.shape
-        parts = len(pool_parts(pool))
         self.num_pages = num_pages
-        self.page_bytes = parts * layers * page_bytes
-        self.data = torch.empty((num_pages, parts, layers, page_bytes), dtype=torch.uint8)
+        self.page_bytes = host_page_bytes(pool)
+        self.data = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8)
         if pin and num_pages:
             _pin(self.data)
         self._free: deque[int] = deque(range(num_pages))
@@ -89,8 +89,28 @@ class HostPool:
 
 
 def pool_parts(pool: PagePool) -> list[torch.Tensor]:
-    """The byte views a host page holds: K and V, or K alone (a latent pool: V is in K)."""
-    return [pool.k_bytes, pool.v_bytes] if pool.v_bytes.shape[2] else [pool.k_bytes]
+    """The byte views [layers, pages, bytes] a host page holds: K and V, or K alone (a latent
+    pool: V is in K), then the pool's companions."""
+    own = [pool.k_bytes, pool.v_bytes] if pool.v_bytes.shape[2] else [pool.k_bytes]
+    return own + list(pool.companions)
+
+
+def host_page_bytes(pool: PagePool) -> int:
+    return sum(part.shape[0] * part.shape[2] for part in pool_parts(pool))
+
+
+def gather_pages(parts: list[torch.Tensor], pages: torch.Tensor) -> torch.Tensor:
+    """The device pages `pages` of every part as host-page rows: [len(pages), host page bytes]."""
+    return torch.cat([part[:, pages].transpose(0, 1).reshape(len(pages), -1) for part in parts], dim=1)
+
+
+def scatter_pages(parts: list[torch.Tensor], pages: torch.Tensor, rows: torch.Tensor) -> None:
+    """The inverse of gather_pages: host-page rows [len(pages), bytes] into the device pages."""
+    off = 0
+    for part in parts:
+        layers, _, nbytes = part.shape
+        part[:, pages] = rows[:, off : off + layers * nbytes].reshape(len(pages), layers, nbytes).transpose(0, 1)
+        off += layers * nbytes
 
 
 def _pin(t: torch.Tensor) -> None:
@@ -127,8 +147,7 @@ class HostTier:
     def __init__(self, pool: PagePool, num_bytes: int) -> None:
         self.pool = pool
         self.cuda = pool.k.device.type == "cuda"
-        per_page = len(pool_parts(pool)) * pool.k_bytes.shape[0] * pool.k_bytes.shape[2]
-        self.host = HostPool(pool, max(num_bytes // per_page, 0), pin=self.cuda)
+        self.host = HostPool(pool, max(num_bytes // host_page_bytes(pool), 0), pin=self.cuda)
         self.d2h: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.h2d: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
         self.scatter: Any = torch.cuda.Stream(pool.k.device) if self.cuda else None
@@ -166,10 +185,7 @@ class HostTier:
         parts, data = pool_parts(self.pool), self.host.data
         k = parts[0]
         if not self.cuda:
-            g = torch.tensor(gpu)
-            h = torch.tensor(host)
-            for i, part in enumerate(parts):
-                data[h, i] = part[:, g].transpose(0, 1)
+            data[torch.tensor(host)] = gather_pages(parts, torch.tensor(gpu))
         else:
             read = None
             group = max(1, FENCE_STAGE_BYTES // self.host.page_bytes)
@@ -181,7 +197,7 @@ class HostTier:
                     staged = []
                     for s in range(s0, min(s0 + group, len(gpu)), STAGING_PAGES):
                         g = _indices(gpu[s : min(s + STAGING_PAGES, s0 + group)], k.device)
-                        staged.append((s, torch.stack([p[:, g] for p in parts], dim=0).permute(2, 0, 1, 3).contiguous()))
+                        staged.append((s, gather_pages(parts, g)))
                     read = torch.cuda.Event()
                     read.record(self.d2h)
                     for s, buf in staged:
@@ -209,10 +225,7 @@ class HostTier:
         self.load_backs += len(gpu)
         self.bytes_loaded += len(gpu) * self.host.page_bytes
         if not self.cuda:
-            g = torch.tensor(gpu)
-            h = torch.tensor(host)
-            for i, part in enumerate(parts):
-                part[:, g] = data[h, i].transpose(0, 1)
+            scatter_pages(parts, torch.tensor(gpu), data[torch.tensor(host)])
             return None
         per = self._ring(k.device)
         with torch.cuda.stream(self.h2d):
@@ -233,9 +246,7 @@ class HostTier:
                 copied.record(self.h2d)
                 self.scatter.wait_event(copied)
                 with torch.cuda.stream(self.scatter):
-                    g = _indices(gpu[s : s + per], k.device)
-                    for i, part in enumerate(parts):
-                        part[:, g] = buf[: len(chunk), i].transpose(0, 1)
+                    scatter_pages(parts, _indices(gpu[s : s + per], k.device), buf[: len(chunk)])
                     freed = torch.cuda.Event()
                     freed.record(self.scatter)
                     self._staging_free[slot] = freed

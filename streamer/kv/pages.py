@@ -76,6 +76,10 @@ class PagePool:
         self.k_bytes = _page_bytes(self.k, num_layers, num_pages)
         self.v_bytes = torch.empty((num_layers, num_pages, 0), dtype=torch.uint8, device=device) if shared_v \
             else _page_bytes(self.v, num_layers, num_pages)
+        self.companions: list[torch.Tensor] = []
+        """Byte views [layers, num_pages, bytes] of other tensors indexed by these page ids (a
+        speculative draft's KV and an EAGLE head's features: model/draft.py): a host tier moves
+        them with the page."""
         self.fence: Any = None
         """A CUDA event the next step waits for before its kernels touch the pool (the host
         tier's last write-back: a page it freed may be reused by that step). None: none."""

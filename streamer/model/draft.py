@@ -23,10 +23,11 @@ Invariants:
   - the draft draws unconstrained, also for a grammar request: the target's rows are masked
     (the scheduler fills their masks from the draws: Batch.masks_await_drafts), so a
     proposal the grammar refuses is never kept and the output follows the masked target;
-  - no host KV tier with a draft (EngineConfig refuses it): it does not move the draft's
-    pages; under tensor parallelism the draft is whole and on rank 0 alone (ModelRunner
-    builds it unsharded there; distributed/runner.py sends the other ranks the step with its
-    proposals in).
+  - a host KV tier moves the draft's KV of a page with the target's (`page_parts`: the target
+    pool's companions, kv/host.py), so a prefix that comes back from the host proposes as well
+    as before it left;
+  - under tensor parallelism the draft is whole and on rank 0 alone (ModelRunner builds it
+    unsharded there; distributed/runner.py sends the other ranks the step with its proposals in).
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ class DraftModel:
             self.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, graphs_bs, max_pages)
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def page_parts(self) -> list[torch.Tensor]:
+        """Byte views [layers, pages, bytes] of what the draft keeps under each page id: its KV."""
+        from streamer.kv.host import pool_parts
+
+        assert self.pool is not None
+        return pool_parts(self.pool)
 
     def release(self) -> None:
         """Drop the model, its graphs and its pool (ModelRunner.release)."""

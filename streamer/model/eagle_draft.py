@@ -119,6 +119,11 @@ class EagleDraft(DraftModel):
             self.model.feature = self.feature_buf
         super().make_pool(num_pages, page_size, graphs_bs, max_pages)
 
+    def page_parts(self) -> list[torch.Tensor]:
+        """The head's KV and its features of each page's tokens."""
+        assert self.pool is not None and self.features is not None
+        return [*super().page_parts(), self.features.view(torch.uint8).view(1, self.pool.num_pages, -1)]
+
     def release(self) -> None:
         super().release()
         self.features = self.prenorm = None

@@ -98,6 +98,7 @@ class ModelRunner:
             self.draft.make_pool(self.pool.num_pages, self.pool.page_size,
                                  min(config.max_num_seqs, config.cuda_graph_max_bs) if graphs else 0,
                                  self.pool.pages_for(self.max_model_len))
+            self.pool.companions = self.draft.page_parts()  # (a host tier moves them with the page)
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_rows: dict[str, int] = {}
@@ -384,6 +385,7 @@ class ModelRunner:
         for pool in pools:
             if pool is not None:
                 pool.k = pool.v = pool.k_bytes = pool.v_bytes = torch.empty(0)
+                pool.companions = []
         if self.draft is not None:
             self.draft.release()
         self.draft = None

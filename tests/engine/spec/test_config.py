@@ -85,12 +85,12 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_a_draft_model_refuses_what_would_not_move_its_pages(method):
-    """(The host tier; under tensor parallelism rank 0 alone drafts: tests/distributed.)"""
+def test_a_draft_model_runs_with_a_host_tier_and_tensor_parallelism(method):
+    """(The host tier moves the draft's pages: tests/engine/spec/test_host_tier.py; under tensor
+    parallelism rank 0 alone drafts: tests/distributed.)"""
     draft = {"method": method, "model": "default"}
     assert EngineConfig(speculative_config=draft).speculative_config.model == "default"
-    with pytest.raises(ConfigError, match=f"'{method}' does not run with host_kv_cache_gb"):
-        EngineConfig(speculative_config=draft, host_kv_cache_gb=1)
+    assert EngineConfig(speculative_config=draft, host_kv_cache_gb=1).host_kv_cache_gb == 1
     assert EngineConfig(speculative_config=draft, tensor_parallel_size=2).speculative_config.method == method
 
 

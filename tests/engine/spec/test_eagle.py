@@ -10,6 +10,7 @@ token has every proposal kept; what cannot run is refused by name."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -60,14 +61,14 @@ FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": 
 DEEPSEEK = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
 
-def assert_proposals_follow(target, spec: dict, prompts: list[list[int]], reference) -> int:
+def assert_proposals_follow(target, spec: dict, prompts: list[list[int]], reference, **engine: Any) -> int:
     """One request at a time (so that no page is shared), chunked prefill: every proposal of
     every verify step equals reference(transformers' target, tokens up to the verify chunk's
     start, k), but where the reference's top two logits are within 1e-4 (none expected).
-    Returns how many proposals were compared."""
+    Returns how many proposals were compared. engine: more LLM settings."""
     hf = _hf_model(str(target))
     checked = 0
-    with LLM(str(target), max_num_batched_tokens=16, speculative_config=spec) as llm:
+    with LLM(str(target), max_num_batched_tokens=16, speculative_config=spec, **engine) as llm:
         draft = llm.engine.runner.draft
         seen: list[tuple[int, list[int]]] = []
         propose = draft.propose
