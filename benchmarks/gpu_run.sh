@@ -124,9 +124,12 @@ fi
 if [ "$part" = rerun ]; then
   # the two GPU tests changed after the twenty-ninth session's run (gpt-oss at transformers 5.17's clamp;
   # DeepSeek graphs against eager: any near-best token after a router flip)
-  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_architectures.py -k gpt_oss \
-      tests/gpu/test_gpu_deepseek.py > "$OUT/rerun.log" 2>&1
-  tail -8 "$OUT/rerun.log"
+  # (thirtieth session: + the host tier's flat pages, PDL and norm_route in the batch-1 MoE kernels, compiled)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_architectures.py -k "gpt_oss or oe or ixtral" \
+      > "$OUT/rerun.log" 2>&1
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
+      tests/kernels/test_moe_gemv.py >> "$OUT/rerun.log" 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" "$OUT/rerun.log" | tail -12
 fi
 if [ "$part" = arch ]; then
   # issue 27: Gemma-2-9B and Phi-3-mini shapes (dummy weights): W2 (batch 1, ms/token against the
