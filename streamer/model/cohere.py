@@ -10,9 +10,13 @@ transformers 5.24 computes them:
 - Command R7B / A: layer_types slide 3 layers of 4 (sliding_window), and only the sliding
   layers rotate (the others are NoPE: smollm3.py's cos 1 / sin 0 table).
 
-use_qk_norm (Command R+: a LayerNorm per head on q and k) is refused by config_check."""
+- use_qk_norm (Command R+): a LayerNorm over each q and k head, with a weight per head
+  ([heads, head_dim]), before the rotation (`HeadLayerNorm`); its weights' dims follow the
+  rotary permutation, and under tensor parallelism each rank holds its own heads' rows."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +40,32 @@ class LayerNorm(nn.Module):
             x.dtype)
 
 
+class HeadLayerNorm(LayerNorm):
+    """LayerNorm over the last dim of [T, heads, head_dim] with a weight per head
+    ([heads, head_dim]): transformers' CohereLayerNorm of a (heads, head_dim) size."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__(head_dim, eps)
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+
+
+class CohereAttention(Attention):
+    """Attention with Command R+'s per-head q/k LayerNorms (torch ops before rotary_store, which
+    applies no norm of its own here)."""
+
+    def __init__(self, *args: Any, qk_layer_norm_eps: float, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.q_norm = HeadLayerNorm(self.heads, self.head_dim, qk_layer_norm_eps)  # type: ignore[assignment]
+        self.k_norm = HeadLayerNorm(self.kv_heads, self.head_dim, qk_layer_norm_eps)  # type: ignore[assignment]
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.reshape(t, self.heads, self.head_dim), k.reshape(t, self.kv_heads, self.head_dim)
+        assert self.q_norm is not None and self.k_norm is not None
+        return self.q_norm(q), self.k_norm(k), v.reshape(t, self.kv_heads, self.head_dim), None
+
+
 class ParallelLayer(nn.Module):
     """Attention and MLP side by side on one norm. The residual stream is the layer's output
     itself (the decoder's residual stays None)."""
@@ -52,6 +82,11 @@ class ParallelLayer(nn.Module):
 
 
 class CohereForCausalLM(LlamaForCausalLM):
+    def attention(self, *args: Any, **kw: Any) -> Attention:
+        if getattr(self.config, "use_qk_norm", False):
+            return CohereAttention(*args, qk_layer_norm_eps=float(self.config.layer_norm_eps), **kw)
+        return Attention(*args, **kw)
+
     def make_norm(self) -> nn.Module:
         return LayerNorm(self.config.hidden_size, self.config.layer_norm_eps)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamer.errors import ModelLoadError
-from streamer.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from streamer.model.cohere import Cohere2ForCausalLM
 from streamer.model.deepseek import DeepseekV2ForCausalLM, check_deepseek
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
@@ -62,8 +62,6 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
         _check_moe(cfg, cls, refuse)
     if issubclass(cls, DeepseekV2ForCausalLM):
         check_deepseek(cfg, cls, refuse)
-    if issubclass(cls, CohereForCausalLM) and getattr(cfg, "use_qk_norm", False):
-        refuse("use_qk_norm", "the per-head LayerNorm of q and k (Command R+) is not implemented")
     if issubclass(cls, SmolLM3ForCausalLM):
         flags = getattr(cfg, "no_rope_layers", None)
         if not isinstance(flags, list) or len(flags) != cfg.num_hidden_layers or any(f not in (0, 1) for f in flags):

@@ -265,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
             heads = (torch.arange(n_qk)[:, None] * hd + perm[None, :]).view(-1)  # (v's rows stay)
             qkv.permute_rows(torch.cat([heads, torch.arange(n_qk * hd, qkv.out_features)]))
             for norm in (attn.q_norm, attn.k_norm):  # per-head q/k norms: their weights follow the dims
-                if norm is not None:
-                    norm.weight.data.copy_(norm.weight.data[perm.to(norm.weight.device)].clone())
+                if norm is not None:  # ([head_dim], or [heads, head_dim]: cohere.py's)
+                    norm.weight.data.copy_(norm.weight.data[..., perm.to(norm.weight.device)].clone())
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))

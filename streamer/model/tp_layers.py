@@ -72,6 +72,11 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
 
 
+def _shape(t: Any) -> tuple[int, ...]:
+    """The shape of a tensor or a safetensors slice."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
 def _take(t: Any, dim: int, first: int, n: int) -> torch.Tensor:
     """Rows (dim 0) or columns (dim 1) [first, first + n) of a tensor or a safetensors slice:
     only those bytes are read."""
@@ -113,6 +118,9 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
     if ".mlp.gate_up_proj." in name:  # [gate | up] rows (Phi-3)
         first, n = group.split(cfg.intermediate_size)
         return torch.cat([_take(t, 0, first, n), _take(t, 0, cfg.intermediate_size + first, n)])
+    if name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")) and len(_shape(t)) == 2:
+        # a weight per head (Command R+'s [heads, head_dim]): this rank's heads
+        return _take(t, 0, q0, q) if ".q_norm." in name else _take(t, 0, kv0, kv)
     if ".self_attn.q_proj." in name:
         return _take(t, 0, q0 * hd, q * hd)
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:

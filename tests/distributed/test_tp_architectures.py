@@ -17,6 +17,7 @@ from streamer import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 from tests.distributed.workload import ENGINE, assert_same, run
 from tests.model.test_architectures import ARCHS as DENSE
+from tests.model.test_architectures import perturb_norms
 from tests.model.test_moe import ARCHS as MOE
 
 ARCHS = {**DENSE, **MOE}
@@ -40,11 +41,14 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "cohere2", "mixtral", "mixtral-stacked",
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "cohere2", "cohere_qk", "mixtral",
+                                  "mixtral-stacked",
                                   "qwen3_moe", "qwen2_moe", "glm4_moe", "granite_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]
     path = make_tiny_model(tmp_path / name, arch, default_model, **kw)
+    if name == "cohere_qk":  # (each rank's rows of the per-head q/k norm weights: all 1 as initialised)
+        perturb_norms(path)
     if name.endswith("-stacked"):
         _fuse_experts(path, kw["num_local_experts"])
     with LLM(str(path), **ENGINE) as llm:

@@ -27,7 +27,8 @@ ARCHS = {**DENSE, **MOE, "gpt_oss": ("GptOssForCausalLM", {
     **GPT_OSS, "max_position_embeddings": 1024,
     "rope_parameters": {**GPT_OSS["rope_parameters"], "original_max_position_embeddings": 256}})}
 SPARSE = {*MOE, "gpt_oss"}
-NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "cohere", "cohere2", "mixtral",
+NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "cohere", "cohere_qk", "cohere2",
+         "mixtral",
          "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe", "granite_moe", "gpt_oss"]
 
 

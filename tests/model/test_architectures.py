@@ -56,6 +56,8 @@ ARCHS = {
                                                                            "rope_theta": 500000.0}},
                                        pad_token_id=None)),
     "cohere": ("CohereForCausalLM", dict(logit_scale=0.25, attention_bias=True, pad_token_id=None)),
+    # Command R+'s per-head q/k LayerNorms (their weights perturbed: perturb_norms)
+    "cohere_qk": ("CohereForCausalLM", dict(logit_scale=0.25, use_qk_norm=True, pad_token_id=None)),
     # layers 0 slides and rotates, layer 1 attends to all without rotary
     "cohere2": ("Cohere2ForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                                            logit_scale=0.25, pad_token_id=None)),
@@ -66,8 +68,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def perturb_norms(folder: Path) -> None:
-    """Gemma initialises its norm weights to 0 (x * (1 + 0)); give them values, so that the
-    offset is tested."""
+    """Gemma initialises its norm weights to 0 (x * (1 + 0)), Command R+ its per-head q/k norms'
+    to 1; give them values, so that the offset and the per-head weights are tested."""
     from safetensors.torch import load_file, save_file
 
     f = folder / "model.safetensors"
@@ -85,7 +87,7 @@ def arch_models(tmp_path_factory, default_model) -> dict[str, Path]:
     out = {}
     for name, (arch, kw) in ARCHS.items():
         out[name] = make_tiny_model(root / name, arch, default_model, **kw)
-        if name.startswith("gemma"):
+        if name.startswith("gemma") or name == "cohere_qk":
             perturb_norms(out[name])
     return out
 
@@ -136,7 +138,7 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     # (without a window: Granite's residual multiplier, OLMo 2's norms are what is flipped)
     flip = {"granite": {"residual_multiplier": 1.0}, "olmo2": {"rms_norm_eps": 0.5},
-            "cohere": {"layer_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
+            "cohere": {"layer_norm_eps": 0.5}, "cohere_qk": {"layer_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
     unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **flip).eval()
     assert (logprobs(unwindowed) - want).abs().max() > 1e-2
 

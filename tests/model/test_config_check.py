@@ -40,7 +40,6 @@ def check(cfg, max_positions: int = 256) -> None:
         ("llama", "LlamaForCausalLM", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("smollm3", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),
         ("smollm3", "SmolLM3ForCausalLM", dict(mlp_bias=True), "mlp_bias"),
-        ("cohere", "CohereForCausalLM", dict(use_qk_norm=True), "use_qk_norm"),
         # 5 rotary dims of 16: an odd count (0.3 gives 4, which is implemented)
         ("phi3", "Phi3ForCausalLM", dict(partial_rotary_factor=0.3125), "partial_rotary_factor"),
     ],
