@@ -18,6 +18,7 @@ from streamer.model.deepseek import DeepseekV2ForCausalLM, check_deepseek
 from streamer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.model.glm4_moe import Glm4MoeForCausalLM
 from streamer.model.gpt_oss import GptOssForCausalLM
+from streamer.model.granite import GraniteForCausalLM
 from streamer.model.layers import GATED_ACTIVATIONS
 from streamer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from streamer.model.moe import FUSED_ACTIVATION, MixtralForCausalLM, MoEForCausalLM, Qwen3MoeForCausalLM
@@ -50,8 +51,11 @@ def check_config(cfg: Any, cls: type[LlamaForCausalLM], max_positions: int, sour
     act = getattr(cfg, cls.act_field, None) or "silu"
     if act not in GATED_ACTIVATIONS:
         refuse(cls.act_field, f"supported activations: {', '.join(sorted(GATED_ACTIVATIONS))}")
-    if getattr(cfg, "mlp_bias", False):
-        refuse("mlp_bias", "MLP biases are not implemented")
+    biased = cls is LlamaForCausalLM or issubclass(cls, (SmolLM3ForCausalLM, GraniteForCausalLM))
+    if getattr(cfg, "mlp_bias", False) and (not biased or issubclass(cls, MoEForCausalLM)):
+        # (transformers' Mistral, Qwen, Phi-3, Gemma, OLMo, Cohere and MoE MLPs have no bias whatever
+        # the config says; DeepSeek's dense layers would take one: not implemented)
+        refuse("mlp_bias", f"{name}'s MLP has no biases here (biases: Llama, SmolLM3 and Granite)")
     if getattr(cfg, "use_bidirectional_attention", False):
         refuse("use_bidirectional_attention", "only causal attention is implemented")
     if getattr(cfg, "attention_bias", False) and issubclass(

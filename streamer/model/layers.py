@@ -210,21 +210,23 @@ GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tan
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
+        """bias: on gate, up and down (Llama's mlp_bias; under tensor parallelism the down
+        projection's is rank 0's alone, model/tp_layers.py)."""
         super().__init__()
         self.tp = tensor_parallel()
         if self.tp is not None:
             intermediate = self.tp.split(intermediate)[1]
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = act
         self.act_and_mul = GATED_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        # (the fused GEMV epilogue is SiLU only: GeGLU takes the gate_up GEMV, then its kernel;
-        # block-scaled float8 layers have no GEMV path)
-        if (self.act == "silu" and gate_up.decode_gemv and gate_up.block is None
+        # (the fused GEMV epilogue is SiLU only and has no bias: GeGLU and biased layers take the
+        # gate_up GEMV, then the activation's kernel; block-scaled float8 layers have no GEMV path)
+        if (self.act == "silu" and gate_up.decode_gemv and gate_up.block is None and gate_up.bias is None
                 and use_gemv(x, gate_up.weight, rows_as_decode())):
             # one token (or a verify step's rows, each as one): the activation runs in the gate_up
             # GEMV's epilogue (one launch and one round trip through memory fewer per layer)

@@ -40,7 +40,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = attention
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act) if mlp is None else mlp
+        if mlp is None:
+            mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act, bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 

@@ -41,14 +41,16 @@ def _fuse_experts(path, experts: int) -> None:
     _rewrite(path, fuse)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "cohere2", "cohere_qk", "mixtral",
-                                  "mixtral-stacked",
-                                  "qwen3_moe", "qwen2_moe", "glm4_moe", "granite_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "smollm3", "granite", "cohere2", "cohere_qk",
+                                  "llama_mlp_bias", "mixtral", "mixtral-stacked", "qwen3_moe", "qwen2_moe", "glm4_moe",
+                                  "granite_moe"])
 def test_two_ranks_answer_as_one(tmp_path, default_model, name):
     arch, kw = ARCHS[name.removesuffix("-stacked")]
     path = make_tiny_model(tmp_path / name, arch, default_model, **kw)
     if name == "cohere_qk":  # (each rank's rows of the per-head q/k norm weights: all 1 as initialised)
         perturb_norms(path)
+    if name == "llama_mlp_bias":  # (each rank's gate/up biases, rank 0's down bias: all 0 as initialised)
+        perturb_norms(path, "mlp")
     if name.endswith("-stacked"):
         _fuse_experts(path, kw["num_local_experts"])
     with LLM(str(path), **ENGINE) as llm:

@@ -28,6 +28,7 @@ ARCHS = {**DENSE, **MOE, "gpt_oss": ("GptOssForCausalLM", {
     "rope_parameters": {**GPT_OSS["rope_parameters"], "original_max_position_embeddings": 256}})}
 SPARSE = {*MOE, "gpt_oss"}
 NAMES = ["mistral", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "cohere", "cohere_qk", "cohere2",
+         "llama_mlp_bias",
          "mixtral",
          "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe", "granite_moe", "gpt_oss"]
 

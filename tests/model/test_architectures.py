@@ -56,6 +56,8 @@ ARCHS = {
                                                                            "rope_theta": 500000.0}},
                                        pad_token_id=None)),
     "cohere": ("CohereForCausalLM", dict(logit_scale=0.25, attention_bias=True, pad_token_id=None)),
+    # Llama's mlp_bias (the biases, zero as initialised, perturbed: perturb_norms)
+    "llama_mlp_bias": ("LlamaForCausalLM", dict(mlp_bias=True)),
     # Command R+'s per-head q/k LayerNorms (their weights perturbed: perturb_norms)
     "cohere_qk": ("CohereForCausalLM", dict(logit_scale=0.25, use_qk_norm=True, pad_token_id=None)),
     # layers 0 slides and rotates, layer 1 attends to all without rotary
@@ -67,7 +69,7 @@ ARCHS = {
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-def perturb_norms(folder: Path) -> None:
+def perturb_norms(folder: Path, match: str = "norm") -> None:
     """Gemma initialises its norm weights to 0 (x * (1 + 0)), Command R+ its per-head q/k norms'
     to 1; give them values, so that the offset and the per-head weights are tested."""
     from safetensors.torch import load_file, save_file
@@ -76,7 +78,7 @@ def perturb_norms(folder: Path) -> None:
     tensors = load_file(str(f))
     gen = torch.Generator().manual_seed(7)
     for name, t in tensors.items():
-        if "norm" in name:
+        if match in name:
             tensors[name] = t + 0.3 * torch.randn(t.shape, generator=gen)
     save_file(tensors, str(f), metadata={"format": "pt"})
 
@@ -89,6 +91,8 @@ def arch_models(tmp_path_factory, default_model) -> dict[str, Path]:
         out[name] = make_tiny_model(root / name, arch, default_model, **kw)
         if name.startswith("gemma") or name == "cohere_qk":
             perturb_norms(out[name])
+        if name == "llama_mlp_bias":
+            perturb_norms(out[name], "mlp")
     return out
 
 
@@ -138,7 +142,8 @@ def test_prompt_logprobs_past_the_window_match_transformers(arch_models, engines
     assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
     # (without a window: Granite's residual multiplier, OLMo 2's norms are what is flipped)
     flip = {"granite": {"residual_multiplier": 1.0}, "olmo2": {"rms_norm_eps": 0.5},
-            "cohere": {"layer_norm_eps": 0.5}, "cohere_qk": {"layer_norm_eps": 0.5}}.get(name, {"sliding_window": 4096})
+            "cohere": {"layer_norm_eps": 0.5}, "cohere_qk": {"layer_norm_eps": 0.5},
+            "llama_mlp_bias": {"mlp_bias": False}}.get(name, {"sliding_window": 4096})
     unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **flip).eval()
     assert (logprobs(unwindowed) - want).abs().max() > 1e-2
 

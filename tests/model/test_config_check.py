@@ -31,7 +31,7 @@ def check(cfg, max_positions: int = 256) -> None:
     "model_type,arch,kw,field",
     [
         ("gemma2", "Gemma2ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation"),
-        ("llama", "LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
+        ("mistral", "MistralForCausalLM", dict(mlp_bias=True), "mlp_bias"),  # (transformers' has no MLP bias)
         ("llama", "LlamaForCausalLM", dict(sliding_window=64), "sliding_window"),
         ("mistral", "MistralForCausalLM", dict(attention_bias=True), "attention_bias"),
         ("mistral", "MistralForCausalLM", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
@@ -39,7 +39,7 @@ def check(cfg, max_positions: int = 256) -> None:
         ("gemma3_text", "Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         ("llama", "LlamaForCausalLM", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("smollm3", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),
-        ("smollm3", "SmolLM3ForCausalLM", dict(mlp_bias=True), "mlp_bias"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM", dict(mlp_bias=True), "mlp_bias"),
         # 5 rotary dims of 16: an odd count (0.3 gives 4, which is implemented)
         ("phi3", "Phi3ForCausalLM", dict(partial_rotary_factor=0.3125), "partial_rotary_factor"),
     ],
