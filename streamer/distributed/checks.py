@@ -10,7 +10,6 @@ import torch
 
 from streamer.config import EngineConfig
 from streamer.errors import ConfigError
-from streamer.model import int4_checkpoint
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
@@ -31,13 +30,8 @@ def check_model(config: EngineConfig, hf_config: Any, source: Path) -> None:
     if not any(a in SUPPORTED for a in archs):
         raise ConfigError(f"tensor_parallel_size={n} is not implemented for {', '.join(archs) or 'this model'} "
                           f"({source}); supported: {', '.join(SUPPORTED)}")
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is not None and int4_checkpoint.is_int4(qc if isinstance(qc, dict) else qc.to_dict()):
-        raise ConfigError(f"tensor_parallel_size={n} is not implemented for int4 checkpoints (AWQ, GPTQ, "
-                          "compressed-tensors pack-quantized: their groups are not sliced)")
-    if qc is not None:
-        raise ConfigError(f"tensor_parallel_size={n} is not implemented for float8 checkpoints (their block "
-                          "scales are not sliced yet); load the unquantized model, with --quantization fp8 if wanted")
+    # (float8 and int4 checkpoints: each rank reads its part of their scales, packed words and
+    # groups, model/tp_layers.py; a part that would start inside one is refused as the model loads)
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % n:
         raise ConfigError(f"tensor_parallel_size={n} must divide the number of attention heads ({heads})")

@@ -404,11 +404,16 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor, str]], scheme:
             raise ModelLoadError(f"{source}: tensor {name!r} belongs to a quantization scheme other than the "
                                  f"quantization_config's ({scheme.method}, {scheme.weights} weight scales, dynamic "
                                  "input scales)")
-        elif tensor.dtype == FP8 and module not in quantized:
+        elif _is_fp8(tensor) and module not in quantized:
             raise ModelLoadError(f"{source}: tensor {name!r} is float8 but the quantization_config keeps {module} "
                                  "unquantized")
         else:
             yield name, tensor, source
+
+
+def _is_fp8(t: Any) -> bool:
+    """A tensor's, or a safetensors slice's (tensor parallelism reads slices), dtype is float8 e4m3."""
+    return t.dtype == FP8 if isinstance(t, torch.Tensor) else t.get_dtype() == "F8_E4M3"
 
 
 def finish(model: nn.Module) -> None:

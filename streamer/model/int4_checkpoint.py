@@ -222,8 +222,6 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
     """Replace each linear layer the checkpoint stores as int4 by an Int4Linear awaiting its
     tensors. Returns those layers' transformers names."""
     name_of = type(model).__name__
-    if tensor_parallel() is not None:
-        raise refuse(source, f"int4 weights ({scheme.method}) under tensor parallelism are not implemented")
     if isinstance(model, MoEForCausalLM):
         for i, layer in enumerate(model.layers):
             if getattr(layer.mlp, "experts", None) is not None:
@@ -240,9 +238,11 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
             raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
         k, group = m.in_features, (m.in_features if scheme.group == -1 else scheme.group)
         if k % group or group % 16 or (scheme.method != "compressed-tensors" and m.out_features % 8):
-            raise refuse(source, f"quantizes {name} of shape {tuple(m.weight.shape)} with group_size {scheme.group}; "
-                         "int4 layers need K a multiple of the group size, itself of 16 (and N of 8 for AWQ "
-                         "and GPTQ)")
+            tp = tensor_parallel()
+            part = "" if tp is None else f" (this rank's part under tensor_parallel_size={tp.size})"
+            raise refuse(source, f"quantizes {name} of shape {tuple(m.weight.shape)}{part} with group_size "
+                         f"{scheme.group}; int4 layers need K a multiple of the group size, itself of 16 (and N of "
+                         "8 for AWQ and GPTQ)")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme, device))
         quantized.update(names)

@@ -37,6 +37,7 @@ class Int4Linear(nn.Module):
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features = k, n
         self.group = k if scheme.group == -1 else scheme.group
+        self.scheme = scheme
         dtype = linear.weight.dtype
 
         def param(shape: tuple[int, ...], dt: torch.dtype, loader) -> nn.Parameter:

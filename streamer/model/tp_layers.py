@@ -72,11 +72,6 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
 
 
-def _shape(t: Any) -> tuple[int, ...]:
-    """The shape of a tensor or a safetensors slice."""
-    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
-
-
 def _take(t: Any, dim: int, first: int, n: int) -> torch.Tensor:
     """Rows (dim 0) or columns (dim 1) [first, first + n) of a tensor or a safetensors slice:
     only those bytes are read."""
@@ -94,6 +89,9 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
     cfg = model.config
     hd = model.head_dim
     q, kv, q0, kv0 = group.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    quantized = _quantized_slice(group, model, name, t)
+    if quantized is not None:
+        return quantized
     expert = _EXPERT.search(name)
     if expert is not None:  # a mixture of experts: every expert's intermediate size is split
         inter = model.expert_intermediate()
@@ -145,3 +143,133 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
             part = torch.cat([part, part.new_zeros(rows - held, *part.shape[1:])])
         return part
     return t[:]
+
+
+def linear_split(group: TPGroup, model: Any, module: str) -> tuple[int, int, int] | None:
+    """(axis, first, count) of this rank's part of the weight [N, K] of the linear layer named
+    `module` in the checkpoint: axis 0 (output rows: column-parallel) or 1 (input columns:
+    row-parallel); None where every rank holds it whole."""
+    cfg = model.config
+    hd = model.head_dim
+    q, kv, q0, kv0 = group.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    proj = re.search(r"\.self_attn\.(\w+)$", module)
+    sizes: dict[str, int] = getattr(model, "tp_head_sizes", {})
+    if proj is not None and proj[1] in sizes:
+        return (1 if proj[1] == "o_proj" else 0, q0 * sizes[proj[1]], q * sizes[proj[1]])
+    if proj is not None and proj[1] == "q_proj":
+        return 0, q0 * hd, q * hd
+    if proj is not None and proj[1] in ("k_proj", "v_proj"):
+        return 0, kv0 * hd, kv * hd
+    if proj is not None and proj[1] == "o_proj":
+        return 1, q0 * hd, q * hd
+    expert = _EXPERT_LAYER.search(module)
+    if expert is not None:  # one expert's projection: split over the expert intermediate size
+        first, n = group.split(model.expert_intermediate())
+        return (1 if expert[1] in ("w2", "down_proj") else 0, first, n)
+    mlp = re.search(r"\.mlp\.(shared_experts?\.)?(gate_proj|up_proj|down_proj)$", module)
+    if mlp is None:
+        return None
+    first, n = group.split(model.shared_intermediate() if mlp[1] else cfg.intermediate_size)
+    return (1 if mlp[2] == "down_proj" else 0, first, n)
+
+
+def _quantized_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Tensor | None:
+    """This rank's part of a tensor of a float8 or int4 checkpoint's layer (its scales, packed
+    weights, zeros, group indices: each in its format's layout, model/fp8_checkpoint.py and
+    model/int4_checkpoint.py), or None for any other tensor (a float8 weight is [N, K] like any
+    weight: the plain rules take it). A part that would start inside a block, a packed word or a
+    group is refused by name."""
+    from streamer.errors import ModelLoadError
+    from streamer.model.int4_linear import Int4Linear
+
+    module, _, leaf = name.rpartition(".")
+    split = linear_split(group, model, module)
+    if split is None:
+        return None
+    axis, first, count = split
+    layer = _layer(model, module)
+    int4 = isinstance(layer, Int4Linear)
+    if layer is None or int4:
+        block = None
+    elif _EXPERT_LAYER.search(module) is not None:  # (the layer: the Experts of the block, moe.py)
+        block = layer.block or layer.dequantized_block
+    elif layer.weight.dtype == torch.float8_e4m3fn:
+        block = layer.block
+    else:
+        return None
+    if not int4 and (layer is None or leaf != "weight_scale"):
+        return None
+
+    def unit(size: int, what: str) -> tuple[int, int]:
+        if first % size or (count % size and first + count != _whole(model, module, axis)):
+            raise ModelLoadError(f"tensor parallelism: this rank's {count} {'rows' if axis == 0 else 'columns'} "
+                                 f"of {module} from {first} do not fall on whole {what} of {size}")
+        return first // size, -(-count // size)
+
+    if not int4:  # a float8 layer's scale: one per tensor, per row, or per [bn, bk] block
+        shape = _shape(t)
+        if block is not None:
+            b0, bn = unit(block[axis], "weight blocks")
+            return _take(t, axis, b0, bn)
+        if len(shape) == 0 or shape[0] == 1 or axis == 1:
+            return t[:]  # (per tensor, or per row of a row-parallel layer: every rank's rows)
+        return _take(t, 0, first, count)
+    method, g = layer.scheme.method, layer.scheme.group
+    n_major = method == "compressed-tensors"  # ([N, ...] tensors; AWQ's and GPTQ's are [K..., N...])
+    dim = (0 if n_major else 1) if axis == 0 else (1 if n_major else 0)
+    if leaf == "weight_shape":
+        n, k = t[:].tolist()
+        return torch.tensor([count, k] if axis == 0 else [n, count], dtype=torch.int64)
+    if leaf == "g_idx":
+        if axis == 0:
+            return t[:]
+        if g == -1:
+            raise ModelLoadError(f"tensor parallelism: {name} with one group per row")
+        g0, gn = unit(g, "groups")
+        idx = t[first : first + count]
+        if bool(((idx < g0) | (idx >= g0 + gn)).any()):
+            raise ModelLoadError(f"tensor parallelism: {module}'s act order (g_idx) puts columns of this rank's "
+                                 f"part in other ranks' groups: act-order int4 row-parallel layers cannot be split")
+        return idx - g0
+    if axis == 0:  # output rows: packed 8 to a word along N in AWQ's qweight and every format's zeros
+        packed = leaf == "weight_zero" or (leaf == "weight" and method == "awq")
+        return _take(t, dim, *unit(8, "packed words")) if packed else _take(t, dim, first, count)
+    if leaf == "weight":  # input columns: packed along K in GPTQ's and compressed-tensors' weights
+        return _take(t, dim, first, count) if method == "awq" else _take(t, dim, *unit(8, "packed words"))
+    if g == -1:
+        return t[:]  # (one scale and zero per row: every rank's columns share them)
+    return _take(t, dim, *unit(g, "groups"))
+
+
+_EXPERT_LAYER = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+
+
+def _layer(model: Any, module: str) -> Any:
+    """The model's linear layer that checkpoint layer `module` loads into (q/k/v into qkv_proj,
+    gate/up into gate_up_proj; one expert's projection: its block's Experts), or None."""
+    from streamer.model.llama import STACKED
+
+    if _EXPERT_LAYER.search(module) is not None:
+        i = re.search(r"layers\.(\d+)\.", module)
+        return None if i is None else getattr(model.layers[int(i[1])].mlp, "experts", None)
+    for frag, (fused, _) in STACKED.items():
+        module = module.replace(f".{frag}", f".{fused}") if module.endswith(f".{frag}") else module
+    try:
+        return model.get_submodule(module)
+    except AttributeError:
+        return None
+
+
+def _whole(model: Any, module: str, axis: int) -> int:
+    """The checkpoint layer's whole size along axis (0: N, 1: K): where the last rank's part
+    ends."""
+    cfg = model.config
+    proj = re.search(r"\.self_attn\.(\w+)$", module)
+    sizes: dict[str, int] = getattr(model, "tp_head_sizes", {})
+    if proj is not None:
+        per = sizes.get(proj[1], model.head_dim)
+        heads = cfg.num_key_value_heads if proj[1] in ("k_proj", "v_proj") else cfg.num_attention_heads
+        return heads * per
+    if _EXPERT_LAYER.search(module) is not None:
+        return int(model.expert_intermediate())
+    return int(model.shared_intermediate() if ".shared_expert" in module else cfg.intermediate_size)

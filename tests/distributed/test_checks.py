@@ -3,8 +3,6 @@ tensor_parallel_size (no process is started: these are fast)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from streamer import LLM
@@ -18,17 +16,12 @@ def test_heads_that_do_not_divide_are_refused(default_model):
         LLM(str(default_model), tensor_parallel_size=2)
 
 
-def test_an_expert_size_that_does_not_divide_and_float8_checkpoints_are_refused(tmp_path, default_model):
+def test_an_expert_size_that_does_not_divide_is_refused(tmp_path, default_model):
+    """(Quantized checkpoints run split: tests/distributed/test_tp_quantized.py.)"""
     moe = make_tiny_model(tmp_path / "qwen3-moe", "Qwen3MoeForCausalLM", None, num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=30)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide the MLP's moe_intermediate_size \(30\)"):
         LLM(str(moe), tensor_parallel_size=4)
-    fp8 = make_tiny_model(tmp_path / "fp8", "LlamaForCausalLM", None)
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not implemented for float8 checkpoints"):
-        LLM(str(fp8), tensor_parallel_size=2)
 
 
 def test_nodes_need_a_rendezvous_and_an_even_split(default_model, monkeypatch):

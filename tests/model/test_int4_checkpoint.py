@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.int4 import dequantize
 from streamer import LLM, SamplingParams
-from streamer.errors import ConfigError, ModelLoadError
+from streamer.errors import ModelLoadError
 from streamer.model.fp8_checkpoint import hf_names
 from streamer.model.int4_linear import Int4Linear
 from streamer.model.loader import load_model
@@ -263,12 +263,14 @@ def test_desc_act_orders_that_differ_within_a_fused_layer_are_refused(tiny, tmp_
         load_model(path)
 
 
-def test_tensor_parallel_int4_is_refused():
+def test_tensor_parallel_int4_passes_the_checks():
+    """(Each rank reads its part of the packed tensors: tests/distributed/test_tp_quantized.py.)"""
     from streamer.distributed.checks import check_model
 
-    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config=qconfig("awq", 32))
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not implemented for int4 checkpoints"):
-        check_model(SimpleNamespace(tensor_parallel_size=2), hf, Path("x"))
+    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config=qconfig("awq", 32),
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
+                         hidden_size=128)
+    check_model(SimpleNamespace(tensor_parallel_size=2), hf, Path("x"))
 
 
 def test_dummy_weights_of_an_int4_config(tiny, tmp_path):
