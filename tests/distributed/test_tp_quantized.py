@@ -19,6 +19,7 @@ from streamer.errors import ModelLoadError
 from tests.conftest import make_tiny_model
 from tests.model import test_fp8_checkpoint as F8
 from tests.model import test_int4_checkpoint as I4
+from tests.model.test_moe import moe_models  # noqa: F401 - the fixture
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 
@@ -162,3 +163,26 @@ def test_a_float8_block_a_rank_would_cut_is_refused(fp8_tiny, tmp_path):
     path = F8.write_checkpoint(fp8_tiny, tmp_path / "b", qc, F8.block_128, "weight_scale_inv")
     with pytest.raises(ModelLoadError, match="do not fall on whole weight blocks of 128"):
         LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
+def test_float8_experts_per_channel(moe_models, tmp_path):  # noqa: F811
+    """Qwen3-MoE with per-channel float8 experts (compressed-tensors): rank 0 holds the first half
+    of every expert's gate and up rows with their scales, and the first half of its down
+    projection's columns with the whole rows' scales; the answers stay within float8's error."""
+    from tests.model.test_moe_fp8_checkpoint import channel_config, write
+
+    path = write(moe_models["qwen3_moe"], tmp_path / "moe", channel_config(), F8.per_row, "weight_scale")
+    experts = {}
+    for n in (1, 2):
+        with LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=n) as llm:
+            ex = llm.engine.runner.model.layers[1].mlp.experts
+            experts[n] = {p: getattr(ex, p).float().clone() for p in
+                          ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")}
+    one, two = experts[1], experts[2]
+    inter = one["down_proj"].shape[2]
+    half = inter // 2
+    for p in ("gate_up_proj", "gate_up_proj_scale"):
+        assert torch.equal(two[p], torch.cat([one[p][:, :half], one[p][:, inter : inter + half]], dim=1)), p
+    assert torch.equal(two["down_proj"], one["down_proj"][:, :, :half])
+    assert torch.equal(two["down_proj_scale"], one["down_proj_scale"])
+    assert_within_float8_error(path, moe_models["qwen3_moe"])
