@@ -125,7 +125,7 @@ if [ "$part" = rerun ]; then
   # the two GPU tests changed after the twenty-ninth session's run (gpt-oss at transformers 5.17's clamp;
   # DeepSeek graphs against eager: any near-best token after a router flip)
   # (thirtieth session: + the host tier's flat pages, PDL and norm_route in the batch-1 MoE kernels, compiled)
-  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_architectures.py -k "gpt_oss or oe or ixtral" \
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_architectures.py -k "gpt_oss or oe or ixtral or cohere_qk or mlp_bias" \
       > "$OUT/rerun.log" 2>&1
   python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
       tests/kernels/test_moe_gemv.py >> "$OUT/rerun.log" 2>&1
