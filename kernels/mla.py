@@ -16,7 +16,10 @@ those to the decode kernel and the rest to the extend kernel (as kernels/ops.py
 paged_attention does). store_latent writes through the Triton KV store there. Elsewhere (the
 engine's CPU path, other shapes) these torch functions run whole: one sequence at a time,
 synchronizing with the host on the lengths. They are the kernels' oracle
-(tests/kernels/test_mla_decode.py, test_mla_extend.py: under TRITON_INTERPRET=1 only so far).
+(tests/kernels/test_mla_decode.py, test_mla_extend.py).
+
+A float8 cache (kv_cache_dtype "fp8", scale 1) holds the latent rounded to e4m3, saturated at
++-448; every path reads it back into q's dtype (the kernels) or float32 (the torch loop).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kernels.common import TL_DTYPES
-from kernels.reference import gather_kv
+from kernels.reference import FP8_MAX, gather_kv
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -39,7 +42,10 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page_size = cache.shape[1]
-    cache[slots // page_size, slots % page_size] = latent[keep].to(cache.dtype)
+    values = latent[keep]
+    if cache.dtype == torch.float8_e4m3fn:  # saturated, as the Triton store's cast is (kv_cache_dtype "fp8")
+        values = values.float().clamp(-FP8_MAX, FP8_MAX)
+    cache[slots // page_size, slots % page_size] = values.to(cache.dtype)
 
 
 def paged_mla(

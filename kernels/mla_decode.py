@@ -151,8 +151,9 @@ def supported_dims(v_dim: int, rope_dim: int, dtype: torch.dtype) -> bool:
 
 
 def supported(q: torch.Tensor, cache: torch.Tensor, v_dim: int) -> bool:
-    """Whether the kernels take these tensors (else paged_mla's torch loop runs)."""
-    return supported_dims(v_dim, q.shape[-1] - v_dim, q.dtype) and cache.dtype == q.dtype \
+    """Whether the kernels take these tensors (else paged_mla's torch loop runs): the cache in q's
+    dtype or float8 (read into q's)."""
+    return supported_dims(v_dim, q.shape[-1] - v_dim, q.dtype) and cache.dtype in (q.dtype, torch.float8_e4m3fn) \
         and cache.stride(-1) == 1 and q.stride(-1) == 1 and cache.stride(2) == cache.shape[-1]
 
 

@@ -16,7 +16,8 @@ stores them otherwise and shows them through permuted views of that shape:
 shared_v > 0 (MLA's latent cache, model/deepseek.py): there is no V storage. K is one
 "head" of head_dim values per token (the compressed kv and the rope key) and V is the view
 of K's first shared_v dims; v_bytes is empty ([layers, pages, 0]), so the host tier copies
-K alone. Float8 latent pools are refused. A request
+K alone. A float8 latent pool keeps this plain layout (the latent kernels read it, the
+values rounded to e4m3 and saturated at +-448 as they are stored: kernels/mla.py). A request
 holds a page table (its pages, in order); the radix tree holds pages of cached
 prefixes. Ownership is counted per page:
 
@@ -54,9 +55,9 @@ class PagePool:
     ) -> None:
         if num_pages < 2:
             raise ConfigError(f"the KV pool needs at least 2 pages, got {num_pages}")
-        if shared_v and (dtype == torch.float8_e4m3fn or kv_heads != 1 or not 0 < shared_v <= head_dim):
+        if shared_v and (kv_heads != 1 or not 0 < shared_v <= head_dim):
             raise ConfigError(f"a latent KV pool (shared_v {shared_v}) is one head of at least {shared_v} "
-                              f"dims, not float8: not {kv_heads} x {head_dim} of {dtype}")
+                              f"dims: not {kv_heads} x {head_dim}")
         self.page_size = page_size
         self.num_pages = num_pages
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)

@@ -147,9 +147,6 @@ class ModelRunner:
         shared_v = 0
         latent = getattr(self.model, "latent_cache", None)
         if latent is not None:  # MLA (model/deepseek.py): one latent "head" per token, V its first dims
-            if self.kv_dtype == torch.float8_e4m3fn:
-                raise ConfigError(f"kv_cache_dtype {c.kv_cache_dtype!r}: a float8 latent cache (multi-head latent "
-                                  "attention) is not implemented; use kv_cache_dtype 'auto'")
             kvh, (hd, shared_v) = 1, latent
         tp = tensor_parallel()
         if tp is not None:  # this rank's KV heads

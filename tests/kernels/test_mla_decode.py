@@ -54,6 +54,33 @@ def test_decode_kernel_equals_the_reference(dtype, heads, v, r, page_size, split
 
 
 @pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float8_cache_is_read_into_the_queries_dtype(dtype, splits):
+    """kv_cache_dtype "fp8": the latent cache float8 (as stored: rounded, saturated), the queries
+    in the model's dtype; the kernel reads it as the reference does."""
+    q, cache, page_table, seq_lens = case(5, 32, 8, 4, [1, 7, 33, 70], dtype)
+    cache = (cache.float() * 40).clamp(-448, 448).to(torch.float8_e4m3fn)  # (past +-448 saturated by the store)
+    cu = torch.arange(5, dtype=torch.int32, device=DEVICE)
+    want = mla.paged_mla(q, cache, page_table, seq_lens, cu, 0.005, 32, kernel=False)
+    assert mla_decode.supported(q, cache, 32)
+    got = mla_decode.mla_decode(q, cache, page_table, seq_lens, 0.005, 32, num_splits=splits)
+    tol = tolerance(dtype) * 40
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tolerance(dtype))
+
+
+def test_the_float8_latent_store_saturates_as_the_reference_does():
+    gen = torch.Generator().manual_seed(2)
+    latent = (torch.randn(4, 1, 24, generator=gen) * 300).to(DEVICE)  # (some past +-448)
+    slots = torch.tensor([0, 5, 9, 14], device=DEVICE)
+    want = torch.zeros(4, 4, 1, 24, dtype=torch.float8_e4m3fn)
+    mla.store_latent(latent.cpu(), want, slots.cpu())
+    assert want.float().abs().max() == 448 and not want.float().isnan().any()
+    got = torch.zeros(4, 4, 1, 24, dtype=torch.float8_e4m3fn, device=DEVICE)
+    kv_store.store_kv(latent, None, got, None, slots)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 def test_the_released_dims_512_and_64(splits):
     # (the splits' merge takes 512 value dims in two passes of 256)
     q, cache, page_table, seq_lens = case(3, 512, 64, 16, [5, 40], torch.float32)

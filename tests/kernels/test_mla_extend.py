@@ -37,6 +37,16 @@ LENS, Q_LENS = [37, 45, 1, 60, 19], [37, 5, 1, 20, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float8_cache_is_read_into_the_queries_dtype(dtype):
+    """(kv_cache_dtype "fp8": see test_mla_decode.py's test of the same name.)"""
+    q, cache, page_table, seq_lens, cu = batch(5, 32, 8, 4, LENS, Q_LENS, dtype)
+    cache = (cache.float() * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = reference(q, cache, page_table, seq_lens, cu, 0.005, 32)
+    got = mla_extend.mla_extend(q, cache, page_table, seq_lens, cu, 0.005, 32, max(Q_LENS))
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance(dtype) * 40, rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,v,r,page_size", [(5, 32, 8, 1), (3, 16, 16, 4), (17, 32, 16, 16), (16, 32, 8, 4)])
 def test_extend_kernel_equals_the_reference(dtype, heads, v, r, page_size):
     q, cache, page_table, seq_lens, cu = batch(heads, v, r, page_size, LENS, Q_LENS, dtype)

@@ -22,7 +22,7 @@ import torch
 
 from kernels.mla import paged_mla, store_latent
 from streamer import LLM, SamplingParams
-from streamer.errors import ConfigError, ModelLoadError
+from streamer.errors import ModelLoadError
 from tests.conftest import make_tiny_model
 from tests.model.test_greedy_vs_transformers import assert_matches, prompts, run_and_compare
 from tests.oracle import _hf_model
@@ -208,10 +208,37 @@ def test_sessions_outgrowing_the_pool_keep_their_prefixes_in_the_host_tier(model
     assert host > 0 and s.host is not None and s.host.write_backs > 0 and s.host.load_backs > 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_float8_latent_cache_computes_what_a_rounded_latent_does(models, arch, monkeypatch):
+    """kv_cache_dtype "fp8": the pool holds the latent in float8 e4m3 (rounded, saturated at
+    +-448), so the answers are those of the full-precision pool holding the rounded latent
+    (store_latent rounding it first): the same greedy tokens and prompt logprobs. The
+    rounding is not nothing: the unrounded pool's logprobs differ."""
+    import streamer.model.deepseek as ds
+
+    prompts = [[5, 17, 99, 5, 17, 300, 41] * 3, list(range(100, 160))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs_from=1)
+
+    def answers(**kw):
+        with LLM(str(models[arch]), page_size=4, max_num_batched_tokens=32, **kw) as llm:
+            if kw:
+                assert llm.engine.runner.pool.k.dtype == torch.float8_e4m3fn
+            return [(o.token_ids, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+
+    fp8 = answers(kv_cache_dtype="fp8")
+    exact = answers()
+    store = ds.store_latent
+    monkeypatch.setattr(ds, "store_latent", lambda latent, cache, slots: store(
+        latent.clamp(-448, 448).to(torch.float8_e4m3fn).to(latent.dtype), cache, slots))
+    rounded = answers()
+    for (t8, l8), (tr, lr) in zip(fp8, rounded, strict=True):
+        assert t8 == tr
+        assert max(abs(a - b) for a, b in zip(l8, lr)) < 1e-5
+    assert max(abs(a - b) for (_, l8), (_, le) in zip(fp8, exact) for a, b in zip(l8, le)) > 1e-4
+
+
 def test_unsupported_settings_are_refused_by_name(models, tmp_path):
     v2, v3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
-    with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        LLM(str(models[v2]), kv_cache_dtype="fp8")
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     cases = [(v2, "norm_topk_prob", True), (v2, "topk_method", "noaux_tc"), (v3, "topk_method", "greedy"),
              (v2, "moe_layer_freq", 2), (v2, "num_key_value_heads", 2), (v2, "scoring_func", "sigmoid"),
