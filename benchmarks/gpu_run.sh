@@ -128,7 +128,8 @@ if [ "$part" = rerun ]; then
   python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_architectures.py -k "gpt_oss or oe or ixtral or cohere_qk or mlp_bias" \
       > "$OUT/rerun.log" 2>&1
   python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_deepseek.py tests/gpu/test_gpu_host_tier.py \
-      tests/kernels/test_moe_gemv.py >> "$OUT/rerun.log" 2>&1
+      tests/kernels/test_moe_gemv.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_extend.py \
+      >> "$OUT/rerun.log" 2>&1
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/rerun.log" | tail -12
 fi
 if [ "$part" = arch ]; then

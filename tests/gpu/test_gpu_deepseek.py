@@ -59,18 +59,21 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(models, arch):
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("arch", list(CONFIGS))
-def test_cuda_graphs_and_eager_give_the_same_tokens(models, arch):
+def test_cuda_graphs_and_eager_give_the_same_tokens(models, arch, kv):
     """Decode steps replayed from graphs (split-KV decode at the graph's page-table width,
     padding rows writing no latent) and prefill / mixed steps from the extend graphs (the tile
     list) against eager steps: the same tokens up to an exact tie, or a router flip to a
-    near-best token within MOE_PARTING (a padded batch may run another MoE path)."""
+    near-best token within MOE_PARTING (a padded batch may run another MoE path). With a bf16
+    latent cache and a float8 one (kv_cache_dtype "fp8")."""
     batch = prompts(8)
     shared = [p[:100] + [7, 8, 9] for p in batch[-3:]]  # (from the radix cache: a cached prefix)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20)
 
     def run(graphs: bool):
-        with LLM(str(models[arch]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, cuda_graphs=graphs) as llm:
+        with LLM(str(models[arch]), dtype="bfloat16", num_pages=4096, max_num_seqs=16, cuda_graphs=graphs,
+                 kv_cache_dtype=kv) as llm:
             runner = llm.engine.runner
             assert (runner.graphs is not None) == graphs and (runner.extend_graphs is not None) == graphs
             before = runner.extend_graphs.replays if graphs else 0
