@@ -232,6 +232,14 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"missing tensor(s) in the checkpoint: {', '.join(missing[:5])}")
         self._permute_rotary()
 
+    def fused_module(self, name: str) -> str:
+        """The module that checkpoint layer `name` loads into: q/k/v into qkv_proj, gate/up into
+        gate_up_proj (STACKED), any other into itself."""
+        for frag, (fused, _) in STACKED.items():
+            if name.endswith(f".{frag}"):
+                return name.removesuffix(frag) + fused
+        return name
+
     def loaded(self) -> None:
         """Once the weights are in (from the checkpoint or dummy values; model/loader.py):
         what the model derives from them (DeepSeek: kv_b_proj's dense matrices)."""

@@ -247,15 +247,11 @@ _EXPERT_LAYER = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_pr
 def _layer(model: Any, module: str) -> Any:
     """The model's linear layer that checkpoint layer `module` loads into (q/k/v into qkv_proj,
     gate/up into gate_up_proj; one expert's projection: its block's Experts), or None."""
-    from streamer.model.llama import STACKED
-
     if _EXPERT_LAYER.search(module) is not None:
         i = re.search(r"layers\.(\d+)\.", module)
         return None if i is None else getattr(model.layers[int(i[1])].mlp, "experts", None)
-    for frag, (fused, _) in STACKED.items():
-        module = module.replace(f".{frag}", f".{fused}") if module.endswith(f".{frag}") else module
     try:
-        return model.get_submodule(module)
+        return model.get_submodule(model.fused_module(module))
     except AttributeError:
         return None
 
