@@ -4,7 +4,7 @@
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
-#                                        | graphstep | ab)
+#                                        | graphstep | ab | moelayer | moefp8)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -349,6 +349,10 @@ if [ "$part" = graphstep ]; then
   for c in ${STEP_CASES:-5 0}; do
     python3 benchmarks/profile_gpu.py step --case "$c" --graphs --out "$OUT" 2>&1 | grep -v "it/s" | tail -48
   done
+fi
+if [ "$part" = moefp8 ]; then
+  # issue 30: the float8 grouped GEMM's tiles (W8 fp8 was 0.61x vLLM on the H100, thirtieth session)
+  python3 benchmarks/moe_layer.py --sweep --fp8 2>&1 | tee "$OUT/moe_sweep_fp8.txt" | tail -60
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60

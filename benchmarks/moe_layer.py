@@ -4,6 +4,8 @@ a CUDA graph (launch gaps as in a decode step), with the bytes each call must re
 
     python3 benchmarks/moe_layer.py [--hidden 2048 --inter 768 --experts 128 --top-k 8]
     python3 benchmarks/moe_layer.py --sweep     # the grouped GEMM's tiles by token count (default_config)
+    python3 benchmarks/moe_layer.py --sweep --fp8   # the same with float8 experts (per-row scales, as
+                                                    # --quantization fp8 makes them) and float8 tiles too
 """
 
 # ruff: noqa: B023  (each lambda is timed before the loop moves on)
@@ -13,7 +15,7 @@ import argparse
 
 import torch
 
-from kernels import moe, moe_gemv, moe_route, reference_moe
+from kernels import moe, moe_gemv, moe_route, reference, reference_moe
 
 BANDWIDTH = 4.25e12
 
@@ -53,6 +55,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--tokens", default="1,2,4,8,16,32")
     p.add_argument("--sweep", action="store_true", help="time fused_moe's tile configs at decode and prefill sizes")
+    p.add_argument("--fp8", action="store_true", help="--sweep with float8 experts (per-row scales)")
     a = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
@@ -62,7 +65,12 @@ def main() -> None:
     per_expert = 3 * h * i * 2
     print(f"H {h} I {i} E {e} k {k}: {per_expert / 1e6:.2f} MB per expert")
     if a.sweep:
-        sweep(w_gu, w_d, router, k)
+        scales = None
+        if a.fp8:  # (per expert and row, as quantization "fp8" stores them: model/moe.py Experts.quantize_fp8)
+            w_gu, s_gu = _quantize_experts(w_gu)
+            w_d, s_d = _quantize_experts(w_d)
+            scales = (s_gu, s_d)
+        sweep(w_gu, w_d, router, k, scales)
         return
     print(f"{'T':>4} {'experts hit':>11} {'floor us':>9} {'grouped us':>10} {'gemv us':>8} {'route us':>9} {'torch route us':>14}")
     for t in [int(x) for x in a.tokens.split(",")]:
@@ -104,28 +112,59 @@ SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
 }
 
 
-def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int) -> None:
+SWEEP_FP8 = {  # float8 experts: deeper K chunks too (a float8 chunk of 128 moves half a bf16 one's bytes)
+    (64, 128, 256): [(16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 256, 4, 3),
+                     (16, 64, 128, 4, 4), (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (16, 256, 128, 8, 3)],
+    (512, 1024): [(32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 4, 3),
+                  (64, 128, 128, 8, 3), (32, 128, 128, 4, 4)],
+    (4096,): [(64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3)],
+}
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> float8 [E, N, K] and fp32 scales [E, N], one per row of each expert."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        q[e], row = reference.quantize_rows_fp8(w[e])
+        s[e] = row.view(-1)
+    return q, s
+
+
+def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int,
+          scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """fused_moe (align, both GEMMs, combine) per tile config: us per call, the weights' bytes
-    rate (experts hit) and the GEMMs' TFLOP/s; '*' marks default_config's choice."""
+    rate (experts hit) and the GEMMs' TFLOP/s; '*' marks default_config's choice. scales: the
+    experts' float8 per-row scales (w_gu and w_d float8), with the float8 tile list."""
     e, two_i, h = w_gu.shape
     i = two_i // 2
-    for sizes, configs in SWEEP.items():
+    size = w_gu.element_size()
+    fp8 = {} if scales is None else {"w_gate_up_scale": scales[0], "w_down_scale": scales[1]}
+    dtype = torch.bfloat16 if scales is not None else w_gu.dtype
+    for sizes, configs in (SWEEP if scales is None else SWEEP_FP8).items():
         for t in sizes:
-            x = torch.randn(t, h, device=w_gu.device).to(w_gu.dtype)
+            x = torch.randn(t, h, device=w_gu.device).to(dtype)
             weights, ids = reference_moe.route_topk(torch.nn.functional.linear(x, router), k, True, x.dtype)
             hit = torch.unique(ids).numel()
             flops = 2 * t * k * 3 * h * i
             chosen = moe.default_config(t * k, e, h, i)
-            print(f"T {t}: {hit} experts hit, {hit * 3 * h * i * 2 / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP; default {chosen}")
-            for bm, bn, bk, nw, ns in configs:
+            print(f"T {t}: {hit} experts hit, {hit * 3 * h * i * size / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP; "
+                  f"default {chosen}")
+            for tiles in [*configs, None]:  # (None: the default, also where the list lacks it)
+                if tiles is None:
+                    if chosen in [moe.MoeConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
+                                                num_stages=c[4]) for c in configs]:
+                        continue
+                    tiles = (chosen.block_m, chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages)
+                bm, bn, bk, nw, ns = tiles
                 cfg = moe.MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 try:
-                    us = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids, config=cfg), iters=5)
+                    us = time_us(lambda: moe.fused_moe(x, w_gu, w_d, weights, ids, config=cfg, **fp8), iters=5)
                 except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory
                     print(f"   {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {type(ex).__name__}")
                     continue
                 mark = "*" if cfg == chosen else " "
-                print(f" {mark} {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {us:9.1f} us  {hit * 3 * h * i * 2 / us / 1e6:6.2f} TB/s"
+                print(f" {mark} {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {us:9.1f} us  {hit * 3 * h * i * size / us / 1e6:6.2f} TB/s"
                       f"  {flops / us / 1e6:6.1f} TFLOP/s")
 
 
