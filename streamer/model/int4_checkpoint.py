@@ -27,8 +27,10 @@ rows along N so that the parts of a fused q/k/v or gate/up layer each fill their
 (scales and zeros concatenate along N; all parts share K and G). The LM head, embeddings and
 norms stay in the model's dtype. Refused by name: other bits, methods' variants and fields
 this module does not know, quantized LM heads, int4 experts of a mixture of experts,
-quantization "fp8" on top, models that permute q/k rows after loading (partial rotary,
-Cohere), layers whose shape the format cannot pack.
+quantization "fp8" on top, DeepSeek's latent attention (its interleaved rotary reorders
+projections after loading), layers whose shape the format cannot pack. A model that permutes
+its q/k rows after loading (partial rotary, Cohere's interleaved pairs) permutes the int4
+layer's rows with them (`Int4Linear.permute_rows`).
 """
 
 from __future__ import annotations
@@ -229,9 +231,9 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
                 if scheme.quantized(expert):
                     raise refuse(source, f"quantizes the experts of {name_of} to int4 ({scheme.method}): int4 "
                                  "experts are not implemented")
-    if model.rotary_permutation() is not None or getattr(model, "rope_interleaved", False):
-        raise refuse(source, f"int4 weights in {name_of}, whose q/k rows are permuted after loading (partial or "
-                     "interleaved rotary), are not implemented")
+    if getattr(model, "rope_interleaved", False):
+        raise refuse(source, f"int4 weights in {name_of}, whose latent attention's projections are reordered "
+                     "after loading (interleaved rotary), are not implemented")
     quantized: set[str] = set()
     for name, m, names in quantized_linears(model, scheme, source):
         if type(m) is not Linear:

@@ -60,6 +60,15 @@ class Int4Linear(nn.Module):
         self.bias = linear.bias
         self.perm: torch.Tensor | None = None
 
+    def permute_rows(self, perm: torch.Tensor) -> None:
+        """Output row r becomes the old row perm[r] (Linear.permute_rows: a model's rotary
+        reordering of its q/k rows): every tensor of the layout has a row per output, so each
+        takes the order (g_idx and perm order K, which stays)."""
+        perm = perm.to(self.weight.device)
+        for t in (self.weight, self.weight_scale, self.weight_zero, self.bias):
+            if t is not None:
+                t.data.copy_(t.data[perm].clone())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)

@@ -203,6 +203,23 @@ def test_qwen2_awq_with_qkv_biases(tmp_path):
         assert o.token_ids == want.tolist()
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_cohere_int4_rows_follow_the_rotary_reordering(tmp_path, fmt):
+    """Cohere rotates interleaved pairs: the loader reorders each q/k head's rows after loading,
+    and the int4 layer's packed rows, scales and zeros move with them (Int4Linear.permute_rows).
+    Greedy output is transformers' on the checkpoint's dequantized weights."""
+    tiny = make_tiny_model(tmp_path / "cohere", "CohereForCausalLM", None, **SHAPES)
+    path, deq = quantize_checkpoint(tiny, tmp_path / fmt, fmt, 32)
+    hf = hf_dequantized(tiny, deq)
+    with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
+        assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, Int4Linear)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for p, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+        assert o.token_ids == want.tolist()
+
+
 def with_config(tiny: Path, dst: Path, qc: dict, arch_overrides: dict | None = None) -> Path:
     shutil.copytree(tiny, dst)
     cfg = json.loads((dst / "config.json").read_text())
