@@ -13,7 +13,9 @@ released the GPU.
 
 Weights are random of the real shapes (dummy), EOS is ignored, so every request
 produces exactly its output length. Each figure comes with the floor: the bytes
-that must move over the measured 4.25 TB/s, or the FLOPs over ~800 TFLOP/s.
+that must move over this card's device-to-device copy bandwidth (measured before the engine
+starts: 4.25 TB/s on the H200), or the FLOPs over ~800 TFLOP/s. Off a GPU the H200's figure
+stands in (the floor is then the H200's).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from streamer.bench.peers import CONFIGS, run_peer, run_vllm_peer
 
-BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on the H200
+BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (off a GPU: `bandwidth`)
 FLOPS = 800e12
 MAX_NUM_SEQS = 256
 
@@ -114,8 +116,35 @@ def batch1_bytes(llm: Any) -> int:
     return wbytes
 
 
-def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
-    """Lower bound: max(bytes / bandwidth, flops / peak). Weights are read once per
+_bandwidths: dict[int, float] = {}
+
+
+def bandwidth(device: str = "cuda") -> float:
+    """Bytes per second a device-to-device copy moves on this GPU (read plus written; measured
+    once per process, 1 GiB copied 20 times after a warm-up), or BANDWIDTH off a GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or not device.startswith("cuda"):
+        return BANDWIDTH
+    index = torch.device(device).index or 0
+    if index not in _bandwidths:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=f"cuda:{index}")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        _bandwidths[index] = 2 * 20 * src.numel() / (start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+    return _bandwidths[index]
+
+
+def floor_seconds(llm: Any, w: Workload, concurrency: int, bytes_per_s: float = BANDWIDTH) -> float:
+    """Lower bound: max(bytes / bytes_per_s, flops / peak). Weights are read once per
     decode step; KV of every earlier token is read once per new token."""
     wbytes, params = model_bytes_and_params(llm)
     cfg = llm.engine.runner.hf_config
@@ -128,7 +157,7 @@ def floor_seconds(llm: Any, w: Workload, concurrency: int) -> float:
     total_out = sum(w.outputs)
     steps = max(max(w.outputs), total_out / max(concurrency, 1))
     kv = sum(kv_per_token * (len(p) * o + o * (o - 1) / 2) for p, o in zip(w.prompts, w.outputs))
-    mem = (steps * wbytes + kv) / BANDWIDTH
+    mem = (steps * wbytes + kv) / bytes_per_s
     # float8 tensor cores run twice the bf16 FLOPs (the LM head stays bf16: a small share)
     peak = FLOPS * (2 if llm.engine.runner.config.quantization == "fp8" else 1)
     flops = 2 * params * sum(len(p) + o for p, o in zip(w.prompts, w.outputs)) / peak
@@ -217,6 +246,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
     )
+    bw = bandwidth()  # (before the engine takes the memory)
     llm = LLM(str(model_dir), **common)
     try:
         warm_up(llm, cfg["vocab_size"])
@@ -228,10 +258,11 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         if name == "W2":
             res.ms_per_output_token = 1e3 * (last[0] - first[0]) / (w.outputs[0] - 1)
             res.extra["ttft_ms"] = 1e3 * (dt - (last[0] - first[0]))
-        res.floor_seconds = floor_seconds(llm, w, max_num_seqs)
+        res.floor_seconds = floor_seconds(llm, w, max_num_seqs, bw)
         res.floor_fraction = res.floor_seconds / dt
+        res.extra["bandwidth_tb_s"] = bw / 1e12
         if name == "W2" and res.ms_per_output_token:
-            res.extra["floor_ms_per_token"] = 1e3 * batch1_bytes(llm) / BANDWIDTH
+            res.extra["floor_ms_per_token"] = 1e3 * batch1_bytes(llm) / bw
             res.floor_fraction = res.extra["floor_ms_per_token"] / res.ms_per_output_token
         res.extra["engine_stats"] = {k: getattr(stats, k) for k in ("preemptions", "steps", "mean_batch_size", "max_batch_size")}
         # where the wall time went: device computing, device waiting for the host with work in flight
@@ -301,6 +332,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def print_table(results: list[Result]) -> None:
+    rates = sorted({r.extra["bandwidth_tb_s"] for r in results if "bandwidth_tb_s" in r.extra})
+    if rates:
+        print("floor% against " + ", ".join(f"{b:.2f}" for b in rates) + " TB/s of copy bandwidth (this GPU's, "
+              "measured; the H200's off a GPU)")
     print(f"{'workload':8} {'reqs':>5} {'out tok/s':>10} {'ms/tok':>7} {'floor%':>7} {'peer tok/s':>10} {'ratio':>6}")
     for r in results:
         peer = r.peer.get("output_tokens_per_s")

@@ -140,3 +140,20 @@ def test_the_peer_takes_only_benchmark_shapes(tmp_path):
     with pytest.raises(ValueError, match="shape of"):
         peers.run_vllm_peer(args, "W2")
 
+
+
+def test_the_floor_is_this_devices_copy_bandwidth():
+    """Off a GPU the floor is the H200's (4.25 TB/s, as measured there); the table says which rate
+    its floor% divides by."""
+    import contextlib
+    import io
+
+    from streamer.bench import offline
+
+    assert offline.bandwidth() == offline.BANDWIDTH == 4.25e12
+    res = offline.Result("W2", 1, 256, 1.0, 256.0, ms_per_output_token=4.2, floor_fraction=0.9)
+    res.extra["bandwidth_tb_s"] = 3.3
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        offline.print_table([res])
+    assert out.getvalue().splitlines()[0].startswith("floor% against 3.30 TB/s of copy bandwidth")
