@@ -43,13 +43,8 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
-from streamer.model.fp8_checkpoint import (
-    CT_ARGS_FIELDS,
-    _ct_matches,
-    ct_group,
-    quantized_linears,
-    refuse,
-)
+from streamer.model.fp8_checkpoint import quantized_linears
+from streamer.model.fp8_config import CT_ARGS_FIELDS, _ct_matches, ct_group, refuse
 from streamer.model.int4_linear import Int4Linear, pack, unpack
 from streamer.model.layers import Linear
 from streamer.model.llama import LlamaForCausalLM
@@ -106,7 +101,7 @@ class Int4Scheme:
 
 def scheme_of(hf_config: Any, source: str, requested: str | None) -> Int4Scheme | None:
     """The checkpoint's int4 scheme; None where its quantization_config (if any) is no int4
-    method's, for fp8_checkpoint.read_scheme to read or refuse."""
+    method's, for fp8_config.read_scheme to read or refuse."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None

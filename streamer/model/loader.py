@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from streamer.errors import ModelLoadError
-from streamer.model import fp8_checkpoint, int4_checkpoint
+from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
 from streamer.model.llama import LlamaForCausalLM
@@ -162,7 +162,7 @@ def load_model(
     hf_config = load_hf_config(path)
     source = str(path / "config.json")
     scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
-        or fp8_checkpoint.read_scheme(hf_config, source, quantization)
+        or fp8_config.read_scheme(hf_config, source, quantization)
     archs = getattr(hf_config, "architectures", None)
     cls = model_class(archs, str(path / "config.json"))
     if draft_head is not None and cls is LlamaForCausalLM:

@@ -207,7 +207,7 @@ def test_on_cuda_a_bk_no_kernel_tile_divides_is_dequantized_at_load(moe_models, 
     in (prepared for a CUDA device here, loaded on CPU tensors); elsewhere they stay float8."""
     from types import SimpleNamespace
 
-    from streamer.model import fp8_checkpoint
+    from streamer.model import fp8_checkpoint, fp8_config
     from streamer.model.loader import iter_safetensors
     from tests.kernels.test_moe_block_fp8 import block_quantize
 
@@ -220,7 +220,7 @@ def test_on_cuda_a_bk_no_kernel_tile_divides_is_dequantized_at_load(moe_models, 
     path = write(moe_models["qwen3_moe"], tmp_path / "b8", qconfig, blocks_32x8, "weight_scale_inv",
                  which=lambda n, t: quantized(n, t) and ".experts." in n)
     assert load_model(path)[0].layers[1].mlp.experts.down_proj.dtype == FP8  # (on CPU: as stored)
-    scheme = fp8_checkpoint.read_scheme(SimpleNamespace(quantization_config=qconfig), "config.json", None)
+    scheme = fp8_config.read_scheme(SimpleNamespace(quantization_config=qconfig), "config.json", None)
     assert scheme is not None
     model, _ = load_model(moe_models["qwen3_moe"])
     names = fp8_checkpoint.prepare(model, scheme, torch.device("cuda"), "config.json")
