@@ -104,11 +104,6 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
         if stacked == "gate_up_proj":  # [E, gate | up, H]
             return torch.cat([t[:, first : first + n], t[:, inter + first : inter + first + n]], dim=1)
         return t[:, :, first : first + n]  # down_proj [E, H, I]
-    sizes: dict[str, int] = getattr(model, "tp_head_sizes", {})
-    proj = re.search(r"\.self_attn\.(\w+)\.weight$", name)
-    if proj is not None and proj[1] in sizes:  # projections of other per-head sizes (latent attention's)
-        size = sizes[proj[1]]
-        return _take(t, 1 if proj[1] == "o_proj" else 0, q0 * size, q * size)
     if ".self_attn.qkv_proj." in name:  # a fused checkpoint tensor (Phi-3): [q | k | v] rows
         q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         return torch.cat([_take(t, 0, q0 * hd, q * hd), _take(t, 0, q_rows + kv0 * hd, kv * hd),
@@ -119,23 +114,14 @@ def checkpoint_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
     if name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")) and len(_shape(t)) == 2:
         # a weight per head (Command R+'s [heads, head_dim]): this rank's heads
         return _take(t, 0, q0, q) if ".q_norm." in name else _take(t, 0, kv0, kv)
-    if ".self_attn.q_proj." in name:
-        return _take(t, 0, q0 * hd, q * hd)
-    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-        return _take(t, 0, kv0 * hd, kv * hd)
-    if ".mlp.shared_expert." in name or ".mlp.shared_experts." in name:  # a dense MLP of its own size
-        first, n = group.split(model.shared_intermediate())
-        return _take(t, 1, first, n) if ".down_proj." in name else _take(t, 0, first, n)
-    if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-        return _take(t, 0, *group.split(cfg.intermediate_size))
-    row_parallel = ".self_attn.o_proj." in name or ".mlp.down_proj." in name
-    if row_parallel and name.endswith(".bias"):
-        whole = t[:]
-        return whole if group.rank == 0 else torch.zeros_like(whole)
-    if ".self_attn.o_proj." in name:
-        return _take(t, 1, q0 * hd, q * hd)
-    if ".mlp.down_proj." in name:
-        return _take(t, 1, *group.split(cfg.intermediate_size))
+    module, _, leaf = name.rpartition(".")
+    split = linear_split(group, model, module)
+    if split is not None:  # a split linear layer: its weight's rows or columns, a bias with its rows
+        axis, first, n = split
+        if axis == 1 and leaf == "bias":  # (a row-parallel layer's bias: rank 0's alone)
+            whole = t[:]
+            return whole if group.rank == 0 else torch.zeros_like(whole)
+        return _take(t, axis, first, n)
     if name in ("embed_tokens.weight", "lm_head.weight"):
         first, rows, held = group.vocab(_shape(t)[0])
         part = _take(t, 0, first, held)
