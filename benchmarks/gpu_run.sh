@@ -352,7 +352,10 @@ if [ "$part" = graphstep ]; then
 fi
 if [ "$part" = moefp8 ]; then
   # issue 30: the float8 grouped GEMM's tiles (W8 fp8 was 0.61x vLLM on the H100, thirtieth session)
-  python3 benchmarks/moe_layer.py --sweep --fp8 2>&1 | tee "$OUT/moe_sweep_fp8.txt" | tail -60
+  # --write: the fastest tiles per bucket into /tmp/moe_tiles.json (kept while the machine is warm) and $OUT,
+  # for a following call's STREAMER_MOE_TILES=/tmp/moe_tiles.json (then kernels/moe_tiles/<card>.json)
+  python3 benchmarks/moe_layer.py --sweep --fp8 --write /tmp/moe_tiles.json 2>&1 | tee "$OUT/moe_sweep_fp8.txt" | tail -70
+  cp /tmp/moe_tiles.json "$OUT/"
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60

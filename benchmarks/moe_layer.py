@@ -12,10 +12,12 @@ a CUDA graph (launch gaps as in a decode step), with the bytes each call must re
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from kernels import moe, moe_gemv, moe_route, reference, reference_moe
+from kernels import moe, moe_gemv, moe_route, moe_tiles, reference, reference_moe
 
 BANDWIDTH = 4.25e12
 
@@ -56,6 +58,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32")
     p.add_argument("--sweep", action="store_true", help="time fused_moe's tile configs at decode and prefill sizes")
     p.add_argument("--fp8", action="store_true", help="--sweep with float8 experts (per-row scales)")
+    p.add_argument("--write", type=Path, help="--sweep: merge the fastest tiles per bucket of rows per expert "
+                   "into this table (kernels/moe_tiles.py; e.g. kernels/moe_tiles/<card>.json)")
     a = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
@@ -70,7 +74,11 @@ def main() -> None:
             w_gu, s_gu = _quantize_experts(w_gu)
             w_d, s_d = _quantize_experts(w_d)
             scales = (s_gu, s_d)
-        sweep(w_gu, w_d, router, k, scales)
+        best = sweep(w_gu, w_d, router, k, scales)
+        if a.write:
+            name = torch.cuda.get_device_name(dev)
+            moe_tiles.write(a.write, name, "fp8" if a.fp8 else "bf16", best)
+            print(f"wrote {a.write} ({name}): {best}")
         return
     print(f"{'T':>4} {'experts hit':>11} {'floor us':>9} {'grouped us':>10} {'gemv us':>8} {'route us':>9} {'torch route us':>14}")
     for t in [int(x) for x in a.tokens.split(",")]:
@@ -114,10 +122,13 @@ SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
 
 SWEEP_FP8 = {  # float8 experts: deeper K chunks too (a float8 chunk of 128 moves half a bf16 one's bytes)
     (64, 128, 256): [(16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 256, 4, 3),
-                     (16, 64, 128, 4, 4), (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (16, 256, 128, 8, 3)],
+                     (16, 64, 128, 4, 4), (16, 64, 256, 4, 4), (16, 64, 256, 4, 5), (16, 32, 256, 4, 4),
+                     (16, 128, 256, 8, 3), (16, 64, 512, 4, 3), (32, 64, 128, 4, 3), (32, 64, 256, 4, 3),
+                     (32, 128, 128, 4, 3), (16, 256, 128, 8, 3)],
     (512, 1024): [(32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 4, 3),
-                  (64, 128, 128, 8, 3), (32, 128, 128, 4, 4)],
-    (4096,): [(64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3)],
+                  (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 64, 256, 4, 3), (32, 64, 256, 4, 3)],
+    (4096,): [(64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3),
+              (128, 256, 128, 8, 3), (64, 128, 128, 4, 4)],
 }
 
 
@@ -132,22 +143,28 @@ def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int,
-          scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+          scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int | None, tuple[int, ...]]:
     """fused_moe (align, both GEMMs, combine) per tile config: us per call, the weights' bytes
     rate (experts hit) and the GEMMs' TFLOP/s; '*' marks default_config's choice. scales: the
-    experts' float8 per-row scales (w_gu and w_d float8), with the float8 tile list."""
+    experts' float8 per-row scales (w_gu and w_d float8), with the float8 tile list.
+    Returns the fastest tiles per bucket of mean rows per expert (moe_tiles.BUCKETS): the least
+    mean of each token count's time over its best time, among tiles timed at all the bucket's
+    token counts."""
     e, two_i, h = w_gu.shape
     i = two_i // 2
     size = w_gu.element_size()
     fp8 = {} if scales is None else {"w_gate_up_scale": scales[0], "w_down_scale": scales[1]}
     dtype = torch.bfloat16 if scales is not None else w_gu.dtype
+    rel: dict[int | None, dict[tuple[int, ...], list[float]]] = defaultdict(lambda: defaultdict(list))
+    counts: dict[int | None, int] = defaultdict(int)
     for sizes, configs in (SWEEP if scales is None else SWEEP_FP8).items():
         for t in sizes:
+            times: dict[tuple[int, ...], float] = {}
             x = torch.randn(t, h, device=w_gu.device).to(dtype)
             weights, ids = reference_moe.route_topk(torch.nn.functional.linear(x, router), k, True, x.dtype)
             hit = torch.unique(ids).numel()
             flops = 2 * t * k * 3 * h * i
-            chosen = moe.default_config(t * k, e, h, i)
+            chosen = moe.default_config(t * k, e, h, i, scales is not None)
             print(f"T {t}: {hit} experts hit, {hit * 3 * h * i * size / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP; "
                   f"default {chosen}")
             for tiles in [*configs, None]:  # (None: the default, also where the list lacks it)
@@ -163,9 +180,16 @@ def sweep(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int,
                 except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory
                     print(f"   {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {type(ex).__name__}")
                     continue
+                times[tiles] = us
                 mark = "*" if cfg == chosen else " "
                 print(f" {mark} {bm:4d} {bn:4d} {bk:4d} w{nw} s{ns}: {us:9.1f} us  {hit * 3 * h * i * size / us / 1e6:6.2f} TB/s"
                       f"  {flops / us / 1e6:6.1f} TFLOP/s")
+            b = moe_tiles.bucket(t * k / e)
+            counts[b] += 1
+            for tiles, us in times.items():
+                rel[b][tiles].append(us / min(times.values()))
+    return {b: min((c for c in rel[b] if len(rel[b][c]) == counts[b]), key=lambda c: sum(rel[b][c]))
+            for b in rel}
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from kernels import moe_tiles, reference
 from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
@@ -66,14 +66,20 @@ class MoeConfig:
             assert b >= 16 and b & (b - 1) == 0, "block sizes are powers of two >= 16"
 
 
-def default_config(pairs: int, experts: int, hidden: int, inter: int) -> MoeConfig:
-    """Tiles by the mean rows per expert, as measured on the H200 for the Qwen3-30B-A3B layer
+def default_config(pairs: int, experts: int, hidden: int, inter: int, fp8: bool = False,
+                   device: torch.device | None = None) -> MoeConfig:
+    """The tiles measured for this card and the experts' dtype (kernels/moe_tiles.py) where a
+    table exists, else by the mean rows per expert, as measured on the H200 for the Qwen3-30B-A3B layer
     (benchmarks/moe_layer.py --sweep, 2026-12-03): decode (<= 16 rows each, every expert's
     weights streamed once) 16 x 64 with 128-deep chunks, 2-4% faster than 64-deep; up to 128
     rows 64 x 64 x 64 (T 512: 7%, T 1,024: 17% faster than 32-row blocks); prefill 64 x 256 x
     64 with 8 warps (T 4,096 and 16,384: 15% faster than 64 x 64). Cut down for tiny shapes."""
     mean = pairs / max(experts, 1)
-    if mean <= 16:
+    tiles = moe_tiles.tuned(device, fp8, mean) if device is not None else None
+    if tiles is not None:
+        bm, bn, bk, nw, ns = tiles
+        cfg = MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    elif mean <= 16:
         cfg = MoeConfig(block_m=16, block_n=64, block_k=128)
     elif mean <= 128:
         cfg = MoeConfig(block_m=64, block_n=64, block_k=64)
@@ -308,7 +314,7 @@ def fused_moe(
     pairs = t * topk
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(pairs, experts, hidden, inter)
+    cfg = config or default_config(pairs, experts, hidden, inter, w_gate_up_scale is not None, x.device)
     out_dtype = x.dtype
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
