@@ -231,6 +231,18 @@ def route_topk(
     return reference_moe.route_topk(logits, top_k, renormalize, round_to)
 
 
+def fused_moe_int4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   down: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: tuple[int, int], topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """fused_moe with int4 experts (kernels/moe_int4.py: (qweight, scales, zeros) stacked per
+    projection, `groups` columns per scale of each): the dequantized experts' reference semantics."""
+    from kernels import moe_int4
+
+    if _triton(x):
+        return moe_int4.fused_moe_int4(x, gate_up, down, groups, topk_weights, topk_ids, activation)
+    return moe_int4.reference(x, gate_up, down, groups, topk_weights, topk_ids, activation)
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                 per_row: bool = False) -> torch.Tensor:
     """W4A16: x @ W^T with W in kernels/int4.py's layout (per_row: each row as decode's one)."""

@@ -213,6 +213,8 @@ class SoftmaxSharedMoE(SparseMoE):
 class DeepseekV2ForCausalLM(MoEForCausalLM):
     """head_dim is qk_rope_head_dim (the config's own: the rotary table's width)."""
 
+    int4_experts = False  # (its load_expert is its own: int4 experts of DeepSeek are not implemented)
+
     experts_field = "n_routed_experts"
     rope_interleaved = True
 

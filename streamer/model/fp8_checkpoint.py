@@ -40,10 +40,11 @@ from torch import nn
 
 from streamer.errors import ModelLoadError
 from streamer.model import quant
+from streamer.model.experts import Experts
 from streamer.model.fp8_config import Fp8Scheme, refuse
 from streamer.model.layers import Linear
 from streamer.model.llama import STACKED, LlamaForCausalLM
-from streamer.model.moe import Experts, MoEForCausalLM
+from streamer.model.moe import MoEForCausalLM
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn

@@ -33,9 +33,10 @@ from torch import nn
 
 from kernels import ops
 from streamer.errors import ModelLoadError
+from streamer.model.experts import Experts
 from streamer.model.layers import Attention
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.moe import Experts, MoEForCausalLM
+from streamer.model.moe import MoEForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(MoEForCausalLM):
     experts_field = "num_local_experts"
     intermediate_field = "intermediate_size"
+    int4_experts = False  # (its experts are stored stacked, not one tensor per expert: model/int4_checkpoint.py)
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
         super().__init__(cfg, max_positions)

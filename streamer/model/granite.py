@@ -38,6 +38,8 @@ class GraniteMoeForCausalLM(GraniteForCausalLM, MoEForCausalLM):
     transformers 5.24's own names (experts.gate_up_proj, experts.down_proj, router.weight)
     load too."""
 
+    int4_experts = False  # (its experts are stored stacked, not one tensor per expert: model/int4_checkpoint.py)
+
     experts_field = "num_local_experts"
     intermediate_field = "intermediate_size"
 

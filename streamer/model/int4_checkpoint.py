@@ -25,8 +25,11 @@ loaders that repack each format) holding kernels/int4.py's one layout
 (`qweight` [N, K / 8] packed along K in order, scales in the model's dtype, zeros uint8),
 rows along N so that the parts of a fused q/k/v or gate/up layer each fill their row range
 (scales and zeros concatenate along N; all parts share K and G). The LM head, embeddings and
-norms stay in the model's dtype. Refused by name: other bits, methods' variants and fields
-this module does not know, quantized LM heads, int4 experts of a mixture of experts,
+norms stay in the model's dtype. The experts of a mixture of experts (one tensor per expert and
+projection in these checkpoints) go into one stacked layout of the same kind (model/moe.py
+Experts.expect_int4, kernels/moe_int4.py). Refused by name: other bits, methods' variants and fields
+this module does not know, quantized LM heads, int4 experts of architectures that store their experts
+otherwise (gpt-oss, DeepSeek, Granite MoE) or under tensor parallelism or with an act order,
 quantization "fp8" on top, DeepSeek's latent attention (its interleaved rotary reorders
 projections after loading), layers whose shape the format cannot pack. A model that permutes
 its q/k rows after loading (partial rotary, Cohere's interleaved pairs) permutes the int4
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
+from streamer.model.experts import Experts
 from streamer.model.fp8_checkpoint import quantized_linears
 from streamer.model.fp8_config import CT_ARGS_FIELDS, _ct_matches, ct_group, refuse
 from streamer.model.int4_linear import Int4Linear, pack, unpack
@@ -219,17 +223,12 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
     """Replace each linear layer the checkpoint stores as int4 by an Int4Linear awaiting its
     tensors. Returns those layers' transformers names."""
     name_of = type(model).__name__
+    quantized: set[str] = set()
     if isinstance(model, MoEForCausalLM):
-        for i, layer in enumerate(model.layers):
-            if getattr(layer.mlp, "experts", None) is not None:
-                expert = f"model.layers.{i}.{model.legacy_block}.experts.0.{model.expert_names[0]}"
-                if scheme.quantized(expert):
-                    raise refuse(source, f"quantizes the experts of {name_of} to int4 ({scheme.method}): int4 "
-                                 "experts are not implemented")
+        quantized |= _prepare_experts(model, scheme, device, source)
     if getattr(model, "rope_interleaved", False):
         raise refuse(source, f"int4 weights in {name_of}, whose latent attention's projections are reordered "
                      "after loading (interleaved rotary), are not implemented")
-    quantized: set[str] = set()
     for name, m, names in quantized_linears(model, scheme, source):
         if type(m) is not Linear:
             raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
@@ -242,6 +241,41 @@ def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, s
                          "8 for AWQ and GPTQ)")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(m, scheme, device))
+        quantized.update(names)
+    return quantized
+
+
+def _prepare_experts(model: MoEForCausalLM, scheme: Int4Scheme, device: torch.device, source: str) -> set[str]:
+    """The sparse layers whose experts the checkpoint stores as int4, made to expect them
+    (Experts.expect_int4: one stacked layout, each expert's projections repacked into it as they
+    load). Returns the experts' projections' transformers names."""
+    name_of = type(model).__name__
+    quantized: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is None:
+            continue
+        names = [f"model.layers.{i}.{model.legacy_block}.experts.{e}.{p}" for e in range(model.num_experts())
+                 for p in model.expert_names]
+        int4 = [scheme.quantized(n) for n in names]
+        if not any(int4):
+            continue
+        if not model.int4_experts:
+            raise refuse(source, f"quantizes the experts of {name_of} to int4 ({scheme.method}): int4 experts of "
+                         "this architecture are not implemented")
+        if not all(int4):
+            raise refuse(source, f"quantizes some experts of layer {i} to int4 and not others: not implemented")
+        if tensor_parallel() is not None:
+            raise refuse(source, "int4 experts under tensor parallelism are not implemented (tensor_parallel_size "
+                         "must be 1 for this checkpoint)")
+        hidden, inter = ex.down_proj.shape[1], ex.down_proj.shape[2]
+        for k in (hidden, inter):
+            group = k if scheme.group == -1 else scheme.group
+            if k % group or group % 16 or hidden % 8 or inter % 8:
+                raise refuse(source, f"quantizes experts of hidden size {hidden} and intermediate size {inter} with "
+                             f"group_size {scheme.group}; int4 experts need both multiples of the group size, itself "
+                             "of 16 (and of 8)")
+        ex.expect_int4(scheme, device)
         quantized.update(names)
     return quantized
 
@@ -294,6 +328,15 @@ def _order_groups(m: Int4Linear, name: str) -> None:
 def fill_dummy(model: nn.Module, gen: torch.Generator) -> None:
     """load_format "dummy": random int4 values, zeros 8, scales that give W about N(0, 0.02)."""
     for m in model.modules():
+        if isinstance(m, Experts) and m.int4 is not None:
+            assert m.gate_up_proj_scale is not None and m.down_proj_scale is not None
+            assert m.gate_up_proj_zero is not None and m.down_proj_zero is not None
+            for t in (m.gate_up_proj, m.down_proj):
+                t.data.random_(generator=gen)
+            for t in (m.gate_up_proj_scale, m.down_proj_scale):
+                t.fill_(0.005)
+            for t in (m.gate_up_proj_zero, m.down_proj_zero):
+                t.fill_(8)
         if isinstance(m, Int4Linear):
             m.weight.data.random_(generator=gen)  # (every bit pattern is a valid word of 8 values)
             m.weight_scale.data.fill_(0.005)

@@ -20,9 +20,9 @@ import torch
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
+from streamer.model.experts import Experts
 from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.moe import Experts
 from streamer.model.registry import HEADS, model_class
 from streamer.model.rope import default_dtype, longrope_note
 from streamer.model.tp_group import current as tensor_parallel

@@ -35,12 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
-from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
-from streamer.model.layers import MLP, RMSNorm, weight_device
+from streamer.model.experts import Experts
+from streamer.model.layers import MLP, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
-from streamer.model.quant import dequantize_blocks
-from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
 FUSED_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -51,64 +49,6 @@ class Router(nn.Module):
     def __init__(self, hidden: int, experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
-
-
-class Experts(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, experts: int) -> None:
-        super().__init__()
-        device = weight_device()  # (meta while a quantized checkpoint's model is built: layers.py)
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden, device=device))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate, device=device))
-        # float8 experts (quantize_fp8): one fp32 scale per output row of each expert
-        self.gate_up_proj_scale: torch.Tensor | None
-        self.down_proj_scale: torch.Tensor | None
-        self.register_buffer("gate_up_proj_scale", None, persistent=False)
-        self.register_buffer("down_proj_scale", None, persistent=False)
-        self.block: tuple[int, int] | None = None
-        """A block-scaled float8 checkpoint's [bn, bk] (expect_fp8): the experts float8 as stored, their
-        scales block grids (kernels.reference_moe.fused_moe's layout: gate_up_proj_scale [E, 2 * ceil(I / bn),
-        ceil(H / bk)], the gate's block rows then the up's; down_proj_scale [E, ceil(H / bn), ceil(I / bk)])."""
-        self.dequantized_block: tuple[int, int] | None = None
-        """A block-scaled float8 checkpoint's [bn, bk] that the kernels cannot take (model/fp8_checkpoint.py
-        says which): its experts are dequantized into the model's dtype as they load."""
-        self.pending: dict[str, tuple[str, torch.Tensor]] = {}
-        """Dequantized block-scaled projections whose weight or scale has come, waiting for the other."""
-
-    def expect_fp8(self, device: torch.device, block: tuple[int, int] | None = None) -> None:
-        """Empty float8 experts and scales, for a float8 checkpoint to fill (load_expert): one
-        scale per row, or with `block` the block grids (Experts.block). The scales start NaN,
-        so one the checkpoint lacks cannot pass for a real one."""
-        self.block = block
-        inter = self.down_proj.shape[2]
-        for name in ("gate_up_proj", "down_proj"):
-            w = getattr(self, name)
-            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=device),
-                                             requires_grad=False))
-            shape: tuple[int, ...] = tuple(w.shape[:2])
-            if block is not None:
-                bn, bk = block
-                rows = 2 * -(-inter // bn) if name == "gate_up_proj" else -(-w.shape[1] // bn)
-                shape = (w.shape[0], rows, -(-w.shape[2] // bk))
-            self.register_buffer(f"{name}_scale", torch.full(shape, float("nan"), device=device),
-                                 persistent=False)
-
-    def quantize_fp8(self, split_rows: TPGroup | None = None) -> None:
-        """Each expert's rows to float8 with their scales, as Linear.quantize_fp8 (quantization
-        "fp8"); one expert at a time, so the extra memory is one expert's float32 copy.
-        split_rows: the tensor-parallel group (down_proj's rows are split over its ranks)."""
-        for name in ("gate_up_proj", "down_proj"):
-            w = getattr(self, name).data
-            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
-            row_max = None
-            if split_rows is not None and name == "down_proj":  # (one collective for all experts)
-                row_max = torch.stack([w[e].abs().amax(-1, keepdim=True).float() for e in range(w.shape[0])])
-                split_rows.all_reduce_max(row_max)
-            for e in range(w.shape[0]):
-                q[e], s = quantize_rows_fp8(w[e], None if row_max is None else row_max[e])
-                scale[e] = s.view(-1)
-            setattr(self, name, nn.Parameter(q, requires_grad=False))
-            self.register_buffer(f"{name}_scale", scale, persistent=False)
 
 
 class SparseMoE(nn.Module):
@@ -152,6 +92,13 @@ class SparseMoE(nn.Module):
     def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for routed rows x (the block's output)."""
         ex = self.experts
+        if ex.int4 is not None:
+            assert ex.gate_up_proj_scale is not None and ex.down_proj_scale is not None
+            assert ex.gate_up_proj_zero is not None and ex.down_proj_zero is not None
+            out = ops.fused_moe_int4(x, (ex.gate_up_proj, ex.gate_up_proj_scale, ex.gate_up_proj_zero),
+                                     (ex.down_proj, ex.down_proj_scale, ex.down_proj_zero), ex.int4_groups, weights,
+                                     ids, self.activation)
+            return out if self.tp is None else self.tp.all_reduce(out)
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -185,6 +132,9 @@ class MoEForCausalLM(LlamaForCausalLM):
     weights_in_hidden_dtype = True
     shared_expert = False
     """Whether each sparse layer also has a gated shared expert (SharedExpertMoE)."""
+    int4_experts = True
+    """Whether an int4 checkpoint's per-expert projections load into Experts.expect_int4's layout
+    (model/int4_checkpoint.py; False where the experts are stored or computed otherwise)."""
 
     @property
     def cuda_graphs_ok(self) -> bool:
@@ -232,7 +182,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         block: Any = self.layers[i].mlp
         gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
         experts = range(self.num_experts())
-        inter = down.shape[2]
+        inter = gate_up.shape[1] // 2
         if rest.startswith("gate.") and hasattr(block.gate, rest.removeprefix("gate.")):  # the router's
             target, names = getattr(block.gate, rest.removeprefix("gate.")).data, {f"layers.{i}.{self.legacy_block}.{rest}"}
         elif rest == "experts.gate_up_proj":
@@ -240,17 +190,22 @@ class MoEForCausalLM(LlamaForCausalLM):
         elif rest == "experts.down_proj":
             target, names = down, {self._legacy(i, e, 2) for e in experts}
         else:
-            em = re.fullmatch(r"experts\.(\d+)\.(\w+)\.(weight|weight_scale)", rest)
+            int4 = block.experts.int4 is not None
+            leaves = "|".join(block.experts.int4_leaves()) if int4 else "weight|weight_scale"
+            em = re.fullmatch(rf"experts\.(\d+)\.(\w+)\.({leaves})", rest)
             if em is None or em[2] not in self.expert_names or int(em[1]) >= len(experts):
                 raise ModelLoadError(f"{what}: unexpected tensor for {type(self).__name__}")
             e, which = int(em[1]), self.expert_names.index(em[2])
+            if int4:
+                block.experts.load_int4(e, which, em[3], tensor, what)
+                return {self._legacy(i, e, which).removesuffix("weight") + em[3]}
             target = down[e] if which == 2 else gate_up[e].narrow(0, which * inter, inter)
             names = {self._legacy(i, e, which) + ("_scale" if em[3] == "weight_scale" else "")}
             if block.experts.dequantized_block is not None:  # (model/fp8_checkpoint.py says when)
-                self._load_block_part(block.experts, target, self._legacy(i, e, which), em[3], tensor, what)
+                block.experts.load_block_part(target, self._legacy(i, e, which), em[3], tensor, what)
                 return names
             if em[3] == "weight_scale":  # a float8 checkpoint's, per tensor or per channel
-                self._load_expert_scale(block.experts, e, which, tensor, what)
+                block.experts.load_scale(e, which, tensor, what)
                 return names
         if (target.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
             raise ModelLoadError(f"{what} is {tensor.dtype}; the experts of this layer are {target.dtype} "
@@ -259,53 +214,6 @@ class MoEForCausalLM(LlamaForCausalLM):
             raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         target.copy_(tensor)
         return names
-
-    def _load_expert_scale(self, ex: Experts, e: int, which: int, tensor: torch.Tensor, what: str) -> None:
-        """One expert projection's float8 scale: per tensor ([] or [1]) or per output row
-        ([rows] or [rows, 1]); either becomes the per-row scales fused_moe multiplies in. With
-        Experts.block, the projection's block grid [ceil(rows / bn), ceil(cols / bk)], copied
-        as stored (gate's and up's grids each in their own block rows)."""
-        scales = ex.down_proj_scale if which == 2 else ex.gate_up_proj_scale
-        if scales is None:
-            raise ModelLoadError(f"{what} scales a projection the quantization_config keeps unquantized")
-        inter = ex.down_proj.shape[2]
-        if ex.block is not None:
-            grid = scales[e] if which == 2 else scales[e].narrow(0, which * (scales.shape[1] // 2), scales.shape[1] // 2)
-            if tuple(tensor.shape) != tuple(grid.shape):
-                raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}; the block scales of this projection "
-                                     f"([{ex.block[0]}, {ex.block[1]}] blocks) are {tuple(grid.shape)}")
-            grid.copy_(tensor.float())  # (checkpoints store fp32, bf16 or fp16 scales: exact in fp32)
-            return
-        target = scales[e] if which == 2 else scales[e].narrow(0, which * inter, inter)
-        rows = target.shape[0]
-        if tuple(tensor.shape) not in {(), (1,), (rows,), (rows, 1)}:
-            raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}; a per-tensor or per-channel scale of "
-                                 f"this projection is [] or [{rows}]")
-        target.copy_(tensor.float().reshape(-1).expand(rows))
-
-    def _load_block_part(self, ex: Experts, target: torch.Tensor, name: str, part: str, tensor: torch.Tensor,
-                         what: str) -> None:
-        """One part (float8 weight or block scales) of a block-scaled expert projection that is
-        dequantized at load (Experts.dequantized_block); once both are in, the fp32 weight they
-        stand for goes into target in the model's dtype."""
-        assert ex.dequantized_block is not None
-        bn, bk = ex.dequantized_block
-        rows, cols = target.shape
-        if part == "weight":
-            want, ok = (rows, cols), tensor.dtype == torch.float8_e4m3fn
-            if not ok:
-                raise ModelLoadError(f"{what} is {tensor.dtype}; the quantization_config makes these experts "
-                                     "float8 e4m3")
-        else:
-            want = (-(-rows // bn), -(-cols // bk))
-        if tuple(tensor.shape) != want:
-            raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, the model expects {want}")
-        other = ex.pending.pop(name, None)
-        if other is None or other[0] == part:
-            ex.pending[name] = (part, tensor)
-            return
-        weight, scale = (tensor, other[1]) if part == "weight" else (other[1], tensor)
-        target.copy_(dequantize_blocks(weight, scale, ex.dequantized_block))
 
     def expected_weight_names(self) -> set[str]:
         names = super().expected_weight_names()
@@ -316,7 +224,10 @@ class MoEForCausalLM(LlamaForCausalLM):
                 legacy = {self._legacy(i, e, w) for e in range(self.num_experts()) for w in range(3)}
                 names |= legacy
                 ex = self.layers[i].mlp.experts
-                if ex.gate_up_proj_scale is not None or ex.dequantized_block is not None:  # a float8 checkpoint's
+                if ex.int4 is not None:  # an int4 checkpoint's parts, under Int4Linear's names
+                    names = (names - legacy) | {n.removesuffix("weight") + leaf for n in legacy
+                                                for leaf in ex.int4_leaves()}
+                elif ex.gate_up_proj_scale is not None or ex.dequantized_block is not None:  # a float8 checkpoint's
                     names |= {n + "_scale" for n in legacy}
         return names
 

@@ -1,0 +1,205 @@
+"""`fused_moe_int4`: the mixture-of-experts MLP of kernels/moe.py with 4-bit experts (W4A16),
+each expert's weights in kernels/int4.py's layout, stacked:
+
+    gate_up  qweight int32 [E, 2I, H / 8], scales [E, 2I, H / G1] (x's dtype), zeros uint8 [E, 2I, H / G1]
+    down     qweight int32 [E, H, I / 8],  scales [E, H, I / G2],              zeros uint8 [E, H, I / G2]
+
+(each expert's gate rows, then its up rows, as the bf16 experts). The same alignment
+(kernels/moe_align.py), the same two grouped GEMMs and the same combine as kernels/moe.py,
+except that each K tile of the expert's weights is dequantized in the loop (kernels/int4.py's
+`_dequant_tile`, rounded to x's dtype as `dequantize` gives the reference) before its
+tensor-core dot. Semantics: kernels.reference_moe.fused_moe on the dequantized experts
+(`reference`), with its roundings (kernels/moe.py's docstring). groups = (G1, G2): consecutive
+columns per scale and zero of each projection (a checkpoint's group size, or a whole row: H and
+I). The K tile divides the group (one scale and zero per row in a tile), so H must be a multiple
+of G1, I of G2, and both groups of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference_moe
+from kernels.activation import moe_glu
+from kernels.common import TL_DTYPES as _TL_DTYPES
+from kernels.common import interpreting as _interpreting
+from kernels.common import round_to as _round_to
+from kernels.int4 import _block_k, _dequant_tile, dequantize
+from kernels.moe import MoeConfig, _combine_kernel, default_config
+from kernels.moe_align import align_pairs
+from kernels.moe_operands import act_constants, bias_operand
+
+
+@triton.jit
+def _int4_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, expert_ptr, bias_ptr,
+    PAIRS, PADDED, H, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    G: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
+):
+    """inter[r, n] = act(x[p // k] . Wg_e[n] + bg_e[n]) * (x[p // k] . Wu_e[n] + bu_e[n]) for one
+    M-block (expert e) and BLOCK_N columns, W dequantized tile by tile (kernels/moe.py's GEMM 1)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if expert >= E:  # past the last group
+        return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)
+    valid = pair < PAIRS
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    gate_rows = tl.minimum(offs_n, INTER - 1)  # (tail rows re-read a valid row; the store masks them)
+    up_rows = gate_rows + INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    w_e, s_e, z_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
+        wg = _round_to(_dequant_tile(w_e, s_e, z_e, gate_rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
+                       INTERP)
+        wu = _round_to(_dequant_tile(w_e, s_e, z_e, up_rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
+                       INTERP)
+        a = a.to(COMPUTE)
+        acc_g = tl.dot(a, tl.trans(wg.to(COMPUTE)), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.trans(wu.to(COMPUTE)), acc_u, input_precision=PRECISION)
+    g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
+    up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:
+        bias = bias_ptr + expert * (2 * INTER) + offs_n
+        g = _round_to(g + tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :], DTYPE, INTERP).to(tl.float32)
+        up = _round_to(up + tl.load(bias + INTER, mask=n_mask, other=0.0).to(tl.float32)[None, :], DTYPE,
+                       INTERP).to(tl.float32)
+    o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_down_kernel(
+    h_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, expert_ptr, weight_ptr, bias_ptr,
+    PAIRS, PADDED, H, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    G: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n] + bd_e[n]) (float32), p = sorted_ids[r]
+    (kernels/moe.py's GEMM 2, W dequantized tile by tile)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if expert >= E:
+        return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m, mask=offs_m < PADDED, other=PAIRS)
+    valid = pair < PAIRS
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rows = tl.minimum(offs_n, H - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m[:, None] * stride_h + offs_k[None, :]
+    w_e, s_e, z_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, INTER, BLOCK_K):
+        a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
+        w = _round_to(_dequant_tile(w_e, s_e, z_e, rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE, INTERP)
+        acc = tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=PRECISION)
+    y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:
+        bd = tl.load(bias_ptr + expert * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _round_to(y + bd, DTYPE, INTERP).to(tl.float32)
+    w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
+
+
+Int4Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(qweight, scales, zeros) of stacked int4 experts (the module docstring's layout)."""
+
+
+def _check(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, groups: tuple[int, int]) -> tuple[int, int, int]:
+    (qg, sg, zg), (qd, sd, zd) = gate_up, down
+    experts, two_i, hidden = qg.shape[0], qg.shape[1], x.shape[1]
+    inter = two_i // 2
+    g1, g2 = groups
+    assert g1 % 16 == 0 and g2 % 16 == 0 and hidden % g1 == 0 and inter % g2 == 0, (groups, hidden, inter)
+    assert qg.shape == (experts, 2 * inter, hidden // 8) and qd.shape == (experts, hidden, inter // 8)
+    assert sg.shape == zg.shape == (experts, 2 * inter, hidden // g1)
+    assert sd.shape == zd.shape == (experts, hidden, inter // g2)
+    assert qg.dtype == qd.dtype == torch.int32 and zg.dtype == zd.dtype == torch.uint8
+    assert sg.dtype == sd.dtype == x.dtype and x.dtype in _TL_DTYPES
+    return experts, hidden, inter
+
+
+def reference(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, groups: tuple[int, int],
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu", **kw) -> torch.Tensor:
+    """kernels.reference_moe.fused_moe on the experts dequantized to x's dtype (kernels.int4.dequantize)."""
+    _check(x, gate_up, down, groups)
+
+    def full(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int) -> torch.Tensor:
+        e, n = q.shape[:2]
+        return dequantize(q.reshape(e * n, -1), s.reshape(e * n, -1), z.reshape(e * n, -1), group, x.dtype).view(e, n, -1)
+
+    return reference_moe.fused_moe(x, full(*gate_up, groups[0]), full(*down, groups[1]), topk_weights, topk_ids,
+                                   activation, **kw)
+
+
+def fused_moe_int4(
+    x: torch.Tensor,
+    gate_up: Int4Experts,
+    down: Int4Experts,
+    groups: tuple[int, int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    config: MoeConfig | None = None,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = reference_moe.SWIGLU_ALPHA,
+    swiglu_limit: float = reference_moe.SWIGLU_LIMIT,
+) -> torch.Tensor:
+    """`reference` on the GPU (or the interpreter): x [T, H] -> [T, H] in x's dtype; no host
+    synchronisation (CUDA-graph capturable). config: the tiles (default kernels.moe's bf16 choice,
+    its K tile cut to divide the group)."""
+    experts, hidden, inter = _check(x, gate_up, down, groups)
+    t, topk = x.shape[0], topk_ids.shape[1]
+    pairs = t * topk
+    if pairs == 0:
+        return torch.zeros_like(x)
+    act = act_constants(activation, swiglu_alpha, swiglu_limit)
+    cfg = config or default_config(pairs, experts, hidden, inter)
+    b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
+    b_d = bias_operand(w_down_bias, (experts, hidden), x)
+    x = x.contiguous()
+    (qg, sg, zg), (qd, sd, zd) = (tuple(a.contiguous() for a in gate_up), tuple(a.contiguous() for a in down))
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    sorted_ids, block_expert = align_pairs(topk_ids, experts, cfg.block_m)
+    blocks = block_expert.numel()
+    dtype, interp = _TL_DTYPES[x.dtype], _interpreting()
+    # (the interpreter's bf16 tl.dot is wrong: it multiplies in float32 there, an exact widening)
+    compute = tl.float32 if interp or x.dtype == torch.float32 else dtype
+    precision = "ieee" if compute == tl.float32 else "tf32"
+    tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
+    _int4_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+        x, qg, sg, zg, h, sorted_ids, block_expert, b_gu,
+        pairs, sorted_ids.numel(), hidden, inter, x.stride(0), qg.stride(0), qg.stride(1), sg.stride(0), sg.stride(1),
+        h.stride(0),
+        G=groups[0], BLOCK_K=_block_k(groups[0], cfg.block_k), TOPK=topk, E=experts, **act, HAS_BIAS=w_gate_up_bias is not None, COMPUTE=compute,
+        PRECISION=precision, DTYPE=dtype, INTERP=interp, **tiles,
+    )  # fmt: skip
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _int4_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+        h, qd, sd, zd, y, sorted_ids, block_expert, weights, b_d,
+        pairs, sorted_ids.numel(), hidden, inter, h.stride(0), qd.stride(0), qd.stride(1), sd.stride(0), sd.stride(1),
+        y.stride(0),
+        G=groups[1], BLOCK_K=_block_k(groups[1], cfg.block_k), E=experts, HAS_BIAS=w_down_bias is not None, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
+        INTERP=interp, **tiles,
+    )  # fmt: skip
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    _combine_kernel[(t, triton.cdiv(hidden, 1024))](y, out, hidden, TOPK=topk, BLOCK=1024, DTYPE=dtype, INTERP=interp)
+    return out

@@ -1,0 +1,137 @@
+"""Int4 experts (issue 30's models from AWQ, GPTQ and compressed-tensors checkpoints): each expert's
+projections, one tensor each in these checkpoints, are repacked into one stacked layout
+(model/moe.py Experts.expect_int4) and run through kernels/moe_int4.py's semantics, so the model
+generates as transformers does on the checkpoint's dequantized weights. The checkpoints are written
+by tests/model/test_int4_checkpoint.py's packers (independent of the loaders)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.int4 import dequantize
+from streamer import LLM, SamplingParams
+from streamer.errors import ModelLoadError
+from streamer.model.int4_linear import Int4Linear
+from streamer.model.loader import load_model
+from tests.conftest import make_tiny_model
+from tests.model.test_int4_checkpoint import PROMPTS, qconfig, quantize_checkpoint
+
+SHAPES = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              initializer_range=0.05, num_hidden_layers=2)
+ARCHS = {
+    "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                intermediate_size=96, norm_topk_prob=True),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                intermediate_size=96, shared_expert_intermediate_size=96),
+    "OlmoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny_moe(request, tmp_path_factory) -> Path:
+    arch = request.param
+    return make_tiny_model(tmp_path_factory.mktemp("int4moe") / arch, arch, None, **SHAPES, **ARCHS[arch])
+
+
+def hf_on(src: Path, deq: dict[str, torch.Tensor]):
+    """transformers' model of src with the dequantized weights; its experts are stacked in memory
+    (experts.gate_up_proj [E, 2I, H]: gate rows then up rows; experts.down_proj [E, H, I])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in deq.items():
+            m = EXPERT.fullmatch(name)
+            if m is None:
+                params[name].copy_(w)
+                continue
+            experts = f"model.layers.{m[1]}.mlp.experts"
+            e, which = int(m[2]), m[3]
+            if which in ("down_proj", "w2"):
+                params[f"{experts}.down_proj"][e].copy_(w)
+            else:
+                rows = params[f"{experts}.gate_up_proj"][e]
+                half = rows.shape[0] // 2
+                rows[(0 if which in ("gate_proj", "w1") else half):][:half].copy_(w)
+    return model
+
+
+VARIANTS = [("awq", 32, False), ("gptq", 32, False), ("ct", 32, False), ("ct", None, True)]
+
+
+@pytest.mark.parametrize("fmt,group,sym", VARIANTS, ids=["awq", "gptq", "ct-asym", "ct-channel-sym"])
+def test_int4_experts_run_as_transformers_on_their_dequantized_weights(tiny_moe, tmp_path, fmt, group, sym):
+    path, deq = quantize_checkpoint(tiny_moe, tmp_path / fmt, fmt, group, sym=sym)
+    assert any(EXPERT.fullmatch(n) for n in deq)  # (the experts are int4 in the file)
+    model, _ = load_model(path)
+    ex = model.layers[0].mlp.experts
+    assert ex.int4 is not None and ex.gate_up_proj.dtype == torch.int32
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
+    # the stacked layout holds each expert's projections as the packer wrote them (gate, up, down)
+    names = type(model).expert_names
+    block = type(model).legacy_block
+    for e in range(ex.gate_up_proj.shape[0]):
+        g1, g2 = ex.int4_groups
+        gu = dequantize(ex.gate_up_proj[e], ex.gate_up_proj_scale[e], ex.gate_up_proj_zero[e], g1, torch.float32)
+        dn = dequantize(ex.down_proj[e], ex.down_proj_scale[e], ex.down_proj_zero[e], g2, torch.float32)
+        want = [deq[f"model.layers.0.{block}.experts.{e}.{n}.weight"] for n in names]
+        torch.testing.assert_close(gu, torch.cat(want[:2]), rtol=0, atol=0)
+        torch.testing.assert_close(dn, want[2], rtol=0, atol=0)
+    hf = hf_on(tiny_moe, deq)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
+        outs = llm.generate(PROMPTS, params)
+    for p, o in zip(PROMPTS, outs):
+        assert o.error is None, o.error
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+            logits = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
+        assert o.token_ids == want.tolist()
+        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs]), ref, rtol=0, atol=1e-3)
+
+
+def test_an_act_order_of_the_experts_is_refused(tiny_moe, tmp_path):
+    path, _ = quantize_checkpoint(tiny_moe, tmp_path / "g", "gptq", 32, desc_act=True)
+    with pytest.raises(ModelLoadError, match="act order .* of int4 experts is not implemented"):
+        load_model(path)
+
+
+def test_int4_experts_of_an_architecture_that_stacks_them_are_refused(tmp_path):
+    moe = make_tiny_model(tmp_path / "moe", "GraniteMoeForCausalLM", None, num_local_experts=4, num_experts_per_tok=2,
+                          intermediate_size=64)
+    cfg = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**cfg, "quantization_config": qconfig("gptq", 32)}))
+    with pytest.raises(ModelLoadError, match="experts of GraniteMoeForCausalLM to int4 .*this architecture are not"):
+        load_model(moe)
+
+
+def test_a_missing_expert_scale_is_named(tiny_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = quantize_checkpoint(tiny_moe, tmp_path / "a", "awq", 32)
+    tensors = load_file(str(path / "model.safetensors"))
+    gone = next(n for n in tensors if EXPERT.fullmatch(n.replace(".scales", ".weight")) and n.endswith(".scales"))
+    del tensors[gone]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=re.escape(gone.removeprefix("model.").rsplit(".", 1)[0])):
+        load_model(path)
+
+
+def test_dummy_int4_experts(tiny_moe, tmp_path):
+    """load_format "dummy" (benchmarks) fills int4 experts with valid values: zeros 8, small scales."""
+    path, _ = quantize_checkpoint(tiny_moe, tmp_path / "d", "gptq", 32)
+    model, _ = load_model(path, load_format="dummy")
+    ex = model.layers[1].mlp.experts
+    assert bool((ex.down_proj_zero == 8).all()) and bool((ex.gate_up_proj_scale == 0.005).all())
+    with LLM(str(path), dtype="float32", device="cpu", load_format="dummy") as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 3
