@@ -4,7 +4,7 @@
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
-#                                        | graphstep | ab | moelayer | moefp8)
+#                                        | graphstep | ab | moelayer | moefp8 | int4moe)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -356,6 +356,14 @@ if [ "$part" = moefp8 ]; then
   # for a following call's STREAMER_MOE_TILES=/tmp/moe_tiles.json (then kernels/moe_tiles/<card>.json)
   python3 benchmarks/moe_layer.py --sweep --fp8 --write /tmp/moe_tiles.json 2>&1 | tee "$OUT/moe_sweep_fp8.txt" | tail -70
   cp /tmp/moe_tiles.json "$OUT/"
+fi
+if [ "$part" = int4moe ]; then
+  # int4 experts (thirty-first session; not yet run on a GPU): kernels/moe_int4.py's tests compiled, then W2 and W8
+  # on the Qwen3-30B-A3B shape with GPTQ int4 experts and layers (benchmarks/configs/qwen3-30b-a3b-gptq, dummy)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_moe_int4.py tests/kernels/test_moe_tiles.py 2>&1 | tail -4
+  g="--model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer"
+  bench --workload W2 $g --json "$OUT/int4moe_w2.json" | tail -1
+  bench --workload W8 --num-requests "${W8_N:-256}" $g --json "$OUT/int4moe_w8.json" | tail -1
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60
