@@ -90,6 +90,38 @@ def default_config(pairs: int, experts: int, hidden: int, inter: int, fp8: bool 
 
 
 @triton.jit
+def gate_up_store(acc_g, acc_u, expert, offs_m, offs_n, n_mask, valid, bias_ptr, out_ptr, stride_o, INTER,
+                  ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """GEMM 1's epilogue (also kernels/moe_int4.py's): the gate and up products rounded to DTYPE,
+    the biases added to them and rounded again (the reference's x @ W + b), act(gate) * up stored."""
+    g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
+    up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:
+        bias = bias_ptr + expert * (2 * INTER) + offs_n
+        bg = tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bu = tl.load(bias + INTER, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        g = _round_to(g + bg, DTYPE, INTERP).to(tl.float32)
+        up = _round_to(up + bu, DTYPE, INTERP).to(tl.float32)
+    o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_store(acc, expert, pair, offs_n, n_mask, valid, bias_ptr, weight_ptr, out_ptr, stride_o, H,
+               HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """GEMM 2's epilogue (also kernels/moe_int4.py's): the product rounded to DTYPE, plus the bias
+    (rounded again), times the pair's routing weight, into the pair's float32 row."""
+    y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
+    if HAS_BIAS:
+        bd = tl.load(bias_ptr + expert * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _round_to(y + bd, DTYPE, INTERP).to(tl.float32)
+    w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -174,16 +206,8 @@ def _moe_gate_up_kernel(
         s_ptrs = sw_ptr + expert * stride_se + offs_n
         acc_g = acc_g * sx * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
         acc_u = acc_u * sx * tl.load(s_ptrs + INTER, mask=n_mask, other=0.0)[None, :]
-    g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
-    up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
-    if HAS_BIAS:  # added to the rounded products and rounded again, as the reference's x @ W + b
-        bias = bias_ptr + expert * (2 * INTER) + offs_n
-        bg = tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        bu = tl.load(bias + INTER, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        g = _round_to(g + bg, DTYPE, INTERP).to(tl.float32)
-        up = _round_to(up + bu, DTYPE, INTERP).to(tl.float32)
-    o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+    gate_up_store(acc_g, acc_u, expert, offs_m, offs_n, n_mask, valid, bias_ptr, out_ptr, stride_o, INTER, ACT, ALPHA,
+                  LIMIT, HAS_BIAS, DTYPE, INTERP)
 
 
 @triton.jit
@@ -253,13 +277,8 @@ def _moe_down_kernel(
     if SCALED and GROUP_K == 0:  # float8 inter (per row r) and W (per row n)
         sh = tl.load(sh_ptr + offs_m, mask=valid, other=0.0)[:, None]
         acc = acc * sh * tl.load(sw_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
-    y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
-    if HAS_BIAS:
-        bd = tl.load(bias_ptr + expert * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = _round_to(y + bd, DTYPE, INTERP).to(tl.float32)
-    w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
+    down_store(acc, expert, pair, offs_n, n_mask, valid, bias_ptr, weight_ptr, out_ptr, stride_o, H, HAS_BIAS, DTYPE,
+               INTERP)
 
 
 @triton.jit

@@ -22,12 +22,11 @@ import triton
 import triton.language as tl
 
 from kernels import reference_moe
-from kernels.activation import moe_glu
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import round_to as _round_to
 from kernels.int4 import _block_k, _dequant_tile, dequantize
-from kernels.moe import MoeConfig, _combine_kernel, default_config
+from kernels.moe import MoeConfig, _combine_kernel, default_config, down_store, gate_up_store
 from kernels.moe_align import align_pairs
 from kernels.moe_operands import act_constants, bias_operand
 
@@ -69,15 +68,8 @@ def _int4_gate_up_kernel(
         a = a.to(COMPUTE)
         acc_g = tl.dot(a, tl.trans(wg.to(COMPUTE)), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, tl.trans(wu.to(COMPUTE)), acc_u, input_precision=PRECISION)
-    g = _round_to(acc_g, DTYPE, INTERP).to(tl.float32)
-    up = _round_to(acc_u, DTYPE, INTERP).to(tl.float32)
-    if HAS_BIAS:
-        bias = bias_ptr + expert * (2 * INTER) + offs_n
-        g = _round_to(g + tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :], DTYPE, INTERP).to(tl.float32)
-        up = _round_to(up + tl.load(bias + INTER, mask=n_mask, other=0.0).to(tl.float32)[None, :], DTYPE,
-                       INTERP).to(tl.float32)
-    o_ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, moe_glu(g, up, ACT, ALPHA, LIMIT, DTYPE, INTERP), mask=valid[:, None] & n_mask[None, :])
+    gate_up_store(acc_g, acc_u, expert, offs_m, offs_n, n_mask, valid, bias_ptr, out_ptr, stride_o, INTER, ACT, ALPHA,
+                  LIMIT, HAS_BIAS, DTYPE, INTERP)
 
 
 @triton.jit
@@ -108,13 +100,8 @@ def _int4_down_kernel(
         a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
         w = _round_to(_dequant_tile(w_e, s_e, z_e, rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE, INTERP)
         acc = tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=PRECISION)
-    y = _round_to(acc, DTYPE, INTERP).to(tl.float32)
-    if HAS_BIAS:
-        bd = tl.load(bias_ptr + expert * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = _round_to(y + bd, DTYPE, INTERP).to(tl.float32)
-    w = tl.load(weight_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, y * w[:, None], mask=valid[:, None] & n_mask[None, :])
+    down_store(acc, expert, pair, offs_n, n_mask, valid, bias_ptr, weight_ptr, out_ptr, stride_o, H, HAS_BIAS, DTYPE,
+               INTERP)
 
 
 Int4Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -170,16 +170,21 @@ def test_int4_checkpoint_runs_as_transformers_on_its_dequantized_weights(tiny, t
             if m.perm is not None:
                 w = w[:, torch.argsort(m.perm)]
             torch.testing.assert_close(w, torch.cat([deq[f"{h}.weight"] for h in hf_names(name)]), rtol=0, atol=0)
-    hf = hf_dequantized(tiny, deq)
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    generates_as(path, hf_dequantized(tiny, deq), 10)
+
+
+def generates_as(path: Path, hf, tokens: int) -> None:
+    """streamer on the int4 checkpoint at path: transformers' (hf, on the dequantized weights) greedy
+    tokens for PROMPTS, and their logprobs within 1e-3."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
     with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
         outs = llm.generate(PROMPTS, params)
     for p, o in zip(PROMPTS, outs):
         assert o.error is None, o.error
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):]
+            want = hf.generate(torch.tensor([p]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
             logits = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
-        assert o.token_ids == want.tolist()
+        assert o.token_ids == want[0, len(p):].tolist()
         ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs]), ref, rtol=0, atol=1e-3)
 

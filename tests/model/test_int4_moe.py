@@ -19,7 +19,7 @@ from streamer.errors import ModelLoadError
 from streamer.model.int4_linear import Int4Linear
 from streamer.model.loader import load_model
 from tests.conftest import make_tiny_model
-from tests.model.test_int4_checkpoint import PROMPTS, qconfig, quantize_checkpoint
+from tests.model.test_int4_checkpoint import generates_as, qconfig, quantize_checkpoint
 
 SHAPES = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               initializer_range=0.05, num_hidden_layers=2)
@@ -85,18 +85,7 @@ def test_int4_experts_run_as_transformers_on_their_dequantized_weights(tiny_moe,
         want = [deq[f"model.layers.0.{block}.experts.{e}.{n}.weight"] for n in names]
         torch.testing.assert_close(gu, torch.cat(want[:2]), rtol=0, atol=0)
         torch.testing.assert_close(dn, want[2], rtol=0, atol=0)
-    hf = hf_on(tiny_moe, deq)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
-        outs = llm.generate(PROMPTS, params)
-    for p, o in zip(PROMPTS, outs):
-        assert o.error is None, o.error
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
-            logits = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
-        assert o.token_ids == want.tolist()
-        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs]), ref, rtol=0, atol=1e-3)
+    generates_as(path, hf_on(tiny_moe, deq), 8)
 
 
 def test_an_act_order_of_the_experts_is_refused(tiny_moe, tmp_path):
