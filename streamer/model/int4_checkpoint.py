@@ -29,7 +29,7 @@ norms stay in the model's dtype. The experts of a mixture of experts (one tensor
 projection in these checkpoints) go into one stacked layout of the same kind (model/moe.py
 Experts.expect_int4, kernels/moe_int4.py). Refused by name: other bits, methods' variants and fields
 this module does not know, quantized LM heads, int4 experts of architectures that store their experts
-otherwise (gpt-oss, DeepSeek, Granite MoE) or under tensor parallelism or with an act order,
+otherwise (gpt-oss, DeepSeek, Granite MoE) or with an act order,
 quantization "fp8" on top, DeepSeek's latent attention (its interleaved rotary reorders
 projections after loading), layers whose shape the format cannot pack. A model that permutes
 its q/k rows after loading (partial rotary, Cohere's interleaved pairs) permutes the int4
@@ -265,16 +265,15 @@ def _prepare_experts(model: MoEForCausalLM, scheme: Int4Scheme, device: torch.de
                          "this architecture are not implemented")
         if not all(int4):
             raise refuse(source, f"quantizes some experts of layer {i} to int4 and not others: not implemented")
-        if tensor_parallel() is not None:
-            raise refuse(source, "int4 experts under tensor parallelism are not implemented (tensor_parallel_size "
-                         "must be 1 for this checkpoint)")
-        hidden, inter = ex.down_proj.shape[1], ex.down_proj.shape[2]
+        hidden, inter = ex.down_proj.shape[1], ex.down_proj.shape[2]  # (inter: this rank's part under TP)
         for k in (hidden, inter):
             group = k if scheme.group == -1 else scheme.group
             if k % group or group % 16 or hidden % 8 or inter % 8:
-                raise refuse(source, f"quantizes experts of hidden size {hidden} and intermediate size {inter} with "
-                             f"group_size {scheme.group}; int4 experts need both multiples of the group size, itself "
-                             "of 16 (and of 8)")
+                tp = tensor_parallel()
+                part = "" if tp is None else f" (this rank's part under tensor_parallel_size={tp.size})"
+                raise refuse(source, f"quantizes experts of hidden size {hidden} and intermediate size {inter}{part} "
+                             f"with group_size {scheme.group}; int4 experts need both multiples of the group size, "
+                             "itself of 16 (and of 8)")
         ex.expect_int4(scheme, device)
         quantized.update(names)
     return quantized

@@ -174,7 +174,10 @@ def _quantized_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
         return None
     axis, first, count = split
     layer = _layer(model, module)
-    int4 = isinstance(layer, Int4Linear)
+    # an int4 layer, or a block's experts of an int4 checkpoint (model/experts.py: int4 experts are
+    # split as these layers are, gate/up by rows and down by columns)
+    scheme = layer.scheme if isinstance(layer, Int4Linear) else getattr(layer, "int4", None)
+    int4 = scheme is not None
     if layer is None or int4:
         block = None
     elif _EXPERT_LAYER.search(module) is not None:  # (the layer: the Experts of the block, moe.py)
@@ -200,7 +203,7 @@ def _quantized_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
         if len(shape) == 0 or shape[0] == 1 or axis == 1:
             return t[:]  # (per tensor, or per row of a row-parallel layer: every rank's rows)
         return _take(t, 0, first, count)
-    method, g = layer.scheme.method, layer.scheme.group
+    method, g = scheme.method, scheme.group
     n_major = method == "compressed-tensors"  # ([N, ...] tensors; AWQ's and GPTQ's are [K..., N...])
     dim = (0 if n_major else 1) if axis == 0 else (1 if n_major else 0)
     if leaf == "weight_shape":

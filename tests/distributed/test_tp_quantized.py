@@ -186,3 +186,17 @@ def test_float8_experts_per_channel(moe_models, tmp_path):  # noqa: F811
     assert torch.equal(two["down_proj"], one["down_proj"][:, :, :half])
     assert torch.equal(two["down_proj_scale"], one["down_proj_scale"])
     assert_within_float8_error(path, moe_models["qwen3_moe"])
+
+
+@pytest.mark.parametrize("fmt,group,sym", [("awq", 32, False), ("gptq", 32, False), ("ct", None, True)],
+                         ids=["awq", "gptq", "ct-channel"])
+def test_int4_experts(tmp_path, fmt, group, sym):
+    """Qwen3-MoE with int4 experts (model/experts.py): each rank reads its half of every expert's gate
+    and up rows and of its down projection's columns, in each format's packed layout (words, scales,
+    zeros, g_idx): two ranks answer as one. (ct-channel: one scale per row, so the down projection's
+    group is the rank's half of the row.)"""
+    from tests.model.test_int4_moe import ARCHS, SHAPES
+
+    src = make_tiny_model(tmp_path / "src", "Qwen3MoeForCausalLM", None, **SHAPES, **ARCHS["Qwen3MoeForCausalLM"])
+    path, _ = I4.quantize_checkpoint(src, tmp_path / fmt, fmt, group, sym=sym)
+    assert_two_ranks_answer_as_one(path)
