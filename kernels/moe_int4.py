@@ -33,15 +33,18 @@ from kernels.moe_operands import act_constants, bias_operand
 
 @triton.jit
 def _int4_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, expert_ptr, bias_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, sorted_ptr, expert_ptr, bias_ptr,
     PAIRS, PADDED, H, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     G: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
+    PERM: tl.constexpr = False,
 ):
     """inter[r, n] = act(x[p // k] . Wg_e[n] + bg_e[n]) * (x[p // k] . Wu_e[n] + bu_e[n]) for one
-    M-block (expert e) and BLOCK_N columns, W dequantized tile by tile (kernels/moe.py's GEMM 1)."""
+    M-block (expert e) and BLOCK_N columns, W dequantized tile by tile (kernels/moe.py's GEMM 1).
+    PERM: the expert's K is stored in its act order, perm [E, H]: column k of W is x's column
+    perm[e, k] (the x tile gathered by it)."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert >= E:  # past the last group
@@ -60,7 +63,11 @@ def _int4_gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
-        a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
+        if PERM:
+            cols = tl.load(perm_ptr + expert * H + k + offs_k)
+            a = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
         wg = _round_to(_dequant_tile(w_e, s_e, z_e, gate_rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
                        INTERP)
         wu = _round_to(_dequant_tile(w_e, s_e, z_e, up_rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
@@ -74,14 +81,14 @@ def _int4_gate_up_kernel(
 
 @triton.jit
 def _int4_down_kernel(
-    h_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, expert_ptr, weight_ptr, bias_ptr,
+    h_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, sorted_ptr, expert_ptr, weight_ptr, bias_ptr,
     PAIRS, PADDED, H, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     G: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, PERM: tl.constexpr = False,
 ):
     """out[p, n] = topk_weight[p] * (inter[r] . Wd_e[n] + bd_e[n]) (float32), p = sorted_ids[r]
-    (kernels/moe.py's GEMM 2, W dequantized tile by tile)."""
+    (kernels/moe.py's GEMM 2, W dequantized tile by tile; PERM: perm [E, I], as GEMM 1's)."""
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert >= E:
@@ -97,7 +104,11 @@ def _int4_down_kernel(
     w_e, s_e, z_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
-        a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
+        if PERM:
+            cols = tl.load(perm_ptr + expert * INTER + k + offs_k)
+            a = tl.load(h_ptr + offs_m[:, None] * stride_h + cols[None, :], mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
         w = _round_to(_dequant_tile(w_e, s_e, z_e, rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE, INTERP)
         acc = tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=PRECISION)
     down_store(acc, expert, pair, offs_n, n_mask, valid, bias_ptr, weight_ptr, out_ptr, stride_o, H, HAS_BIAS, DTYPE,
@@ -123,16 +134,23 @@ def _check(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, groups: tup
 
 
 def reference(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, groups: tuple[int, int],
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu", **kw) -> torch.Tensor:
-    """kernels.reference_moe.fused_moe on the experts dequantized to x's dtype (kernels.int4.dequantize)."""
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+              perms: tuple[torch.Tensor, torch.Tensor] | None = None, **kw) -> torch.Tensor:
+    """kernels.reference_moe.fused_moe on the experts dequantized to x's dtype (kernels.int4.dequantize);
+    with perms ([E, H], [E, I]: each expert's act order), stored column k of an expert's W is
+    its input's column perm[e, k]."""
     _check(x, gate_up, down, groups)
 
-    def full(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int) -> torch.Tensor:
+    def full(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int, perm: torch.Tensor | None) -> torch.Tensor:
         e, n = q.shape[:2]
-        return dequantize(q.reshape(e * n, -1), s.reshape(e * n, -1), z.reshape(e * n, -1), group, x.dtype).view(e, n, -1)
+        w = dequantize(q.reshape(e * n, -1), s.reshape(e * n, -1), z.reshape(e * n, -1), group, x.dtype).view(e, n, -1)
+        if perm is None:
+            return w
+        return torch.empty_like(w).scatter_(2, perm.long()[:, None, :].expand_as(w), w)  # W[:, perm[k]] = stored[:, k]
 
-    return reference_moe.fused_moe(x, full(*gate_up, groups[0]), full(*down, groups[1]), topk_weights, topk_ids,
-                                   activation, **kw)
+    p_gu, p_d = perms if perms is not None else (None, None)
+    return reference_moe.fused_moe(x, full(*gate_up, groups[0], p_gu), full(*down, groups[1], p_d), topk_weights,
+                                   topk_ids, activation, **kw)
 
 
 def fused_moe_int4(
@@ -148,10 +166,11 @@ def fused_moe_int4(
     w_down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = reference_moe.SWIGLU_ALPHA,
     swiglu_limit: float = reference_moe.SWIGLU_LIMIT,
+    perms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`reference` on the GPU (or the interpreter): x [T, H] -> [T, H] in x's dtype; no host
     synchronisation (CUDA-graph capturable). config: the tiles (default kernels.moe's bf16 choice,
-    its K tile cut to divide the group)."""
+    its K tile cut to divide the group). perms: int32 [E, H] and [E, I], each expert's act order."""
     experts, hidden, inter = _check(x, gate_up, down, groups)
     t, topk = x.shape[0], topk_ids.shape[1]
     pairs = t * topk
@@ -171,21 +190,25 @@ def fused_moe_int4(
     compute = tl.float32 if interp or x.dtype == torch.float32 else dtype
     precision = "ieee" if compute == tl.float32 else "tf32"
     tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if perms is not None:
+        assert perms[0].shape == (experts, hidden) and perms[1].shape == (experts, inter)
+        assert perms[0].dtype == perms[1].dtype == torch.int32
+    p_gu, p_d = (p.contiguous() for p in perms) if perms is not None else (x, x)  # (x: unread placeholders)
     h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
     _int4_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
-        x, qg, sg, zg, h, sorted_ids, block_expert, b_gu,
+        x, qg, sg, zg, p_gu, h, sorted_ids, block_expert, b_gu,
         pairs, sorted_ids.numel(), hidden, inter, x.stride(0), qg.stride(0), qg.stride(1), sg.stride(0), sg.stride(1),
         h.stride(0),
         G=groups[0], BLOCK_K=_block_k(groups[0], cfg.block_k), TOPK=topk, E=experts, **act, HAS_BIAS=w_gate_up_bias is not None, COMPUTE=compute,
-        PRECISION=precision, DTYPE=dtype, INTERP=interp, **tiles,
+        PRECISION=precision, DTYPE=dtype, INTERP=interp, PERM=perms is not None, **tiles,
     )  # fmt: skip
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _int4_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, qd, sd, zd, y, sorted_ids, block_expert, weights, b_d,
+        h, qd, sd, zd, p_d, y, sorted_ids, block_expert, weights, b_d,
         pairs, sorted_ids.numel(), hidden, inter, h.stride(0), qd.stride(0), qd.stride(1), sd.stride(0), sd.stride(1),
         y.stride(0),
-        G=groups[1], BLOCK_K=_block_k(groups[1], cfg.block_k), E=experts, HAS_BIAS=w_down_bias is not None, COMPUTE=compute, PRECISION=precision, DTYPE=dtype,
-        INTERP=interp, **tiles,
+        G=groups[1], BLOCK_K=_block_k(groups[1], cfg.block_k), E=experts, HAS_BIAS=w_down_bias is not None,
+        COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp, PERM=perms is not None, **tiles,
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](y, out, hidden, TOPK=topk, BLOCK=1024, DTYPE=dtype, INTERP=interp)

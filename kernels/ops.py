@@ -233,14 +233,16 @@ def route_topk(
 
 def fused_moe_int4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: tuple[int, int], topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                   topk_ids: torch.Tensor, activation: str = "silu",
+                   perms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fused_moe with int4 experts (kernels/moe_int4.py: (qweight, scales, zeros) stacked per
-    projection, `groups` columns per scale of each): the dequantized experts' reference semantics."""
+    projection, `groups` columns per scale of each, perms: each expert's act order): the
+    dequantized experts' reference semantics."""
     from kernels import moe_int4
 
     if _triton(x):
-        return moe_int4.fused_moe_int4(x, gate_up, down, groups, topk_weights, topk_ids, activation)
-    return moe_int4.reference(x, gate_up, down, groups, topk_weights, topk_ids, activation)
+        return moe_int4.fused_moe_int4(x, gate_up, down, groups, topk_weights, topk_ids, activation, perms=perms)
+    return moe_int4.reference(x, gate_up, down, groups, topk_weights, topk_ids, activation, perms)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

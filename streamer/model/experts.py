@@ -22,7 +22,15 @@ from torch import nn
 
 from kernels.reference import quantize_rows_fp8
 from streamer.errors import ModelLoadError
-from streamer.model.int4_linear import _check_shape, _load_qweight, _load_scales, _load_zeros
+from streamer.model.int4_linear import (
+    _check_shape,
+    _load_g_idx,
+    _load_qweight,
+    _load_scales,
+    _load_zeros,
+    pack,
+    unpack,
+)
 from streamer.model.layers import weight_device
 from streamer.model.quant import dequantize_blocks
 from streamer.model.tp_group import TPGroup
@@ -56,6 +64,11 @@ class Experts(nn.Module):
         packed words, *_scale its scales (the model's dtype) and *_zero its zeros (uint8)."""
         self.int4_groups = (0, 0)
         """Columns per int4 scale of gate_up_proj and of down_proj (the group size, or a whole row)."""
+        self.g_idx: dict[str, torch.Tensor] = {}
+        """An act-order int4 checkpoint's g_idx per projection, [E, K], until order_groups."""
+        self.int4_perms: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Act order (order_groups): each expert's K order of gate_up_proj [E, H] and down_proj [E, I]
+        (int32): stored column k of an expert's W is its input's column perm[e, k]."""
         self.gate_up_proj_zero: torch.Tensor | None
         self.down_proj_zero: torch.Tensor | None
         self.register_buffer("gate_up_proj_zero", None, persistent=False)
@@ -97,13 +110,14 @@ class Experts(nn.Module):
                                                              device=device), persistent=False)
             self.register_buffer(f"{name}_zero", torch.full((e, n, k // group), 8, dtype=torch.uint8, device=device),
                                  persistent=False)
+            if scheme.g_idx:  # (each expert's group of each input column; -1 until loaded: order_groups)
+                self.g_idx[name] = torch.full((e, k), -1, dtype=torch.int32, device=device)
         self.int4_groups = (groups[0], groups[1])
 
     def load_int4(self, e: int, which: int, leaf: str, tensor: torch.Tensor, what: str) -> None:
         """One tensor of expert e's projection `which` (0 gate, 1 up, 2 down) of an int4 checkpoint,
         under Int4Linear's names (model/int4_checkpoint.py renames each format's): repacked into
-        its rows of the stacked layout. An act order (g_idx other than k // group) is refused: each
-        expert would need its own order of the inputs."""
+        its rows of the stacked layout. g_idx waits for order_groups (gate and up must share it)."""
         assert self.int4 is not None
         down = which == 2
         name = "down_proj" if down else "gate_up_proj"
@@ -119,13 +133,37 @@ class Experts(nn.Module):
         elif leaf == "weight_zero" and self.int4.zeros:
             _load_zeros(getattr(self, f"{name}_zero")[e], tensor, start, rows, what, **kw)
         elif leaf == "g_idx" and self.int4.g_idx:
-            if tuple(tensor.shape) != (k,) or not torch.equal(tensor.long().cpu(), torch.arange(k) // group):
-                raise ModelLoadError(f"{what}: an act order (desc_act, actorder 'group') of int4 experts is not "
-                                     "implemented (each expert would need its own order of the inputs)")
+            _load_g_idx(self.g_idx[name][e], tensor, 0, k, what, **kw)
         elif leaf == "weight_shape" and self.int4.method == "compressed-tensors":
             _check_shape(tensor, tensor, start, rows, what, **kw)
         else:
             raise ModelLoadError(f"{what}: unexpected tensor for int4 experts ({self.int4.method})")
+
+    def order_groups(self) -> None:
+        """After loading an act-order checkpoint: each expert's K permuted so that its groups are
+        runs of columns (the scales' order), its perm kept for the kernels to gather the inputs by
+        (kernels/moe_int4.py); experts whose g_idx is already k // group keep the identity, and
+        where every expert does no perm is kept at all."""
+        if not self.g_idx:
+            return
+        perms = []
+        for name, group in zip(("gate_up_proj", "down_proj"), self.int4_groups, strict=True):
+            g_all, words = self.g_idx.pop(name), getattr(self, name).data
+            k = g_all.shape[1]
+            perm = torch.empty_like(g_all)
+            for e in range(g_all.shape[0]):
+                g = g_all[e].long()
+                counts = torch.bincount(g.clamp(0, k // group), minlength=k // group + 1)
+                if bool((g < 0).any() or (g >= k // group).any()) or not bool((counts[: k // group] == group).all()):
+                    raise ModelLoadError(f"{name} of expert {e}: g_idx is not {k // group} groups of {group} columns "
+                                         "each (act order with groups of other sizes is not supported)")
+                order = torch.argsort(g, stable=True)
+                perm[e] = order.to(torch.int32)
+                if not torch.equal(order, torch.arange(k, device=order.device)):
+                    words[e] = pack(unpack(words[e])[:, order])
+            perms.append(perm)
+        identity = all(torch.equal(p, torch.arange(p.shape[1], device=p.device).expand_as(p)) for p in perms)
+        self.int4_perms = None if identity else (perms[0], perms[1])
 
     def int4_leaves(self) -> tuple[str, ...]:
         """The tensors each int4 expert projection loads (under Int4Linear's names)."""

@@ -29,7 +29,7 @@ norms stay in the model's dtype. The experts of a mixture of experts (one tensor
 projection in these checkpoints) go into one stacked layout of the same kind (model/moe.py
 Experts.expect_int4, kernels/moe_int4.py). Refused by name: other bits, methods' variants and fields
 this module does not know, quantized LM heads, int4 experts of architectures that store their experts
-otherwise (gpt-oss, DeepSeek, Granite MoE) or with an act order,
+otherwise (gpt-oss, DeepSeek, Granite MoE),
 quantization "fp8" on top, DeepSeek's latent attention (its interleaved rotary reorders
 projections after loading), layers whose shape the format cannot pack. A model that permutes
 its q/k rows after loading (partial rotary, Cohere's interleaved pairs) permutes the int4
@@ -302,8 +302,10 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor, str]], scheme:
 
 
 def finish(model: nn.Module) -> None:
-    """After loading: GPTQ's act-order layers permuted so that each group is a run of K."""
+    """After loading: GPTQ's act-order layers (and experts) permuted so that each group is a run of K."""
     for name, m in model.named_modules():
+        if isinstance(m, Experts) and m.int4 is not None:
+            m.order_groups()
         if isinstance(m, Int4Linear) and m.g_idx is not None:
             _order_groups(m, name)
 
@@ -336,6 +338,9 @@ def fill_dummy(model: nn.Module, gen: torch.Generator) -> None:
                 t.fill_(0.005)
             for t in (m.gate_up_proj_zero, m.down_proj_zero):
                 t.fill_(8)
+            for name, g in m.g_idx.items():  # (in order: no perm)
+                group = m.int4_groups[0 if name == "gate_up_proj" else 1]
+                g.copy_(torch.arange(g.shape[1], device=g.device) // group)
         if isinstance(m, Int4Linear):
             m.weight.data.random_(generator=gen)  # (every bit pattern is a valid word of 8 values)
             m.weight_scale.data.fill_(0.005)

@@ -97,7 +97,7 @@ class SparseMoE(nn.Module):
             assert ex.gate_up_proj_zero is not None and ex.down_proj_zero is not None
             out = ops.fused_moe_int4(x, (ex.gate_up_proj, ex.gate_up_proj_scale, ex.gate_up_proj_zero),
                                      (ex.down_proj, ex.down_proj_scale, ex.down_proj_zero), ex.int4_groups, weights,
-                                     ids, self.activation)
+                                     ids, self.activation, ex.int4_perms)
             return out if self.tp is None else self.tp.all_reduce(out)
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
                             w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block)

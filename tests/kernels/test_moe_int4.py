@@ -54,6 +54,28 @@ def test_the_reference_is_the_bf16_moe_on_dequantized_weights():
     torch.testing.assert_close(M4.reference(x, gu, d, (32, 16), weights, ids), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_act_order_experts_gather_their_inputs_by_their_own_order(dtype):
+    """Each expert's K stored in its own act order (GPTQ desc_act): the kernels gather x's and the
+    intermediate's columns by the expert's perm; the reference puts W's columns back in place."""
+    x, gu, d, weights, ids = _case(19, 128, 64, 4, 2, dtype, (32, 32), seed=21)
+    gen = torch.Generator().manual_seed(22)
+    perms = tuple(torch.stack([torch.randperm(n, generator=gen) for _ in range(4)]).to(torch.int32).to(DEVICE)
+                  for n in (128, 64))
+    out = M4.fused_moe_int4(x, gu, d, (32, 32), weights, ids, config=MoeConfig(16, 16, 32), perms=perms)
+    ref = M4.reference(x, gu, d, (32, 32), weights, ids, perms=perms)
+    assert_like_reference(out, ref)
+    plain = M4.reference(x, gu, d, (32, 32), weights, ids)
+    assert (ref.float() - plain.float()).abs().max() > 10 * TOL[dtype]  # (the order matters)
+    # the reference's W, put back in input order: stored column k multiplies input column perm[k]
+    q, s, z = (a[:1] for a in d)
+    stored = dequantize(q[0], s[0], z[0], 32, torch.float32)
+    h = torch.randn(3, 64, dtype=torch.float32).to(DEVICE)
+    full = torch.empty_like(stored)
+    full[:, perms[1][0].long()] = stored
+    torch.testing.assert_close(h @ full.T, h[:, perms[1][0].long()] @ stored.T)
+
+
 def test_activations_and_biases_follow_the_reference():
     x, gu, d, weights, ids = _case(9, 64, 32, 4, 2, torch.float32, (32, 32), seed=11)
     gen = torch.Generator().manual_seed(12)

@@ -88,7 +88,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int | None, desc_
         if desc_act:  # one order per input (q/k/v share theirs, gate/up theirs), as GPTQ's Hessian gives
             parent, leaf = base.rsplit(".", 1)
             key = parent + {"q_proj": ".qkv", "k_proj": ".qkv", "v_proj": ".qkv", "gate_proj": ".gu",
-                            "up_proj": ".gu"}.get(leaf, leaf)
+                            "up_proj": ".gu", "w1": ".gu", "w3": ".gu"}.get(leaf, leaf)  # (w1/w3: Mixtral's)
             perm = perms.setdefault(key, torch.randperm(k, generator=gen))
             g_idx = torch.empty(k, dtype=torch.long)
             g_idx[perm] = torch.arange(k) // group

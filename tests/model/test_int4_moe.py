@@ -64,12 +64,15 @@ def hf_on(src: Path, deq: dict[str, torch.Tensor]):
     return model
 
 
-VARIANTS = [("awq", 32, False), ("gptq", 32, False), ("ct", 32, False), ("ct", None, True)]
+VARIANTS = [("awq", 32, False, False), ("gptq", 32, False, False), ("gptq", 32, False, True), ("ct", 32, False, False),
+            ("ct", 32, False, True), ("ct", None, True, False)]
 
 
-@pytest.mark.parametrize("fmt,group,sym", VARIANTS, ids=["awq", "gptq", "ct-asym", "ct-channel-sym"])
-def test_int4_experts_run_as_transformers_on_their_dequantized_weights(tiny_moe, tmp_path, fmt, group, sym):
-    path, deq = quantize_checkpoint(tiny_moe, tmp_path / fmt, fmt, group, sym=sym)
+@pytest.mark.parametrize("fmt,group,sym,desc_act", VARIANTS,
+                         ids=["awq", "gptq", "gptq-desc_act", "ct-asym", "ct-actorder", "ct-channel-sym"])
+def test_int4_experts_run_as_transformers_on_their_dequantized_weights(tiny_moe, tmp_path, fmt, group, sym, desc_act):
+    """(desc_act / actorder "group": each expert's own order of its inputs, gate and up sharing theirs.)"""
+    path, deq = quantize_checkpoint(tiny_moe, tmp_path / fmt, fmt, group, desc_act, sym)
     assert any(EXPERT.fullmatch(n) for n in deq)  # (the experts are int4 in the file)
     model, _ = load_model(path)
     ex = model.layers[0].mlp.experts
@@ -78,19 +81,28 @@ def test_int4_experts_run_as_transformers_on_their_dequantized_weights(tiny_moe,
     # the stacked layout holds each expert's projections as the packer wrote them (gate, up, down)
     names = type(model).expert_names
     block = type(model).legacy_block
+    assert (ex.int4_perms is not None) == desc_act
     for e in range(ex.gate_up_proj.shape[0]):
         g1, g2 = ex.int4_groups
         gu = dequantize(ex.gate_up_proj[e], ex.gate_up_proj_scale[e], ex.gate_up_proj_zero[e], g1, torch.float32)
         dn = dequantize(ex.down_proj[e], ex.down_proj_scale[e], ex.down_proj_zero[e], g2, torch.float32)
+        if desc_act:  # (stored column k is input column perm[k])
+            gu, dn = (w[:, torch.argsort(p[e].long())] for w, p in zip((gu, dn), ex.int4_perms, strict=True))
         want = [deq[f"model.layers.0.{block}.experts.{e}.{n}.weight"] for n in names]
         torch.testing.assert_close(gu, torch.cat(want[:2]), rtol=0, atol=0)
         torch.testing.assert_close(dn, want[2], rtol=0, atol=0)
     generates_as(path, hf_on(tiny_moe, deq), 8)
 
 
-def test_an_act_order_of_the_experts_is_refused(tiny_moe, tmp_path):
+def test_gate_and_up_orders_that_differ_are_refused(tiny_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     path, _ = quantize_checkpoint(tiny_moe, tmp_path / "g", "gptq", 32, desc_act=True)
-    with pytest.raises(ModelLoadError, match="act order .* of int4 experts is not implemented"):
+    tensors = load_file(str(path / "model.safetensors"))
+    name = next(n for n in tensors if re.search(r"experts\.1\.(up_proj|w3)\.g_idx$", n))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="g_idx' differs from the g_idx of the other parts"):
         load_model(path)
 
 
