@@ -33,7 +33,7 @@ n_shared_experts experts' worth of ungated dense MLP beside the routed experts.
 
 Float8 checkpoints (DeepSeek-V3/R1's [128, 128] blocks) load as model/fp8_checkpoint.py
 loads any, except kv_b_proj: absorbed attention reads it as two dense matrices per head, so
-a float8 kv_b_proj is dequantized into the model's dtype once loaded (`LatentProjection`),
+a float8 (or int4) kv_b_proj is dequantized into the model's dtype once loaded (`LatentProjection`),
 and the compressed kv is not rounded to float8 (transformers' float8 layer would quantize
 its input c; DeepSeek's own absorbed inference code does not). quantization "fp8" leaves
 kv_b_proj in the model's dtype likewise.
@@ -70,6 +70,7 @@ from streamer.errors import ConfigError, ModelLoadError
 from streamer.model import quant
 from streamer.model.context import get_context, rows_as_decode
 from streamer.model.glm4_moe import SharedExpertsMoE, is_mtp_layer
+from streamer.model.int4_linear import Int4Linear
 from streamer.model.layers import MLP, Linear, RMSNorm
 from streamer.model.moe import MoEForCausalLM, SparseMoE
 from streamer.model.rope import rope_params, rope_type
@@ -95,7 +96,16 @@ def softmax_scale(cfg: Any) -> float:
 class LatentProjection(Linear):
     """kv_b_proj: its weight is read as two matrices per head (W_UK, W_UV), never run as a
     layer. A Linear, so that a float8 checkpoint's loads through model/fp8_checkpoint.py's
-    weight loaders (then `dequantize`); quantization "fp8" leaves it as it is."""
+    weight loaders (then `dequantize`); quantization "fp8" leaves it as it is. An int4
+    checkpoint's loads into an Int4Linear in its place, dequantized once loaded (`of_int4`)."""
+
+    int4_dequantized = True
+
+    @classmethod
+    def of_int4(cls, layer: Int4Linear, dtype: torch.dtype) -> LatentProjection:
+        dense = cls(layer.in_features, layer.out_features, bias=False, device=layer.weight.device, dtype=dtype)
+        dense.weight = nn.Parameter(layer.dense(dtype), requires_grad=False)
+        return dense
 
     def quantize_fp8(self, split_rows: TPGroup | None = None) -> bool:
         return False
@@ -213,8 +223,6 @@ class SoftmaxSharedMoE(SparseMoE):
 class DeepseekV2ForCausalLM(MoEForCausalLM):
     """head_dim is qk_rope_head_dim (the config's own: the rotary table's width)."""
 
-    int4_experts = False  # (its load_expert is its own: int4 experts of DeepSeek are not implemented)
-
     experts_field = "n_routed_experts"
     rope_interleaved = True
 
@@ -276,6 +284,8 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def loaded(self) -> None:
         for layer in self.layers:  # (dummy weights too: a float8 config's kv_b_proj is float8 either way)
             attn: Any = layer.self_attn
+            if isinstance(attn.kv_b_proj, Int4Linear):
+                attn.kv_b_proj = LatentProjection.of_int4(attn.kv_b_proj, self.norm.weight.dtype)
             attn.kv_b_proj.dequantize(self.norm.weight.dtype)
 
     def _deinterleave_rope(self) -> None:

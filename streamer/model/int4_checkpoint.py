@@ -29,11 +29,12 @@ norms stay in the model's dtype. The experts of a mixture of experts (one tensor
 projection in these checkpoints) go into one stacked layout of the same kind (model/moe.py
 Experts.expect_int4, kernels/moe_int4.py). Refused by name: other bits, methods' variants and fields
 this module does not know, quantized LM heads, int4 experts of architectures that store their experts
-otherwise (gpt-oss, DeepSeek, Granite MoE),
-quantization "fp8" on top, DeepSeek's latent attention (its interleaved rotary reorders
-projections after loading), layers whose shape the format cannot pack. A model that permutes
-its q/k rows after loading (partial rotary, Cohere's interleaved pairs) permutes the int4
-layer's rows with them (`Int4Linear.permute_rows`).
+otherwise (gpt-oss, Granite MoE),
+quantization "fp8" on top, layers whose shape the format cannot pack. A model that permutes
+its q/k rows after loading (partial rotary, Cohere's interleaved pairs, DeepSeek's interleaved
+rotary) permutes the int4 layer's rows with them (`Int4Linear.permute_rows`); a layer that is
+read as a matrix rather than run (`int4_dequantized`: DeepSeek's kv_b_proj) is dequantized once
+loaded (`Int4Linear.dense`).
 """
 
 from __future__ import annotations
@@ -222,15 +223,11 @@ def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
 def prepare(model: LlamaForCausalLM, scheme: Int4Scheme, device: torch.device, source: str) -> set[str]:
     """Replace each linear layer the checkpoint stores as int4 by an Int4Linear awaiting its
     tensors. Returns those layers' transformers names."""
-    name_of = type(model).__name__
     quantized: set[str] = set()
     if isinstance(model, MoEForCausalLM):
         quantized |= _prepare_experts(model, scheme, device, source)
-    if getattr(model, "rope_interleaved", False):
-        raise refuse(source, f"int4 weights in {name_of}, whose latent attention's projections are reordered "
-                     "after loading (interleaved rotary), are not implemented")
     for name, m, names in quantized_linears(model, scheme, source):
-        if type(m) is not Linear:
+        if type(m) is not Linear and not getattr(m, "int4_dequantized", False):
             raise refuse(source, f"quantizes {name} ({type(m).__name__}) to int4, which is not implemented")
         k, group = m.in_features, (m.in_features if scheme.group == -1 else scheme.group)
         if k % group or group % 16 or (scheme.method != "compressed-tensors" and m.out_features % 8):

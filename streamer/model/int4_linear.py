@@ -69,6 +69,21 @@ class Int4Linear(nn.Module):
             if t is not None:
                 t.data.copy_(t.data[perm].clone())
 
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] it stands for, in dtype, its columns in the input's order (before or
+        after an act order's permutation): a layer that is read as a matrix, not run
+        (DeepSeek's kv_b_proj), is dequantized once loaded."""
+        q = unpack(self.weight.data)
+        k = q.shape[1]
+        if self.g_idx is not None and self.perm is None and bool((self.g_idx >= 0).all()):
+            g = self.g_idx.data.long()  # (act order not yet applied: each column's own group)
+        else:
+            g = torch.arange(k, device=q.device) // self.group
+        w = ((q - self.weight_zero.to(torch.int32)[:, g]).float() * self.weight_scale.float()[:, g]).to(dtype)
+        if self.perm is not None:  # stored column j is input column perm[j]
+            w = torch.empty_like(w).index_copy_(1, self.perm.to(w.device), w)
+        return w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)

@@ -79,7 +79,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int | None, desc_
     gen = torch.Generator().manual_seed(5)
     for name, t in tensors.items():
         base = name.removesuffix(".weight")
-        if not (re.search(r"(proj|experts\.\d+\.w[123])\.weight$", name) and t.dim() == 2):  # (Mixtral's w1/w2/w3)
+        if not (re.search(r"(proj|proj_with_mqa|experts\.\d+\.w[123])\.weight$", name) and t.dim() == 2):  # (w1-3: Mixtral)
             out[name] = t
             continue
         n, k = t.shape

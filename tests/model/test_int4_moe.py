@@ -136,3 +136,25 @@ def test_dummy_int4_experts(tiny_moe, tmp_path):
     with LLM(str(path), dtype="float32", device="cpu", load_format="dummy") as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert out.error is None and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("fmt,desc_act", [("awq", False), ("gptq", True)], ids=["awq", "gptq-desc_act"])
+def test_deepseek_int4(tmp_path, default_model, arch, fmt, desc_act):
+    """DeepSeek's latent attention and experts from an int4 checkpoint: q (or q_a/q_b) and
+    kv_a_proj_with_mqa int4 layers whose rope rows are de-interleaved after loading (their rows
+    permuted with them), kv_b_proj dequantized once loaded (absorbed attention reads it as
+    matrices), int4 routed experts beside int4 shared experts; transformers on the dequantized
+    weights is the oracle. (Groups of 16: o_proj's K is 4 heads x 12 value dims.)"""
+    from tests.model.test_deepseek import CONFIGS
+
+    cfg = {**CONFIGS[arch], **({"q_lora_rank": 32} if arch == "DeepseekV3ForCausalLM" else {})}
+    src = make_tiny_model(tmp_path / "src", arch, default_model, **cfg)
+    path, deq = quantize_checkpoint(src, tmp_path / fmt, fmt, 16, desc_act)
+    model, _ = load_model(path)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.kv_a_proj_with_mqa, Int4Linear) and type(attn.kv_b_proj).__name__ == "LatentProjection"
+    torch.testing.assert_close(attn.kv_b_proj.weight, deq["model.layers.0.self_attn.kv_b_proj.weight"],
+                               rtol=0, atol=0)
+    assert model.layers[-1].mlp.experts.int4 is not None
+    generates_as(path, hf_on(src, deq), 8)
