@@ -7,7 +7,7 @@ sampling/rejection.py keeps each with probability min(1, p/q).
 Its KV lives in its own pool tensors indexed by the target's page ids: a page id holds
 the target's K/V of some tokens and the draft's of the same tokens, so the scheduler's
 one page accounting (allocation, the radix tree, preemption, rollback) covers both, and
-the pool is sized for both (ModelRunner._make_pool). To keep the draft's KV wherever the
+the pool is sized for both (model/kv_budget.py make_pool). To keep the draft's KV wherever the
 target's is, every forward of the target is mirrored: the draft runs over the same packed
 tokens (prefill chunks and decodes: eagerly, or its decode graphs) into its pages. The
 proposals themselves are k + 1 single-token draft steps over the speculating requests (in

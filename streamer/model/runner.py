@@ -23,13 +23,13 @@ import kernels.common
 from streamer.config import EngineConfig, use_pdl
 from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
-from streamer.kv.pages import PagePool
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
 from streamer.model.eagle_draft import EagleDraft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+from streamer.model.kv_budget import make_pool
 from streamer.model.launched import Launched, PromptLogprobs
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
@@ -92,7 +92,7 @@ class ModelRunner:
             for m in self.draft.model.modules():  # (as the target's, above)
                 if isinstance(m, Linear):
                     m.decode_gemv = True
-        self.pool = self._make_pool()
+        self.pool = make_pool(self.model, self.hf_config, config, self.device, self.kv_dtype, self.draft)
         if self.draft is not None:
             graphs = self.device.type == "cuda" and config.cuda_graphs
             self.draft.make_pool(self.pool.num_pages, self.pool.page_size,
@@ -140,37 +140,6 @@ class ModelRunner:
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
-
-    def _make_pool(self) -> PagePool:
-        cfg, c = self.hf_config, self.config
-        layers, kvh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim
-        shared_v = 0
-        latent = getattr(self.model, "latent_cache", None)
-        if latent is not None:  # MLA (model/deepseek.py): one latent "head" per token, V its first dims
-            kvh, (hd, shared_v) = 1, latent
-        tp = tensor_parallel()
-        if tp is not None:  # this rank's KV heads
-            kvh = tp.heads(cfg.num_attention_heads, kvh)[1]
-        per_page = PagePool.bytes_per_page(layers, c.page_size, kvh, hd, self.kv_dtype, shared_v)
-        if self.draft is not None:  # a page id holds the target's and the draft's KV of its tokens
-            per_page += self.draft.bytes_per_page(c.page_size)
-        if c.num_pages is not None:
-            n = c.num_pages
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize()
-            # blocks cached by the allocator count as used in mem_get_info: an engine released
-            # earlier in the process (whose last references went after its release) left some
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * c.gpu_memory_fraction) - (total - free) - (1 << 30)
-            n = budget // per_page
-        else:
-            n = c.cpu_kv_bytes // per_page
-        if tp is not None:  # the scheduler's pages must exist on every rank
-            n = tp.min_int(n)
-        if n < 2:
-            raise ConfigError(f"not enough memory for the KV pool ({n} pages of {per_page} bytes)")
-        return PagePool(layers, n, c.page_size, kvh, hd, self.kv_dtype, self.device, shared_v)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (packing.prepare)."""
