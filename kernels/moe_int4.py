@@ -199,8 +199,9 @@ def fused_moe_int4(
         x, qg, sg, zg, p_gu, h, sorted_ids, block_expert, b_gu,
         pairs, sorted_ids.numel(), hidden, inter, x.stride(0), qg.stride(0), qg.stride(1), sg.stride(0), sg.stride(1),
         h.stride(0),
-        G=groups[0], BLOCK_K=_block_k(groups[0], cfg.block_k), TOPK=topk, E=experts, **act, HAS_BIAS=w_gate_up_bias is not None, COMPUTE=compute,
-        PRECISION=precision, DTYPE=dtype, INTERP=interp, PERM=perms is not None, **tiles,
+        G=groups[0], BLOCK_K=_block_k(groups[0], cfg.block_k), TOPK=topk, E=experts, **act,
+        HAS_BIAS=w_gate_up_bias is not None, COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
+        PERM=perms is not None, **tiles,
     )  # fmt: skip
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _int4_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](

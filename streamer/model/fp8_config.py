@@ -183,18 +183,30 @@ def _compressed_tensors(qc: dict, source: str) -> Fp8Scheme:
     if block is not None and not (act == "group" and a.get("group_size") == block[1]):
         raise refuse(source, f"{where}.input_activations strategy {act!r} (group_size {a.get('group_size')!r}) with "
                      f"block weights is not supported (group, group_size {block[1]})")
-    targets = tuple(group.get("targets") or ())
-    if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
-        raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
+    targets = ct_targets(group, where, source)
     return Fp8Scheme("compressed-tensors", strategy, act, block, tuple(qc.get("ignore") or ()), targets)
 
 
-def _check_args(args: dict, where: str, source: str) -> None:
+def ct_args(args: dict, where: str, source: str, kind: str, bits: int, supported: str) -> None:
+    """A compressed-tensors group's weights or activations arguments: every field understood, and
+    of the type and bits this reader takes (kind "float" or "int"; supported: the refusal's hint)."""
     unknown = sorted(set(args) - CT_ARGS_FIELDS)
     if unknown:
         raise refuse(source, f"{where} field {unknown[0]!r} is not understood")
-    if args.get("type") != "float" or args.get("num_bits") != 8:
+    if args.get("type") != kind or args.get("num_bits") != bits:
         raise refuse(source, f"{where} type {args.get('type')!r} with num_bits {args.get('num_bits')!r} is not "
-                     "supported (float8 only: type 'float', num_bits 8)")
+                     f"supported ({supported})")
+
+
+def ct_targets(group: dict, where: str, source: str) -> tuple[str, ...]:
+    """The group's targets: 'Linear' or 're:' patterns (kept for Scheme.quantized)."""
+    targets = tuple(group.get("targets") or ())
+    if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
+        raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
+    return targets
+
+
+def _check_args(args: dict, where: str, source: str) -> None:
+    ct_args(args, where, source, "float", 8, "float8 only: type 'float', num_bits 8")
     if args.get("symmetric", True) is not True:
         raise refuse(source, f"{where} symmetric false (zero points) is not supported")

@@ -49,7 +49,7 @@ from torch import nn
 from streamer.errors import ModelLoadError
 from streamer.model.experts import Experts
 from streamer.model.fp8_checkpoint import quantized_linears
-from streamer.model.fp8_config import CT_ARGS_FIELDS, _ct_matches, ct_group, refuse
+from streamer.model.fp8_config import _ct_matches, ct_args, ct_group, ct_targets, refuse
 from streamer.model.int4_linear import Int4Linear, pack, unpack
 from streamer.model.layers import Linear
 from streamer.model.llama import LlamaForCausalLM
@@ -190,12 +190,7 @@ def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
     if group.get("input_activations") or group.get("output_activations"):
         raise refuse(source, f"{where} quantizes activations: only weight-only int4 (W4A16) is implemented")
     w = group.get("weights") or {}
-    unknown = sorted(set(w) - CT_ARGS_FIELDS)
-    if unknown:
-        raise refuse(source, f"{where}.weights field {unknown[0]!r} is not understood")
-    if w.get("type") != "int" or w.get("num_bits") != 4:
-        raise refuse(source, f"{where}.weights type {w.get('type')!r} with num_bits {w.get('num_bits')!r} is not "
-                     "supported (pack-quantized: type 'int', num_bits 4)")
+    ct_args(w, f"{where}.weights", source, "int", 4, "pack-quantized: type 'int', num_bits 4")
     if w.get("dynamic"):
         raise refuse(source, f"{where}.weights dynamic {w['dynamic']!r} is not supported")
     if w.get("actorder") not in (None, "weight", "static", "group"):
@@ -207,9 +202,7 @@ def _compressed_tensors(qc: dict, source: str) -> Int4Scheme:
         g = -1
     else:
         raise refuse(source, f"{where}.weights strategy {strategy!r} is not supported (group or channel)")
-    targets = tuple(group.get("targets") or ())
-    if not targets or any(t != "Linear" and not t.startswith("re:") for t in targets):
-        raise refuse(source, f"{where}.targets {list(targets)!r} is not supported ('Linear' or 're:' patterns)")
+    targets = ct_targets(group, where, source)
     skip = tuple(qc.get("ignore") or ())
     # (actorder "group" stores weight_g_idx, GPTQ's g_idx; "weight" and "static" only ordered the quantization)
     scheme = Int4Scheme("compressed-tensors", g, w.get("symmetric", True) is not True, skip=skip, targets=targets,
