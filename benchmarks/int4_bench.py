@@ -2,6 +2,7 @@
 shapes (group 128), after checking each against the torch reference:
 
     python3 benchmarks/int4_bench.py        # on a CUDA GPU
+    python3 benchmarks/int4_bench.py gemv   # the GEMV's tiles at M = 1: (BLOCK_N, warps, most K tiles per iteration)
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ def layer(n: int, k: int, group: int = 128):
     return qweight, scales, zeros
 
 
+def gemv_tiles() -> None:
+    print(f"{torch.cuda.get_device_name()}; int4 GEMV at M = 1, us (int4 weight GB/s) per (BLOCK_N, warps, unroll)")
+    for name, (n, k) in SHAPES.items():
+        qweight, scales, zeros = layer(n, k)
+        nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        cells = []
+        for bn, warps, unroll in ((16, 4, 1), (16, 4, 8), (16, 8, 8), (8, 4, 8), (32, 8, 8), (32, 4, 4), (64, 8, 4),
+                                  (16, 4, 4), (8, 2, 8)):
+            args = (x, qweight, scales, zeros, 128, (bn, 128), warps, unroll)
+            us = do_bench(lambda a=args: int4.int4_gemv(*a), warmup=25, rep=100) * 1e3
+            cells.append(f"({bn},{warps},{unroll}) {us:.1f} ({nbytes / us / 1e3:.0f})")
+        print(f"{name} {n}x{k}: " + "; ".join(cells), flush=True)
+
+
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}; us per call (int4 / bf16 cuBLAS), int4 weight GB/s at M = 1")
     for name, (n, k) in SHAPES.items():
@@ -50,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    gemv_tiles() if sys.argv[1:] == ["gemv"] else main()

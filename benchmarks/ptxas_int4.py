@@ -32,7 +32,7 @@ def main() -> None:
     sig = {**SIG, "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
            "stride_om": "i32"}
     for bn, bk, warps in ((16, 128, 4), (16, 128, 8), (8, 128, 4), (32, 128, 8), (16, 64, 4)):
-        consts = dict(G=128, BLOCK_N=bn, BLOCK_K=bk, DTYPE=tl.bfloat16, INTERP=False)
+        consts = dict(G=128, BLOCK_N=bn, BLOCK_K=bk, UNROLL=8, DTYPE=tl.bfloat16, INTERP=False)
         print(f"int4 gemv {bn}x{bk} w{warps}:",
               "{}/{}".format(*usage(_int4_gemv_kernel, sig, consts, num_warps=warps, num_stages=1)), flush=True)
 

@@ -50,18 +50,41 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 @triton.jit
+def _nibble(p, j: tl.constexpr, zf, s):
+    """(nibble j of each word - zero) * scale in fp32, with no int-to-float conversion (a quarter-rate
+    instruction): the nibble ORed into 2^23's mantissa is the float 2^23 + q, and zf = 2^23 + zero
+    (exact integers: the difference is q - zero exactly)."""
+    q = (((p >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (q - zf) * s
+
+
+@triton.jit
 def _dequant_tile(w_ptr, s_ptr, z_ptr, rows, k0, stride_wn, stride_sn, G: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    """W[rows, k0 : k0 + BLOCK_K] as fp32 [BLOCK_N, BLOCK_K] (k0 a multiple of BLOCK_K, which divides G)."""
+    """W[rows, k0 : k0 + BLOCK_K] as fp32 [BLOCK_N, BLOCK_K] (k0 a multiple of BLOCK_K, which divides G).
+
+    The words are loaded whole ([BLOCK_N, BLOCK_K / 8], vectorized) and each nibble becomes its own
+    [BLOCK_N, BLOCK_K / 8] tensor in the same registers; tl.join stacks the eight along new minor
+    dimensions, ordered so that the row-major flattening is k = 8 * word + nibble, which keeps every
+    value in the thread that loaded its word (a shift-and-reshape of one [N, W, 8] tensor moved them
+    through shared memory and spilled: benchmarks/RESULTS.md, thirty-second session)."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + words[None, :], eviction_policy="evict_first")
-    shifts = tl.arange(0, 8) * 4
-    q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]: k = 8 * word + nibble
-    q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+    p = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + words[None, :], eviction_policy="evict_first")
     g = k0 // G
-    s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + g).to(tl.float32)
-    z = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + g).to(tl.int32)
-    return (q - z[:, None]).to(tl.float32) * s[:, None]
+    s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + g).to(tl.float32)[:, None]
+    zf = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + g).to(tl.float32)[:, None] + 8388608.0  # 2^23 + zero
+    if BLOCK_K >= 32:
+        # t[n, w, a, b, c] = nibble 4a + 2b + c of word w
+        t = tl.join(tl.join(tl.join(_nibble(p, 0, zf, s), _nibble(p, 4, zf, s)),
+                            tl.join(_nibble(p, 2, zf, s), _nibble(p, 6, zf, s))),
+                    tl.join(tl.join(_nibble(p, 1, zf, s), _nibble(p, 5, zf, s)),
+                            tl.join(_nibble(p, 3, zf, s), _nibble(p, 7, zf, s))))
+        return tl.reshape(t, (BLOCK_N, BLOCK_K))
+    # two words a row (a group of 16): compiled, the joins' reshape fed wrong values to a 16-bit tl.dot (H100,
+    # Triton 3.9: thirty-second session), so these few values go the shift-and-reshape way
+    q = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = (tl.reshape(q, (BLOCK_N, BLOCK_K)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (q - zf) * s
 
 
 @triton.jit
@@ -90,21 +113,31 @@ def _int4_gemm_kernel(
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-    G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     rows = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = round_to(_dequant_tile(w_ptr, s_ptr, z_ptr, rows, k0, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE, INTERP)
-        # (x loaded in W's register layout, rows sharing addresses: see kernels/gemv/linear.py _x_chunk)
-        xv = tl.load(x_ptr + m * stride_xm + k0 + offs_k[None, :] + (offs_n * 0)[:, None],
-                     eviction_policy="evict_last")
-        acc += w.to(tl.float32) * xv.to(tl.float32)
+    for k0 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):  # UNROLL tiles' words in flight at once (a tile is few bytes)
+            k = k0 + u * BLOCK_K
+            w = round_to(_dequant_tile(w_ptr, s_ptr, z_ptr, rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
+                         INTERP)
+            # (x loaded in W's register layout, rows sharing addresses: see kernels/gemv/linear.py _x_chunk)
+            xv = tl.load(x_ptr + m * stride_xm + k + offs_k[None, :] + (offs_n * 0)[:, None],
+                         eviction_policy="evict_last")
+            acc += w.to(tl.float32) * xv.to(tl.float32)
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + m * stride_om + offs_n, round_to(y, DTYPE, INTERP), mask=offs_n < N)
+
+
+def unroll(k: int, block_k: int, most: int = 8) -> int:
+    """The GEMVs' K tiles per loop iteration: the largest count <= most that divides K's tiles."""
+    tiles = k // block_k
+    return next(u for u in range(min(most, tiles), 0, -1) if tiles % u == 0)
 
 
 def _block_k(group: int, cap: int) -> int:
@@ -150,10 +183,13 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-              block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+              block: tuple[int, int] | None = None, num_warps: int | None = None, most_unroll: int = 8) -> torch.Tensor:
     """int4_gemm's result for a few rows of x, each row computed alone (block: BLOCK_N,
-    BLOCK_K; default 16 rows of W by a K tile of up to 256 that divides the group: a
-    thread's share of a tile is whole int32 words, 8 weights each)."""
+    BLOCK_K; a K tile of up to 256 that divides the group: a thread's share of a tile is whole
+    int32 words, 8 weights each; up to most_unroll tiles per loop iteration, `unroll`). Default
+    tiles, the fastest of nine on the H100 for Llama-3.1-8B's layers (benchmarks/int4_bench.py gemv,
+    thirty-second session): 16 rows on 8 warps up to K 8,192 (qkv 24.5 us against 28.5 on 4 warps),
+    8 rows on 4 warps beyond (down, K 14,336: 63.5 against 118)."""
     _check(x, qweight, scales, zeros, group)
     n, k = qweight.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -162,12 +198,15 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        bn, bk = block or (16, _block_k(group, 256))
+        wide = k > 8192
+        bn, bk = block or (8 if wide else 16, _block_k(group, 256))
+        num_warps = num_warps or (4 if wide else 8)
         assert group % bk == 0 and bk % 8 == 0, (group, bk)
         _int4_gemv_kernel[(triton.cdiv(n, bn), m)](x2, qweight, scales, zeros, out, n, k, x2.stride(0),
                                                   qweight.stride(0), scales.stride(0), out.stride(0), G=group,
-                                                  BLOCK_N=bn, BLOCK_K=bk, DTYPE=TL_DTYPES[x.dtype],
-                                                  INTERP=interpreting(), num_warps=num_warps)
+                                                  BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll(k, bk, most_unroll),
+                                                  DTYPE=TL_DTYPES[x.dtype], INTERP=interpreting(),
+                                                  num_warps=num_warps)
     return out.view(*x.shape[:-1], n)
 
 

@@ -66,16 +66,16 @@ class MoeConfig:
             assert b >= 16 and b & (b - 1) == 0, "block sizes are powers of two >= 16"
 
 
-def default_config(pairs: int, experts: int, hidden: int, inter: int, fp8: bool = False,
+def default_config(pairs: int, experts: int, hidden: int, inter: int, kind: str = "bf16",
                    device: torch.device | None = None) -> MoeConfig:
-    """The tiles measured for this card and the experts' dtype (kernels/moe_tiles.py) where a
+    """The tiles measured for this card and the experts' dtype (kind: kernels/moe_tiles.py's KINDS) where a
     table exists, else by the mean rows per expert, as measured on the H200 for the Qwen3-30B-A3B layer
     (benchmarks/moe_layer.py --sweep, 2026-12-03): decode (<= 16 rows each, every expert's
     weights streamed once) 16 x 64 with 128-deep chunks, 2-4% faster than 64-deep; up to 128
     rows 64 x 64 x 64 (T 512: 7%, T 1,024: 17% faster than 32-row blocks); prefill 64 x 256 x
     64 with 8 warps (T 4,096 and 16,384: 15% faster than 64 x 64). Cut down for tiny shapes."""
     mean = pairs / max(experts, 1)
-    tiles = moe_tiles.tuned(device, fp8, mean) if device is not None else None
+    tiles = moe_tiles.tuned(device, kind, mean) if device is not None else None
     if tiles is not None:
         bm, bn, bk, nw, ns = tiles
         cfg = MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -333,7 +333,8 @@ def fused_moe(
     pairs = t * topk
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(pairs, experts, hidden, inter, w_gate_up_scale is not None, x.device)
+    cfg = config or default_config(pairs, experts, hidden, inter, "bf16" if w_gate_up_scale is None else "fp8",
+                                          x.device)
     out_dtype = x.dtype
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)

@@ -1,11 +1,12 @@
 """Measured tile tables for the grouped MoE GEMM (kernels/moe.py), one JSON file per GPU model.
 
 The best tiles depend on the card (its bandwidth, shared memory and SM count) and on the
-experts' dtype (a float8 chunk of 128 columns moves half the bytes of a bf16 one), so a table
+experts' dtype (a float8 chunk of 128 columns moves half the bytes of a bf16 one; int4 tiles are
+dequantized in registers), so a table
 measured on one card is only used on that card. `benchmarks/moe_layer.py --sweep --write`
 measures one and writes it here (or anywhere: STREAMER_MOE_TILES=path.json is read first).
 
-A table maps the experts' dtype ("bf16": any 16-bit, "fp8") to buckets of mean rows per
+A table maps the experts' dtype ("bf16": any 16-bit, "fp8", "int4": kernels/moe_int4.py's) to buckets of mean rows per
 expert (pairs / experts), each with the tiles that were fastest for that bucket's token counts:
 
     {"device": "NVIDIA H100 80GB HBM3",
@@ -27,6 +28,7 @@ import torch
 TABLES = Path(__file__).with_name("moe_tiles")
 ENV = "STREAMER_MOE_TILES"
 BUCKETS: tuple[int | None, ...] = (16, 128, None)  # mean rows per expert: decode, mixed, prefill
+KINDS = ("bf16", "fp8", "int4")
 
 
 def slug(device_name: str) -> str:
@@ -44,7 +46,7 @@ def _validated(table: object, source: str) -> dict[str, list[tuple[int | None, t
     if not isinstance(table, dict):
         raise ValueError(f"{source}: a MoE tile table is a JSON object")
     out = {}
-    for kind in ("bf16", "fp8"):
+    for kind in KINDS:
         rows = []
         for entry in table.get(kind, []):
             tiles = tuple(entry.get("tiles", ())) if isinstance(entry, dict) else ()
@@ -73,11 +75,12 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def tuned(device: torch.device, fp8: bool, mean_rows: float) -> tuple[int, ...] | None:
-    """The measured tiles for this card, dtype and mean rows per expert, or None (no table)."""
+def tuned(device: torch.device, kind: str, mean_rows: float) -> tuple[int, ...] | None:
+    """The measured tiles for this card, experts' dtype (KINDS) and mean rows per expert, or None (no table)."""
+    assert kind in KINDS, kind
     if device.type != "cuda":
         return None
-    rows = table_for(_device_name(device.index)).get("fp8" if fp8 else "bf16", [])
+    rows = table_for(_device_name(device.index)).get(kind, [])
     return next((tiles for bound, tiles in rows if bound is None or mean_rows <= bound), None)
 
 

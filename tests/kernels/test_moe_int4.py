@@ -32,14 +32,18 @@ def _case(t, h, i, e, k, dtype, groups, seed):
     return x, int4_experts(w_gu.cpu(), groups[0], gen), int4_experts(w_d.cpu(), groups[1], gen), weights, ids
 
 
+PATHS = {"grouped": {"config": MoeConfig(block_m=16, block_n=16, block_k=32)}, "gemv": {"gemv": (16, 4)}}
+"""The two ways through fused_moe_int4: alignment and grouped GEMMs, or the few-token GEMVs."""
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,e,k,groups", [(19, 4, 2, (32, 32)), (1, 8, 3, (16, 16)), (40, 6, 2, (64, 64)),
                                           (7, 4, 2, (128, 64))], ids=["e4k2", "one_token", "g64", "per_row"])
-def test_int4_experts_match_the_dequantized_reference(dtype, t, e, k, groups):
+def test_int4_experts_match_the_dequantized_reference(dtype, t, e, k, groups, path):
     """(per_row: one group per row of each projection, H and I columns: compressed-tensors' channel strategy.)"""
     x, gu, d, weights, ids = _case(t, 128, 64, e, k, dtype, groups, seed=t + e)
-    cfg = MoeConfig(block_m=16, block_n=16, block_k=32)
-    out = M4.fused_moe_int4(x, gu, d, groups, weights, ids, config=cfg)
+    out = M4.fused_moe_int4(x, gu, d, groups, weights, ids, **PATHS[path])
     ref = M4.reference(x, gu, d, groups, weights, ids)
     assert_like_reference(out, ref)
 
@@ -54,15 +58,16 @@ def test_the_reference_is_the_bf16_moe_on_dequantized_weights():
     torch.testing.assert_close(M4.reference(x, gu, d, (32, 16), weights, ids), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_act_order_experts_gather_their_inputs_by_their_own_order(dtype):
+def test_act_order_experts_gather_their_inputs_by_their_own_order(dtype, path):
     """Each expert's K stored in its own act order (GPTQ desc_act): the kernels gather x's and the
     intermediate's columns by the expert's perm; the reference puts W's columns back in place."""
     x, gu, d, weights, ids = _case(19, 128, 64, 4, 2, dtype, (32, 32), seed=21)
     gen = torch.Generator().manual_seed(22)
     perms = tuple(torch.stack([torch.randperm(n, generator=gen) for _ in range(4)]).to(torch.int32).to(DEVICE)
                   for n in (128, 64))
-    out = M4.fused_moe_int4(x, gu, d, (32, 32), weights, ids, config=MoeConfig(16, 16, 32), perms=perms)
+    out = M4.fused_moe_int4(x, gu, d, (32, 32), weights, ids, perms=perms, **PATHS[path])
     ref = M4.reference(x, gu, d, (32, 32), weights, ids, perms=perms)
     assert_like_reference(out, ref)
     plain = M4.reference(x, gu, d, (32, 32), weights, ids)
@@ -76,14 +81,15 @@ def test_act_order_experts_gather_their_inputs_by_their_own_order(dtype):
     torch.testing.assert_close(h @ full.T, h[:, perms[1][0].long()] @ stored.T)
 
 
-def test_activations_and_biases_follow_the_reference():
+@pytest.mark.parametrize("path", PATHS)
+def test_activations_and_biases_follow_the_reference(path):
     x, gu, d, weights, ids = _case(9, 64, 32, 4, 2, torch.float32, (32, 32), seed=11)
     gen = torch.Generator().manual_seed(12)
     b_gu = (torch.randn(4, 64, generator=gen) * 0.1).to(DEVICE)
     b_d = (torch.randn(4, 64, generator=gen) * 0.1).to(DEVICE)
     for act in ("gelu_tanh", "swigluoai"):
-        out = M4.fused_moe_int4(x, gu, d, (32, 32), weights, ids, act, MoeConfig(16, 16, 32), w_gate_up_bias=b_gu,
-                                w_down_bias=b_d)
+        out = M4.fused_moe_int4(x, gu, d, (32, 32), weights, ids, act, w_gate_up_bias=b_gu, w_down_bias=b_d,
+                                **PATHS[path])
         ref = M4.reference(x, gu, d, (32, 32), weights, ids, act, w_gate_up_bias=b_gu, w_down_bias=b_d)
         torch.testing.assert_close(out, ref, rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
@@ -96,10 +102,10 @@ def test_no_tokens_and_bad_groups():
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("t", [1, 8, 16, 17, 300])
 def test_int4_experts_model_sized(t):
     """Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 experts, top-8, group 128), compiled with
-    the default tiles, through kernels.ops."""
+    the default tiles, through kernels.ops (up to GEMV_TOKENS tokens by the GEMVs)."""
     from kernels import ops
 
     x, gu, d, weights, ids = _case(t, 2048, 768, 128, 8, torch.bfloat16, (128, 128), seed=t)

@@ -33,23 +33,23 @@ def test_the_shipped_h100_table_picks_float8_tiles_by_rows_per_expert(fake_card)
     fake_card["name"] = H100
     cuda = torch.device("cuda", 0)
     # W8's decode (1,024 pairs over 128 experts: 8 rows each), T 1,024 (64 rows), prefill (256 rows)
-    assert moe.default_config(1024, 128, 2048, 768, True, cuda) == moe.MoeConfig(16, 64, 256, 4, 3)
-    assert moe.default_config(8192, 128, 2048, 768, True, cuda) == moe.MoeConfig(64, 64, 128, 4, 3)
-    assert moe.default_config(32768, 128, 2048, 768, True, cuda) == moe.MoeConfig(64, 256, 128, 8, 3)
+    assert moe.default_config(1024, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(16, 64, 256, 4, 3)
+    assert moe.default_config(8192, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(64, 64, 128, 4, 3)
+    assert moe.default_config(32768, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(64, 256, 128, 8, 3)
     # the table has no bf16 entries: bf16 experts keep the built-in rules, as any other card does
-    assert moe.default_config(1024, 128, 2048, 768, False, cuda) == moe.default_config(1024, 128, 2048, 768)
+    assert moe.default_config(1024, 128, 2048, 768, "bf16", cuda) == moe.default_config(1024, 128, 2048, 768)
     fake_card["name"] = "Some Other GPU"
-    assert moe.default_config(1024, 128, 2048, 768, True, cuda) == moe.default_config(1024, 128, 2048, 768)
+    assert moe.default_config(1024, 128, 2048, 768, "fp8", cuda) == moe.default_config(1024, 128, 2048, 768)
 
 
 def test_tiny_shapes_still_cap_the_table_tiles(fake_card):
     fake_card["name"] = H100
-    cfg = moe.default_config(64, 8, 32, 16, True, torch.device("cuda", 0))
+    cfg = moe.default_config(64, 8, 32, 16, "fp8", torch.device("cuda", 0))
     assert (cfg.block_n, cfg.block_k) == (16, 16)
 
 
 def test_cpu_tensors_never_read_a_table():
-    assert moe_tiles.tuned(torch.device("cpu"), True, 8.0) is None
+    assert moe_tiles.tuned(torch.device("cpu"), "fp8", 8.0) is None
 
 
 def test_write_merges_one_dtype_and_the_env_table_wins(tmp_path, monkeypatch, fake_card):
@@ -60,8 +60,8 @@ def test_write_merges_one_dtype_and_the_env_table_wins(tmp_path, monkeypatch, fa
     assert [e["max_rows"] for e in table["fp8"]] == [16, 128, None] and len(table["bf16"]) == 2
     monkeypatch.setenv(moe_tiles.ENV, str(path))
     fake_card["name"] = H100  # (the env table is used whatever the card)
-    assert moe_tiles.tuned(torch.device("cuda", 0), False, 100.0) == (64, 256, 64, 8, 3)
-    assert moe_tiles.tuned(torch.device("cuda", 0), True, 100.0) == (64, 64, 128, 4, 3)
+    assert moe_tiles.tuned(torch.device("cuda", 0), "bf16", 100.0) == (64, 256, 64, 8, 3)
+    assert moe_tiles.tuned(torch.device("cuda", 0), "fp8", 100.0) == (64, 64, 128, 4, 3)
 
 
 @pytest.mark.parametrize(
@@ -78,5 +78,5 @@ def test_a_malformed_table_is_refused_with_its_path(tmp_path, monkeypatch, fake_
     monkeypatch.setenv(moe_tiles.ENV, str(path))
     fake_card["name"] = H100
     with pytest.raises(ValueError, match=message) as err:
-        moe_tiles.tuned(torch.device("cuda", 0), True, 8.0)
+        moe_tiles.tuned(torch.device("cuda", 0), "fp8", 8.0)
     assert str(path) in str(err.value)
