@@ -29,13 +29,16 @@ def test_buckets_are_the_decode_mixed_and_prefill_ranges():
     assert moe_tiles.slug(H100) == "nvidia_h100_80gb_hbm3"
 
 
-def test_the_shipped_h100_table_picks_float8_tiles_by_rows_per_expert(fake_card):
+def test_the_shipped_h100_table_picks_float8_and_int4_tiles_by_rows_per_expert(fake_card):
     fake_card["name"] = H100
     cuda = torch.device("cuda", 0)
     # W8's decode (1,024 pairs over 128 experts: 8 rows each), T 1,024 (64 rows), prefill (256 rows)
     assert moe.default_config(1024, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(16, 64, 256, 4, 3)
     assert moe.default_config(8192, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(64, 64, 128, 4, 3)
     assert moe.default_config(32768, 128, 2048, 768, "fp8", cuda) == moe.MoeConfig(64, 256, 128, 8, 3)
+    # int4 experts have their own entries (prefill: 128 x 128 x 64, where bf16's rule says 64 x 256 x 64)
+    assert moe.default_config(1024, 128, 2048, 768, "int4", cuda) == moe.MoeConfig(16, 64, 128, 4, 3)
+    assert moe.default_config(32768, 128, 2048, 768, "int4", cuda) == moe.MoeConfig(128, 128, 64, 8, 3)
     # the table has no bf16 entries: bf16 experts keep the built-in rules, as any other card does
     assert moe.default_config(1024, 128, 2048, 768, "bf16", cuda) == moe.default_config(1024, 128, 2048, 768)
     fake_card["name"] = "Some Other GPU"
@@ -50,6 +53,11 @@ def test_tiny_shapes_still_cap_the_table_tiles(fake_card):
 
 def test_cpu_tensors_never_read_a_table():
     assert moe_tiles.tuned(torch.device("cpu"), "fp8", 8.0) is None
+
+
+def test_an_unknown_kind_is_a_programming_error():
+    with pytest.raises(AssertionError):
+        moe_tiles.tuned(torch.device("cpu"), "int8", 8.0)
 
 
 def test_write_merges_one_dtype_and_the_env_table_wins(tmp_path, monkeypatch, fake_card):
