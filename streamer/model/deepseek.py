@@ -261,6 +261,10 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def make_mlp(self, i: int) -> nn.Module | None:
         return SoftmaxSharedMoE(self.config, self.act) if self.is_sparse(i) else None
 
+    def fused_module(self, name: str) -> str:
+        """q_proj is a layer of its own here (no k or v projection to fuse it with)."""
+        return name if name.endswith(".self_attn.q_proj") else super().fused_module(name)
+
     def load_expert(self, name: str, tensor: torch.Tensor, what: str) -> set[str] | None:
         """Also self_attn.q_proj's weight (and a float8 checkpoint's scale), which the Llama loader
         would take for a shard of its fused qkv_proj."""

@@ -170,7 +170,7 @@ def _quantized_slice(group: TPGroup, model: Any, name: str, t: Any) -> torch.Ten
 
     module, _, leaf = name.rpartition(".")
     split = linear_split(group, model, module)
-    if split is None:
+    if split is None or leaf == "bias":  # (a bias is a bias whatever the weight's format: the plain rules)
         return None
     axis, first, count = split
     layer = _layer(model, module)

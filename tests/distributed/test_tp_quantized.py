@@ -200,3 +200,32 @@ def test_int4_experts(tmp_path, fmt, group, sym):
     src = make_tiny_model(tmp_path / "src", "Qwen3MoeForCausalLM", None, **SHAPES, **ARCHS["Qwen3MoeForCausalLM"])
     path, _ = I4.quantize_checkpoint(src, tmp_path / fmt, fmt, group, sym=sym)
     assert_two_ranks_answer_as_one(path)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_int4_deepseek(tmp_path, default_model, arch):
+    """DeepSeek from a GPTQ checkpoint on two ranks: each rank's heads of the int4 q (or q_b) and
+    o projections, the whole int4 latent projection (its rope rows de-interleaved on each rank),
+    its heads of the dequantized kv_b_proj, and half of every int4 expert's intermediate size. (v_head_dim 16:
+    a rank's o_proj columns, 2 heads x 16, must hold whole groups of 16.)"""
+    from tests.model.test_deepseek import CONFIGS
+
+    cfg = {**CONFIGS[arch], "v_head_dim": 16, **({"q_lora_rank": 32} if arch == "DeepseekV3ForCausalLM" else {})}
+    src = make_tiny_model(tmp_path / "src", arch, default_model, **cfg)
+    path, _ = I4.quantize_checkpoint(src, tmp_path / "gptq", "gptq", 16)
+    assert_two_ranks_answer_as_one(path)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_int4_layers_with_biases(tmp_path, fmt):
+    """Qwen2's q/k/v biases beside int4 weights: each rank takes its heads' rows of the bias, not a
+    packed tensor's share (which cut them before)."""
+    from safetensors.torch import load_file, save_file
+
+    tiny = make_tiny_model(tmp_path / "qwen2", "Qwen2ForCausalLM", None, **I4.SHAPES)
+    tensors = load_file(str(tiny / "model.safetensors"))
+    g = torch.Generator().manual_seed(9)
+    tensors = {n: torch.randn(t.shape, generator=g) * 0.3 if n.endswith("bias") else t for n, t in tensors.items()}
+    save_file(tensors, str(tiny / "model.safetensors"))
+    path, _ = I4.quantize_checkpoint(tiny, tmp_path / fmt, fmt, 32)
+    assert_two_ranks_answer_as_one(path)
