@@ -158,3 +158,24 @@ def test_deepseek_int4(tmp_path, default_model, arch, fmt, desc_act):
                                rtol=0, atol=0)
     assert model.layers[-1].mlp.experts.int4 is not None
     generates_as(path, hf_on(src, deq), 8)
+
+
+@pytest.mark.parametrize("fmt,desc_act", [("awq", False), ("gptq", True)], ids=["awq", "gptq-desc_act"])
+def test_glm4_moe_int4(tmp_path, fmt, desc_act):
+    """GLM-4.5 from an int4 checkpoint: a dense first layer, q/k/v biases beside int4 weights, q/k
+    norms on half-rotary heads, grouped routing with a correction bias, and int4 routed experts
+    beside an int4 shared expert."""
+    from tests.model.test_deepseek import perturb
+
+    src = make_tiny_model(tmp_path / "glm", "Glm4MoeForCausalLM", None, **SHAPES, n_routed_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=96, n_shared_experts=1,
+                          n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                          routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                          pad_token_id=None)
+    perturb(src)  # (biases, norms and the correction bias away from their initial values)
+    path, deq = quantize_checkpoint(src, tmp_path / fmt, fmt, 32, desc_act)
+    model, _ = load_model(path)
+    assert model.layers[0].mlp.__class__.__name__ != model.layers[1].mlp.__class__.__name__  # (dense, then MoE)
+    moe = model.layers[1].mlp
+    assert moe.experts.int4 is not None and isinstance(moe.shared_experts.gate_up_proj, Int4Linear)
+    generates_as(path, hf_on(src, deq), 8)
