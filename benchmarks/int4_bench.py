@@ -3,6 +3,7 @@ shapes (group 128), after checking each against the torch reference:
 
     python3 benchmarks/int4_bench.py        # on a CUDA GPU
     python3 benchmarks/int4_bench.py gemv   # the GEMV's tiles at M = 1: (BLOCK_N, warps, most K tiles per iteration)
+    python3 benchmarks/int4_bench.py small  # M = 2-16: the GEMM's tiles against the GEMV run per row
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ def gemv_tiles() -> None:
         print(f"{name} {n}x{k}: " + "; ".join(cells), flush=True)
 
 
+SMALL = [(16, 32, 64, 4, 3), (16, 64, 64, 4, 3), (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 64, 128, 8, 3),
+         (16, 128, 64, 4, 3), (16, 32, 128, 4, 4), (16, 64, 64, 4, 5)]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried at M <= 16 (the default: 16 x 64 x 64, 4 warps, 3 stages)."""
+
+
+def small_m() -> None:
+    print(f"{torch.cuda.get_device_name()}; int4 at M = 2-16, us: GEMV per row; GEMM (M, N, K tile, warps, stages)")
+    for name, (n, k) in SHAPES.items():
+        qweight, scales, zeros = layer(n, k)
+        for m in (2, 4, 8, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cells = [f"gemv {do_bench(lambda a=(x, qweight, scales, zeros, 128): int4.int4_gemv(*a)) * 1e3:.1f}"]
+            for bm, bn, bk, warps, stages in SMALL:
+                args = (x, qweight, scales, zeros, 128, (bm, bn, bk), warps, stages)
+                us = do_bench(lambda a=args: int4.int4_gemm(*a), warmup=25, rep=100) * 1e3
+                cells.append(f"{bn}x{bk} w{warps} s{stages} {us:.1f}")
+            print(f"{name} {n}x{k} M={m}: " + "; ".join(cells), flush=True)
+
+
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}; us per call (int4 / bf16 cuBLAS), int4 weight GB/s at M = 1")
     for name, (n, k) in SHAPES.items():
@@ -66,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    gemv_tiles() if sys.argv[1:] == ["gemv"] else main()
+    {"gemv": gemv_tiles, "small": small_m}.get(sys.argv[1] if sys.argv[1:] else "", main)()

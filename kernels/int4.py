@@ -159,9 +159,13 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-              block: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+              block: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int | None = None
+              ) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype. block: (BLOCK_M, BLOCK_N, BLOCK_K); BLOCK_K
-    must divide the group (default: up to 64 rows, 128 columns, a K tile of up to 64)."""
+    must divide the group. Default: up to 16 rows, 16 x 32 x 128 in 4 stages, the fastest of eight
+    tiles at M 2-16 on the H100 for Llama-3.1-8B's layers (benchmarks/int4_bench.py small,
+    thirty-second session: at M 4 the four layers took 182 us against 279 with 16 x 64 x 64); more
+    rows, up to 64 rows by 128 columns by a K tile of up to 64 in 3 stages."""
     _check(x, qweight, scales, zeros, group)
     n, k = qweight.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -170,7 +174,10 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        bm, bn, bk = block or (min(64, max(16, triton.next_power_of_2(m))), 128 if m > 16 else 64, _block_k(group, 64))
+        few = m <= 16
+        bm, bn, bk = block or ((16, 32, _block_k(group, 128)) if few else
+                               (min(64, triton.next_power_of_2(m)), 128, _block_k(group, 64)))
+        num_stages = num_stages or (4 if few else 3)
         assert group % bk == 0 and bk % 16 == 0, (group, bk)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _int4_gemm_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), qweight.stride(0),
