@@ -8,7 +8,9 @@ each expert's weights in kernels/int4.py's layout, stacked:
 (kernels/moe_align.py), the same two grouped GEMMs and the same combine as kernels/moe.py,
 except that each K tile of the expert's weights is dequantized in the loop (kernels/int4.py's
 `_dequant_tile`, rounded to x's dtype as `dequantize` gives the reference) before its
-tensor-core dot. Semantics: kernels.reference_moe.fused_moe on the dequantized experts
+tensor-core dot. Up to GEMV_TOKENS tokens, two GEMV kernels replace the alignment and the grouped
+GEMMs (each (token, slot) pair streams its expert's rows, as kernels/moe_gemv.py does for bf16 experts)
+and feed the same combine. Semantics: kernels.reference_moe.fused_moe on the dequantized experts
 (`reference`), with its roundings (kernels/moe.py's docstring). groups = (G1, G2): consecutive
 columns per scale and zero of each projection (a checkpoint's group size, or a whole row: H and
 I). The K tile divides the group (one scale and zero per row in a tile), so H must be a multiple
@@ -230,12 +232,11 @@ def reference(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, groups: 
 
 
 def _grouped(x, gate_up: Int4Experts, down: Int4Experts, perms, groups: tuple[int, int], topk_ids: torch.Tensor,
-             weights: torch.Tensor, y: torch.Tensor, biases: tuple[torch.Tensor | None, torch.Tensor | None],
-             cfg: MoeConfig, act: dict, permuted: bool) -> None:
+             weights: torch.Tensor, y: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor],
+             has_bias: tuple[bool, bool], cfg: MoeConfig, act: dict, permuted: bool) -> None:
     """The alignment and the two grouped GEMMs, y [pairs, H] (float32, weighted) filled."""
     (qg, sg, zg), (qd, sd, zd) = gate_up, down
     experts, hidden, inter, topk = qg.shape[0], x.shape[1], qd.shape[2] * 8, topk_ids.shape[1]
-    b_gu, b_d = (x if b is None else b for b in biases)  # (x: an unread placeholder)
     pairs = y.shape[0]
     sorted_ids, block_expert = align_pairs(topk_ids, experts, cfg.block_m)
     blocks = block_expert.numel()
@@ -246,18 +247,18 @@ def _grouped(x, gate_up: Int4Experts, down: Int4Experts, perms, groups: tuple[in
     tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     h = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
     _int4_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
-        x, qg, sg, zg, perms[0], h, sorted_ids, block_expert, b_gu,
+        x, qg, sg, zg, perms[0], h, sorted_ids, block_expert, biases[0],
         pairs, sorted_ids.numel(), hidden, inter, x.stride(0), qg.stride(0), qg.stride(1), sg.stride(0), sg.stride(1),
         h.stride(0),
         G=groups[0], BLOCK_K=_block_k(groups[0], cfg.block_k), TOPK=topk, E=experts, **act,
-        HAS_BIAS=biases[0] is not None, COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
+        HAS_BIAS=has_bias[0], COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp,
         PERM=permuted, **tiles,
     )  # fmt: skip
     _int4_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, qd, sd, zd, perms[1], y, sorted_ids, block_expert, weights, b_d,
+        h, qd, sd, zd, perms[1], y, sorted_ids, block_expert, weights, biases[1],
         pairs, sorted_ids.numel(), hidden, inter, h.stride(0), qd.stride(0), qd.stride(1), sd.stride(0), sd.stride(1),
         y.stride(0),
-        G=groups[1], BLOCK_K=_block_k(groups[1], cfg.block_k), E=experts, HAS_BIAS=biases[1] is not None,
+        G=groups[1], BLOCK_K=_block_k(groups[1], cfg.block_k), E=experts, HAS_BIAS=has_bias[1],
         COMPUTE=compute, PRECISION=precision, DTYPE=dtype, INTERP=interp, PERM=permuted, **tiles,
     )  # fmt: skip
 
@@ -280,7 +281,8 @@ def fused_moe_int4(
 ) -> torch.Tensor:
     """`reference` on the GPU (or the interpreter): x [T, H] -> [T, H] in x's dtype; no host
     synchronisation (CUDA-graph capturable). config: the grouped GEMMs' tiles (default kernels.moe's
-    bf16 choice, its K tile cut to divide the group). gemv: (BLOCK_N, num_warps) of the GEMV kernels,
+    default_config for int4 experts: this card's measured table or the built-in rules, the K tile cut
+    to divide the group). gemv: (BLOCK_N, num_warps) of the GEMV kernels,
     which replace the alignment and the grouped GEMMs (default for up to GEMV_TOKENS tokens without a
     config). perms: int32 [E, H] and [E, I], each expert's act order."""
     experts, hidden, inter = _check(x, gate_up, down, groups)
@@ -289,9 +291,10 @@ def fused_moe_int4(
     if pairs == 0:
         return torch.zeros_like(x)
     act = act_constants(activation, swiglu_alpha, swiglu_limit)
+    x = x.contiguous()
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
-    x = x.contiguous()
+    has_bias = (w_gate_up_bias is not None, w_down_bias is not None)
     (qg, sg, zg), (qd, sd, zd) = (tuple(a.contiguous() for a in gate_up), tuple(a.contiguous() for a in down))
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     dtype, interp = _TL_DTYPES[x.dtype], _interpreting()
@@ -311,18 +314,17 @@ def fused_moe_int4(
             x, qg, sg, zg, p_gu, ids, h, b_gu,
             hidden, inter, x.stride(0), qg.stride(0), qg.stride(1), sg.stride(0), sg.stride(1), h.stride(0),
             G=groups[0], TOPK=topk, BLOCK_N=bn, BLOCK_K=bk_gu, UNROLL=unroll(hidden, bk_gu, 4), **act,
-            HAS_BIAS=w_gate_up_bias is not None, DTYPE=dtype, INTERP=interp, PERM=perms is not None,
+            HAS_BIAS=has_bias[0], DTYPE=dtype, INTERP=interp, PERM=perms is not None,
             num_warps=warps, num_stages=1,
         )  # fmt: skip
         _int4_gemv_down_kernel[(pairs, triton.cdiv(hidden, bn))](
             h, qd, sd, zd, p_d, ids, weights, y, b_d,
             hidden, inter, h.stride(0), qd.stride(0), qd.stride(1), sd.stride(0), sd.stride(1), y.stride(0),
-            G=groups[1], BLOCK_N=bn, BLOCK_K=bk_d, UNROLL=unroll(inter, bk_d), HAS_BIAS=w_down_bias is not None,
+            G=groups[1], BLOCK_N=bn, BLOCK_K=bk_d, UNROLL=unroll(inter, bk_d), HAS_BIAS=has_bias[1],
             DTYPE=dtype, INTERP=interp, PERM=perms is not None, num_warps=warps, num_stages=1,
         )  # fmt: skip
     else:
-        _grouped(x, (qg, sg, zg), (qd, sd, zd), (p_gu, p_d), groups, topk_ids, weights, y,
-                 (None if w_gate_up_bias is None else b_gu, None if w_down_bias is None else b_d),
+        _grouped(x, (qg, sg, zg), (qd, sd, zd), (p_gu, p_d), groups, topk_ids, weights, y, (b_gu, b_d), has_bias,
                  config or default_config(pairs, experts, hidden, inter, "int4", x.device), act, perms is not None)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](y, out, hidden, TOPK=topk, BLOCK=1024, DTYPE=dtype, INTERP=interp)
