@@ -202,6 +202,23 @@ def test_int4_experts(tmp_path, fmt, group, sym):
     assert_two_ranks_answer_as_one(path)
 
 
+@pytest.mark.parametrize("arch,fmt", [("MixtralForCausalLM", "awq"), ("Qwen2MoeForCausalLM", "gptq")])
+def test_int4_experts_of_other_families(tmp_path, arch, fmt):
+    """Mixtral's w1/w3/w2 experts, Qwen2-MoE's experts beside its int4 shared expert (and the shared
+    expert's gate), each rank holding half of every intermediate size. (A shared expert of 96 would
+    leave each rank 48 columns, not whole groups of 32: refused by name, as the second case shows.)"""
+    from tests.model.test_int4_moe import ARCHS, SHAPES
+
+    shapes = {**SHAPES, **ARCHS[arch], **({"shared_expert_intermediate_size": 128} if "Qwen2" in arch else {})}
+    src = make_tiny_model(tmp_path / "src", arch, None, **shapes)
+    path, _ = I4.quantize_checkpoint(src, tmp_path / fmt, fmt, 32)
+    assert_two_ranks_answer_as_one(path)
+    if "Qwen2" in arch:
+        narrow = make_tiny_model(tmp_path / "narrow", arch, None, **SHAPES, **ARCHS[arch])
+        path, _ = I4.quantize_checkpoint(narrow, tmp_path / "narrow-q", fmt, 32)
+        with pytest.raises(ModelLoadError, match=r"shared_expert\.down_proj of shape \(128, 48\) \(this rank's part"):
+            answers(path, tensor_parallel_size=2)
+
 @pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_int4_deepseek(tmp_path, default_model, arch):
     """DeepSeek from a GPTQ checkpoint on two ranks: each rank's heads of the int4 q (or q_b) and
