@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from streamer.config import EngineConfig
+from streamer.config import QUANTIZATIONS, EngineConfig
 from streamer.errors import StreamerError
 
 
@@ -17,8 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "or 'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: float8 weights and per-token float8 activations in the linear layers (W8A8)")
+    g.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="fp8: float8 weights and per-token float8 activations in the linear layers (W8A8); "
+                   "awq, awq_marlin, gptq, gptq_marlin, compressed-tensors, mxfp4: the checkpoint's own format, "
+                   "checked (quantized checkpoints run as stored without it too)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache dtype (auto: the model's; fp8: float8 e4m3, half the memory per token)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

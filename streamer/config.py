@@ -28,7 +28,12 @@ from streamer.speculative_config import parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-QUANTIZATIONS = ("fp8",)
+CHECKPOINT_FORMATS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
+                      "compressed-tensors": "compressed-tensors", "mxfp4": "mxfp4"}
+"""quantization values that name a checkpoint's own format (vLLM's names, its Marlin kernels' included) -> the
+config.json quant_method they stand for: accepted where the checkpoint is stored that way (it runs as stored),
+refused otherwise (model/fp8_config.py confirm_format). streamer quantizes at load to fp8 only."""
+QUANTIZATIONS = ("fp8", *CHECKPOINT_FORMATS)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "deepseek_v31")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 CACHE_ISOLATIONS = ("none", "per-key")
@@ -122,7 +127,9 @@ class EngineConfig:
     streamer/model/quant.py): half the weight bytes and twice the tensor-core FLOPs, for a
     small loss of precision. None: the weights stay in `dtype`. A checkpoint that is already
     float8 (a quantization_config in config.json) runs as stored with either value
-    (streamer/model/fp8_checkpoint.py)."""
+    (streamer/model/fp8_checkpoint.py). awq, awq_marlin, gptq, gptq_marlin, compressed-tensors,
+    mxfp4 (CHECKPOINT_FORMATS): the checkpoint is stored that way and runs as stored (a check,
+    as a quantized checkpoint loads as stored with no value)."""
     device: str = "auto"
     load_format: str = "auto"
     """auto: safetensors from the folder; dummy: random weights of the real shapes."""

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from streamer.config import CHECKPOINT_FORMATS
 from streamer.errors import ModelLoadError
 
 FINEGRAINED_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
@@ -60,6 +61,22 @@ def _ct_matches(name: str, pattern: str) -> bool:
 
 def refuse(source: str, what: str) -> ModelLoadError:
     return ModelLoadError(f"{source}: quantization_config {what}")
+
+
+def confirm_format(hf_config: Any, source: str, requested: str | None) -> str | None:
+    """`requested` as the schemes' readers take it: None and "fp8" unchanged; a checkpoint format's name
+    (config.CHECKPOINT_FORMATS) checked against config.json's quant_method, then None (the checkpoint
+    runs as stored, as it would with no value)."""
+    if requested not in CHECKPOINT_FORMATS:
+        return requested
+    qc = getattr(hf_config, "quantization_config", None)
+    method = None if qc is None else (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+    if method != CHECKPOINT_FORMATS[requested]:
+        found = (f"quant_method {method!r}" if method is not None else
+                 "no quantization_config (an unquantized checkpoint: streamer quantizes to fp8 only at load)")
+        raise ModelLoadError(f"{source}: quantization={requested!r} names a {CHECKPOINT_FORMATS[requested]!r} "
+                             f"checkpoint, but config.json has {found}")
+    return None
 
 
 def read_scheme(hf_config: Any, source: str, requested: str | None) -> Fp8Scheme | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from streamer.config import QUANTIZATIONS
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
@@ -152,15 +153,16 @@ def load_model(
     method ("eagle3", "eagle") whose head is wanted (model/eagle_heads.py), and only then is
     a head accepted. quantization "fp8": the
     decoder's linear layers are converted to float8 once loaded (streamer/model/quant.py).
-    A checkpoint whose config.json has a quantization_config is loaded as it is stored,
-    whatever `quantization` says (model/fp8_checkpoint.py: float8, int4 through
-    model/int4_checkpoint.py, or refused)."""
+    A checkpoint whose config.json has a quantization_config is loaded as it is stored
+    (model/fp8_checkpoint.py: float8, int4 through model/int4_checkpoint.py, or refused);
+    quantization may name its format (config.CHECKPOINT_FORMATS: checked, fp8_config.confirm_format)."""
     path = Path(path)
     device = torch.device(device)
-    if quantization not in (None, "fp8"):
-        raise ModelLoadError(f"quantization {quantization!r} is not supported (fp8 or none)")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported ({', '.join(QUANTIZATIONS)} or none)")
     hf_config = load_hf_config(path)
     source = str(path / "config.json")
+    quantization = fp8_config.confirm_format(hf_config, source, quantization)
     scheme: Any = int4_checkpoint.scheme_of(hf_config, source, quantization) \
         or fp8_config.read_scheme(hf_config, source, quantization)
     archs = getattr(hf_config, "architectures", None)

@@ -176,6 +176,8 @@ def test_compressed_tensors_per_channel_runs_as_online_fp8_does(tiny, tmp_path):
     qkv = model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8 and qkv.weight_scale.shape == (qkv.out_features,)
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight_scale is None
+    named, _ = load_model(path, quantization="compressed-tensors")  # (the format's name: a check, as stored)
+    assert torch.equal(named.layers[0].self_attn.qkv_proj.weight, qkv.weight)
     online, _ = load_model(tiny, quantization="fp8")
     for (name, a), b in zip(model.named_modules(), online.modules()):
         if isinstance(a, Linear):

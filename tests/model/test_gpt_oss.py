@@ -167,7 +167,7 @@ def test_an_mxfp4_checkpoint_runs_as_the_weights_it_stands_for(model_dir, tmp_pa
         if f.name != "model.safetensors":
             (dense / f.name).write_bytes(f.read_bytes())
     save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
-    with LLM(str(tmp_path / "mxfp4")) as quantized:
+    with LLM(str(tmp_path / "mxfp4"), quantization="mxfp4") as quantized:  # (its format's name: a check)
         batch = prompts(quantized.tokenizer, 2, 20, 60, seed=6)
         got = [o.token_ids for o in quantized.generate(batch, GREEDY)]
     with LLM(str(dense)) as engine:

@@ -267,6 +267,26 @@ def test_quantization_fp8_on_an_int4_checkpoint_is_refused(tiny, tmp_path):
         load_model(with_config(tiny, tmp_path / "m", qconfig("awq", 32)), quantization="fp8")
 
 
+@pytest.mark.parametrize("fmt,names", [("awq", ("awq", "awq_marlin")), ("gptq", ("gptq", "gptq_marlin")),
+                                       ("ct", ("compressed-tensors",))])
+def test_quantization_may_name_the_checkpoints_own_format(tiny, tmp_path, fmt, names):
+    """vLLM's names for a checkpoint's format (its Marlin kernels' too) are a check: the checkpoint runs as
+    stored, as with no value; another format's name, or any on an unquantized checkpoint, is refused."""
+    path, _ = quantize_checkpoint(tiny, tmp_path / fmt, fmt, 32)
+    plain, _ = load_model(path)
+    for name in names:
+        model, _ = load_model(path, quantization=name)
+        assert type(model.layers[0].self_attn.qkv_proj) is type(plain.layers[0].self_attn.qkv_proj) is Int4Linear
+    method = {"awq": "awq", "gptq": "gptq", "ct": "compressed-tensors"}[fmt]
+    other = "gptq" if fmt == "awq" else "awq_marlin"
+    with pytest.raises(ModelLoadError, match=f"quantization='{other}' names a '.*' checkpoint, but config.json has "
+                                             f"quant_method '{method}'"):
+        load_model(path, quantization=other)
+    with pytest.raises(ModelLoadError, match=f"quantization='{names[0]}' names .* but config.json has no "
+                                             "quantization_config \\(an unquantized checkpoint"):
+        load_model(tiny, quantization=names[0])
+
+
 def test_desc_act_orders_that_differ_within_a_fused_layer_are_refused(tiny, tmp_path):
     path, _ = quantize_checkpoint(tiny, tmp_path / "g", "gptq", 64, desc_act=True)
     tensors = load_file(str(path / "model.safetensors"))

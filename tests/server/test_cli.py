@@ -77,6 +77,10 @@ def test_engine_flags_reach_the_engine_config():
     default = engine_config(serve_parser().parse_args([]))
     assert (default.cuda_graph_max_tokens, default.hold_ahead_ms, default.decode_gemv) == (2048, 1.5, True)
     assert (default.kv_cache_dtype, default.cuda_graph_max_bs, default.quantization) == ("auto", 512, None)
+    # a checkpoint format's name, as vLLM users pass it (checked against the checkpoint at load)
+    assert engine_config(serve_parser().parse_args(["--quantization", "awq_marlin"])).quantization == "awq_marlin"
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--quantization", "int8"])
 
 
 def test_the_engine_gets_its_own_process_on_cuda_unless_told():
