@@ -22,6 +22,7 @@ from streamer.errors import ConfigError
 from streamer.kv.pages import PagePool
 from streamer.messages import Batch
 from streamer.model.context import computing_rows_as_decode
+from streamer.model.experts import Experts
 from streamer.model.graphs import DecodeGraphs
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -61,7 +62,7 @@ def unavailable(config: EngineConfig, hf_config: Any, model: Any) -> str | None:
         return "not with block-scaled float8 layers (cuBLAS's block-wise GEMM at every batch size)"
     if tensor_parallel() is not None:
         return "not with tensor parallelism (each rank's all-reduce)"
-    if getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0):
+    if any(isinstance(m, Experts) for m in model.modules()):  # (read from the model, whatever its config calls them)
         return "not for a mixture of experts (its kernels choose their path by token count)"
     if config.speculative_config.num_speculative_tokens + 1 > MAX_ROWS_PER_ROW:
         return f"at most {MAX_ROWS_PER_ROW - 1} num_speculative_tokens"

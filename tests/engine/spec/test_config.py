@@ -129,7 +129,8 @@ def test_where_exact_verify_cannot_apply_the_runner_says_why(tmp_path, default_m
         assert "float32 model runs cuBLAS at one row" in why_not(llm)
     with LLM(str(default_model), speculative_config=spec, decode_gemv=False) as llm:
         assert "decode_gemv is off" in why_not(llm)
-    arch, kw = MOE["qwen3_moe"]
-    moe = make_tiny_model(tmp_path / "moe", arch, default_model, **kw)
-    with LLM(str(moe), speculative_config=spec, dtype="bfloat16") as llm:
-        assert "mixture of experts" in why_not(llm)
+    for name in ("qwen3_moe", "glm4_moe"):  # (configs naming the count num_experts, n_routed_experts)
+        arch, kw = MOE[name]
+        moe = make_tiny_model(tmp_path / name, arch, default_model, **kw)
+        with LLM(str(moe), speculative_config=spec, dtype="bfloat16") as llm:
+            assert "mixture of experts" in why_not(llm)
