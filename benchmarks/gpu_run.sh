@@ -4,7 +4,7 @@
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
-#                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final)
+#                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -27,6 +27,8 @@
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
 # int4layer, int4e2e: the int4 MoE layer (GEMV tiles, grouped tiles swept into /tmp/moe_tiles.json), then int4 end to
 # end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
+# int4gemv, int4final: the GEMVs' tiles, then the committed int4 kernels' tests and W2/W8. int4peer (after moeso, carry
+# .peer and .whl): the same GPTQ shapes beside vLLM (its Marlin kernels).
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -413,6 +415,17 @@ if [ "$part" = int4final ]; then
   bench --workload W2 --model-dir benchmarks/configs/llama-3.1-8b-gptq --no-peer --json "$OUT/int4_llama_w2c.json" | tail -1
   bench --workload W8 --num-requests "${W8_N:-256}" --model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer \
       --json "$OUT/int4moe_w8c.json" | tail -1
+fi
+if [ "$part" = int4peer ]; then
+  # int4 beside vLLM (its GPTQ Marlin kernels read the same dummy GPTQ configs), after moeso on the same warm machine
+  # (carry .peer and .whl): W2 on the GPTQ Llama-3.1-8B shape, then W2 and W8 on the GPTQ Qwen3-30B-A3B one
+  [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
+  cp /tmp/moeso/*.so .peer/site/vllm/ 2>/dev/null || echo "no /tmp/moeso: the MoE peer will not load (run moeso first)"
+  bench --workload W2 --model-dir benchmarks/configs/llama-3.1-8b-gptq --peer vllm --json "$OUT/int4_llama_w2_peer.json" \
+      | tail -1
+  g="--model-dir benchmarks/configs/qwen3-30b-a3b-gptq --peer vllm"
+  bench --workload W2 $g --json "$OUT/int4moe_w2_peer.json" | tail -1
+  bench --workload W8 --num-requests "${W8_N:-256}" $g --json "$OUT/int4moe_w8_peer.json" | tail -1
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60
