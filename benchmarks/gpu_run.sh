@@ -415,6 +415,8 @@ if [ "$part" = int4final ]; then
   bench --workload W2 --model-dir benchmarks/configs/llama-3.1-8b-gptq --no-peer --json "$OUT/int4_llama_w2c.json" | tail -1
   bench --workload W8 --num-requests "${W8_N:-256}" --model-dir benchmarks/configs/qwen3-30b-a3b-gptq --no-peer \
       --json "$OUT/int4moe_w8c.json" | tail -1
+  # the dense layers: int4.linear against cuBLAS, and from 128 rows the GEMM against W dequantized for cuBLAS
+  python3 benchmarks/int4_bench.py 2>&1 | tee "$OUT/int4_dense_final.txt" | tail -24
 fi
 if [ "$part" = int4peer ]; then
   # int4 beside vLLM (its GPTQ Marlin kernels read the same dummy GPTQ configs), after moeso on the same warm machine

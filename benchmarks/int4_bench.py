@@ -65,7 +65,7 @@ def small_m() -> None:
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()}; us per call (int4 / bf16 cuBLAS), int4 weight GB/s at M = 1")
+    print(f"{torch.cuda.get_device_name()}; us per call (int4.linear / bf16 cuBLAS), int4 weight GB/s at M = 1")
     for name, (n, k) in SHAPES.items():
         qweight, scales, zeros = layer(n, k)
         dense = int4.dequantize(qweight, scales, zeros, 128, torch.bfloat16)
@@ -82,6 +82,10 @@ def main() -> None:
             if m == 1:
                 nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
                 extra = f"  {nbytes / t4 / 1e3:.0f} GB/s"
+            if m >= 128:  # the two ways of more rows: the int4 GEMM, and W written out for cuBLAS (DEQUANT_ROWS)
+                gemm = do_bench(lambda a=args: int4.int4_gemm(*a), warmup=25, rep=100) * 1e3
+                dq = do_bench(lambda a=args: int4.dequantize_weight(*a, torch.bfloat16), warmup=25, rep=100) * 1e3
+                extra = f"  (GEMM {gemm:.1f}, dequant {dq:.1f} + cuBLAS)"
             print(f"{name} {n}x{k} M={m}: {t4:.1f} / {t16:.1f}{extra}  (max rel err {err:.1e})", flush=True)
 
 

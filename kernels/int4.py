@@ -18,7 +18,8 @@ which divides G so that a tile has one scale and zero per row, is at least tl.do
 serves prefill and batches; `int4_gemv` (a few rows; each row its own program along the grid's
 third axis, so a row's result does not depend on the others: a verify step's rows equal
 decode's) serves decode, streaming [BLOCK_N, BLOCK_K] tiles of W with elementwise FMAs
-like kernels/gemv. `linear` picks one; `reference_linear` is the torch path (CPU).
+like kernels/gemv; from DEQUANT_ROWS rows W is dequantized whole (`dequantize_weight`) for a
+cuBLAS GEMM. `linear` picks one; `reference_linear` is the torch path (CPU).
 """
 
 from __future__ import annotations
@@ -217,11 +218,46 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return out.view(*x.shape[:-1], n)
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = round_to(_dequant_tile(w_ptr, s_ptr, z_ptr, tl.minimum(offs_n, N - 1), k0, stride_wn, stride_sn, G, BLOCK_N,
+                               BLOCK_K), DTYPE, INTERP)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k0 + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out, w, mask=(offs_n < N)[:, None])
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize` in one kernel: W [N, K] in dtype, each value rounded once as the reference's."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    assert group % 16 == 0 and k % group == 0 and scales.shape == zeros.shape == (n, k // group), (group, k)
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    bk = _block_k(group, 128)
+    _dequant_kernel[(triton.cdiv(n, 32), k // bk)](qweight, scales, zeros, out, n, qweight.stride(0), scales.stride(0),
+                                                   out.stride(0), G=group, BLOCK_N=32, BLOCK_K=bk,
+                                                   DTYPE=TL_DTYPES[dtype], INTERP=interpreting())
+    return out
+
+
+DEQUANT_ROWS = 1024
+"""Rows from which `linear` writes W out in x's dtype (`dequantize_weight`) and multiplies with cuBLAS: the
+reference's arithmetic exactly. At M = 1,024 on the H100 the int4 GEMM took 2.5-2.9x bf16 cuBLAS's time for
+Llama-3.1-8B's layers (841 against 342 us for gate_up), and writing gate_up's 235 MB of bf16 is ~0.1 ms at the
+card's bandwidth (benchmarks/RESULTS.md, thirty-second session; the dequantization itself not yet timed there:
+int4_bench.py's "dequant" column)."""
+
+
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
            per_row: bool = False) -> torch.Tensor:
     """The W4A16 layer on CUDA: the GEMV for one row (or up to GEMV_ROWS with per_row: each
-    row as if alone, bit for bit), the GEMM otherwise."""
+    row as if alone, bit for bit), W dequantized whole and cuBLAS from DEQUANT_ROWS rows, the
+    GEMM otherwise."""
     rows = x.numel() // max(1, x.shape[-1])
     if rows == 1 or (per_row and rows <= GEMV_ROWS):
         return int4_gemv(x, qweight, scales, zeros, group)
+    if rows >= DEQUANT_ROWS:
+        return torch.nn.functional.linear(x, dequantize_weight(qweight, scales, zeros, group, x.dtype))
     return int4_gemm(x, qweight, scales, zeros, group)

@@ -62,6 +62,24 @@ def test_kernels_match_reference(m, n, k, group, dtype):
         torch.testing.assert_close(got.float().cpu(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("n,k,group", [(40, 64, 32), (24, 128, 16), (72, 96, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_dequantize_weight_is_the_reference_bit_for_bit(n, k, group, dtype):
+    qweight, scales, zeros, _ = random_layer(n, k, group, dtype, seed=n + k)
+    dev = [t.to(DEVICE) for t in (qweight, scales, zeros)]
+    want = int4.dequantize(*dev, group, dtype)
+    assert torch.equal(int4.dequantize_weight(*dev, group, dtype), want)
+
+
+def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
+    """From DEQUANT_ROWS rows `linear` is the reference's own arithmetic: W written out, then x @ W^T."""
+    monkeypatch.setattr(int4, "DEQUANT_ROWS", 4)
+    qweight, scales, zeros, _ = random_layer(40, 64, 32, torch.float32)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    dev = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    assert torch.equal(int4.linear(*dev, 32), int4.reference_linear(*dev, 32))
+
+
 def test_per_row_rows_equal_single_rows():
     """linear(per_row=True) computes a verify step's rows exactly as decode's single row."""
     qweight, scales, zeros, _ = random_layer(24, 64, 32, torch.float32)
@@ -74,7 +92,7 @@ def test_per_row_rows_equal_single_rows():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 7, 16, 300])
+@pytest.mark.parametrize("m", [1, 7, 16, 300, 1024])
 @pytest.mark.parametrize("group", [32, 128])
 def test_model_sized_bf16(m, group):
     n, k = 4096 + 64, 4096
