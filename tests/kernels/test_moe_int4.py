@@ -102,7 +102,7 @@ def test_no_tokens_and_bad_groups():
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 8, 16, 17, 300])
+@pytest.mark.parametrize("t", [1, 4, 5, 16, 300])  # (GEMV_TOKENS 4: both sides of it)
 def test_int4_experts_model_sized(t):
     """Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 experts, top-8, group 128), compiled with
     the default tiles, through kernels.ops (up to GEMV_TOKENS tokens by the GEMVs)."""
