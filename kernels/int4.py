@@ -234,6 +234,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     """`dequantize` in one kernel: W [N, K] in dtype, each value rounded once as the reference's."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     assert group % 16 == 0 and k % group == 0 and scales.shape == zeros.shape == (n, k // group), (group, k)
+    assert qweight.stride(-1) == scales.stride(-1) == zeros.stride(-1) == 1 and scales.stride(0) == zeros.stride(0)
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     bk = _block_k(group, 128)
     _dequant_kernel[(triton.cdiv(n, 32), k // bk)](qweight, scales, zeros, out, n, qweight.stride(0), scales.stride(0),
