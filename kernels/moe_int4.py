@@ -127,6 +127,15 @@ def _int4_down_kernel(
 
 
 @triton.jit
+def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
+    """The GEMVs' program (pair p, n-block): p, its expert, the block's BLOCK_N output rows, which of them
+    are < N, and the rows clamped to N - 1 (tail rows re-read a valid row; the stores mask them)."""
+    p = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, tl.load(ids_ptr + p).to(tl.int64), offs_n, offs_n < N, tl.minimum(offs_n, N - 1)
+
+
+@triton.jit
 def _int4_gemv_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, ids_ptr, out_ptr, bias_ptr,
     H, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
@@ -137,11 +146,7 @@ def _int4_gemv_gate_up_kernel(
     """GEMM 1 for a few tokens: program (pair p, n-block) streams BLOCK_N gate and up rows of
     expert ids[p] with elementwise FMAs (kernels/int4.py's GEMV), no alignment: inter[p] as the
     grouped kernel's, through the same epilogue."""
-    p = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < INTER
-    gate_rows = tl.minimum(offs_n, INTER - 1)
+    p, expert, offs_n, n_mask, gate_rows = _pair_block(ids_ptr, INTER, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (p // TOPK) * stride_x
     w_e, s_e, z_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
@@ -171,11 +176,7 @@ def _int4_gemv_down_kernel(
     DTYPE: tl.constexpr, INTERP: tl.constexpr, PERM: tl.constexpr,
 ):
     """GEMM 2 for a few tokens: program (pair p, n-block), y[p] as the grouped kernel's."""
-    p = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    rows = tl.minimum(offs_n, H - 1)
+    p, expert, offs_n, n_mask, rows = _pair_block(ids_ptr, H, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     h_row = h_ptr + p * stride_h
     w_e, s_e, z_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
