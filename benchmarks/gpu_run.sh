@@ -4,7 +4,8 @@
 #                                        | record | probe | w3fp8 | tune | w8a8 | w3ab | power | moe
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
-#                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer)
+#                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
+#                                        | fp8trace | fp8ab)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -29,6 +30,11 @@
 # end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
 # int4gemv, int4final: the GEMVs' tiles, then the committed int4 kernels' tests and W2/W8. int4peer (after moeso, carry
 # .peer and .whl): the same GPTQ shapes beside vLLM (its Marlin kernels).
+# fp8trace: where a float8 W8 decode step's time goes (Qwen3-30B-A3B, 128 sequences of 600 tokens, CUDA graphs),
+# each kernel's own share of the timeline ("adds"), then the bf16 batch-1 step the same way.
+# fp8ab: the float8 MoE step's launches cut (thirty-third session: the norms make the float8 rows, one alignment
+# kernel, the intermediate's padding skipped): their compiled tests, then W8 and W2 fp8 on Qwen3-30B-A3B for the tree
+# and for .base (git archive 69b015c), on one machine (~6 min; carry .base and .whl).
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -428,6 +434,23 @@ if [ "$part" = int4peer ]; then
   g="--model-dir benchmarks/configs/qwen3-30b-a3b-gptq --peer vllm"
   bench --workload W2 $g --json "$OUT/int4moe_w2_peer.json" | tail -1
   bench --workload W8 --num-requests "${W8_N:-256}" $g --json "$OUT/int4moe_w8_peer.json" | tail -1
+fi
+if [ "$part" = fp8trace ]; then
+  python3 benchmarks/profile_gpu.py step --case 6 --graphs --quantization fp8 2>&1 | grep -v "it/s" > "$OUT/fp8_step.txt"
+  sed -n '/timeline/,$p' "$OUT/fp8_step.txt"
+  python3 benchmarks/profile_gpu.py step --case 5 --graphs 2>&1 | grep -v "it/s" > "$OUT/bf16_b1_step.txt"
+  sed -n '/timeline/,$p' "$OUT/bf16_b1_step.txt"
+fi
+if [ "$part" = fp8ab ]; then
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_quant.py tests/kernels/test_moe_fp8.py \
+      tests/kernels/test_moe_block_fp8.py tests/kernels/test_moe.py tests/kernels/test_moe_int4.py 2>&1 | tail -4
+  q="--quantization fp8 --no-peer"
+  for w in W8 W2; do
+    n="--model-dir benchmarks/configs/qwen3-30b-a3b"; [ $w = W8 ] && n="--num-requests ${W8_N:-256}"
+    bench --workload $w $n $q --json "$OUT/fp8ab_${w}_tree.json" | tail -1
+    (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline --workload $w $n $q \
+        --json "$OUT/fp8ab_${w}_base.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1)
+  done
 fi
 if [ "$part" = moelayer ]; then
   python3 benchmarks/moe_layer.py --tokens 1,4 2>&1 | tee "$OUT/moe_layer.txt" | tail -60

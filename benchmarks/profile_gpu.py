@@ -857,7 +857,7 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
             llm.generate(prompts, sp)  # prompts cached: one short prefill, then decodes
             torch.cuda.synchronize()
         _device_table(prof, steps, f"{model} bs={bs} ctx={ctx}: decode steps (incl. one prefill)", top=26)
-        _gap_table(prof, steps)
+        _gap_table(prof, steps, top=24)
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(out) / f"step_{model}_bs{bs}{'_graphs' if graphs else ''}.json"))
@@ -880,13 +880,17 @@ def _device_table(prof, steps: int, title: str, top: int = 14) -> None:
 
 
 def _gap_table(prof, steps: int, top: int = 16, step_gap_us: float = 30.0) -> None:
-    """The device timeline: each kernel's time and the idle time before it (gaps shorter than
-    step_gap_us: within a step; a longer one is the host between steps), by kernel name. In CUDA
-    graphs the gaps are what launch latency and ramp-up cost beyond the kernels' own time."""
+    """The device timeline: each kernel's time, the idle time before it (gaps shorter than
+    step_gap_us: within a step; a longer one is the host between steps), and its own share of the
+    timeline ("adds": from the later of its start and its predecessor's end to its end), by kernel
+    name. With PDL a kernel starts before its predecessor ends and waits, so its span overstates
+    its cost; "adds" sums to the timeline. In CUDA graphs the gaps are what launch latency and
+    ramp-up cost beyond the kernels' own time."""
     spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
                    if ev.device_type.name == "CUDA")
     busy: dict[str, float] = collections.defaultdict(float)
     gaps: dict[str, float] = collections.defaultdict(float)
+    adds: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
     between = 0.0
     last_end = None
@@ -899,6 +903,7 @@ def _gap_table(prof, steps: int, top: int = 16, step_gap_us: float = 30.0) -> No
                 gaps[name] += gap
             else:
                 between += gap
+        adds[name] += max(0.0, end - (start if last_end is None else max(start, last_end)))
         last_end = end if last_end is None else max(last_end, end)
     if not spans:
         return
@@ -906,9 +911,10 @@ def _gap_table(prof, steps: int, top: int = 16, step_gap_us: float = 30.0) -> No
     print(f"  timeline: {whole / 1e3 / steps:.3f} ms/step from first to last kernel; kernels "
           f"{sum(busy.values()) / 1e3 / steps:.3f}, gaps within steps {sum(gaps.values()) / 1e3 / steps:.3f}, "
           f"between steps {between / 1e3 / steps:.3f}")
-    for name, us in sorted(busy.items(), key=lambda kv: -(kv[1] + gaps[kv[0]]))[:top]:
+    for name, us in sorted(adds.items(), key=lambda kv: -(kv[1] + gaps[kv[0]]))[:top]:
         n = counts[name]
-        print(f"  {us / n:7.2f} us + gap {gaps[name] / n:5.2f} us  x{n / steps:5.1f}/step  {name}")
+        print(f"  adds {us / n:7.2f} us (span {busy[name] / n:7.2f}) + gap {gaps[name] / n:5.2f} us  x{n / steps:5.1f}/step"
+              f"  {us / 1e3 / steps:6.3f} ms/step  {name}")
 
 
 def profile_grammar(model: str, n: int = 64, tokens: int = 40) -> None:

@@ -309,6 +309,7 @@ def fused_moe(
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """kernels.reference_moe.fused_moe on the GPU (or the interpreter): x [T, H]; w_gate_up
     [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int ->
@@ -322,7 +323,7 @@ def fused_moe(
     (`group_tile`), each tile's product scaled in fp32 before it joins the sum.
     activation "silu", "gelu_tanh" or "swigluoai" (swiglu_alpha, swiglu_limit), biases
     w_gate_up_bias [E, 2I] and w_down_bias [E, H]: the reference's; each bias is added in
-    its GEMM's epilogue."""
+    its GEMM's epilogue. x_rows: x's float8 rows and scales made by the caller (per-row experts)."""
     act = act_constants(activation, swiglu_alpha, swiglu_limit)
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -339,7 +340,7 @@ def fused_moe(
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
     scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale, block,
-                                              (tuple(w_gate_up.shape), tuple(w_down.shape)))
+                                              (tuple(w_gate_up.shape), tuple(w_down.shape)), x_rows)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -360,8 +361,8 @@ def fused_moe(
     grid_rows = (sw_gu.stride(1), sw_d.stride(1)) if block is not None else (0, 0)  # (W's block grid rows)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
-    # (padding rows zeroed when they are quantized: their scales are then finite, never read)
-    h = (torch.zeros if scaled else torch.empty)((sorted_ids.numel(), inter), dtype=out_dtype, device=x.device)
+    # (the padding rows of h are never written nor read: the float8 quantization skips them)
+    h = torch.empty((sorted_ids.numel(), inter), dtype=out_dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
         x, w_gate_up, h, sorted_ids, block_expert, sx, sw_gu, b_gu,
         pairs, sorted_ids.numel(), hidden, inter,
@@ -374,7 +375,8 @@ def fused_moe(
     )  # fmt: skip
     sh = weights
     if scaled:
-        h, sh = quantize_rows(h) if block is None else quantize_groups(h, group_k)
+        live = (sorted_ids, pairs)
+        h, sh = quantize_rows(h, live) if block is None else quantize_groups(h, group_k, live)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
         h, w_down, y, sorted_ids, block_expert, weights, sh, sw_d, b_d,

@@ -1,6 +1,7 @@
 """The alignment of kernels/moe.py's grouped GEMM: the (token, slot) pairs sorted by expert,
-each expert's group padded to a multiple of BLOCK_M, in three small kernels without host
-synchronisation (`align_pairs`; the layout is drawn in kernels/moe.py's docstring)."""
+each expert's group padded to a multiple of BLOCK_M, without host synchronisation
+(`align_pairs`; the layout is drawn in kernels/moe.py's docstring): in one launch for up to
+SMALL_CHUNKS chunks of pairs (a decode step's), in three small kernels past that."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import triton.language as tl
 
 ALIGN_CHUNK = 128
 """(token, slot) pairs per program of the alignment kernels (a [128, 128] compare ranks them)."""
+
+SMALL_CHUNKS = 16
+"""Up to this many chunks (2,048 pairs: 256 tokens of top-8) `_align_small_kernel` aligns them
+in one launch, each program counting every chunk itself; past it that redundant count (chunks^2
+[CHUNK, E] compares) would cost more than the two launches it saves."""
 
 
 @triton.jit
@@ -71,13 +77,61 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, sorted_ptr, PAIRS, CHUNK: tl.cons
 
 
 
-def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, PAIRS, PADDED, BLOCKS, CHUNKS,
+                        E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        FILL: tl.constexpr, BB: tl.constexpr):
+    """The three kernels below in one launch, for a few chunks: program c counts every chunk's
+    pairs per expert itself (the totals, and the chunks' before its own), so each program knows
+    every group's start without waiting for another; it scatters its own chunk, then writes its
+    share of the rest: the padding of the experts e with e % CHUNKS == c, the sentinel past the
+    last group in its FILL positions, and block_expert for its BB blocks."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    idx = tl.arange(0, CHUNK)
+    totals = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, CHUNKS):
+        offs = c0 * CHUNK + idx
+        ids = tl.load(ids_ptr + offs, mask=offs < PAIRS, other=-1).to(tl.int32)
+        counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        totals += counts
+        before += counts * (c0 < c).to(tl.int32)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # this chunk's pairs: its group's start + the pairs of its expert in earlier chunks + rank
+    offs = c * CHUNK + idx
+    valid = offs < PAIRS
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), axis=1)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (idx[None, :] < idx[:, None])).to(tl.int32), axis=1)
+    tl.store(sorted_ptr + base + rank, offs.to(tl.int32), mask=valid)
+    # the padding after each group (fewer than BLOCK_M rows), the sentinel
+    j = tl.arange(0, BLOCK_M)
+    mine = (experts % CHUNKS == c) & (experts < E)
+    pad = mine[:, None] & (j[None, :] < (padded - totals)[:, None])
+    sentinel = tl.full([E_PAD, BLOCK_M], 0, tl.int32) + PAIRS
+    tl.store(sorted_ptr + (starts + totals)[:, None] + j[None, :], sentinel, mask=pad)
+    # the tail past the last group, up to the worst case's length
+    last = tl.sum(padded, axis=0)
+    fill = c * FILL + tl.arange(0, FILL)
+    tl.store(sorted_ptr + fill, tl.full([FILL], 0, tl.int32) + PAIRS, mask=(fill >= last) & (fill < PADDED))
+    # block b's expert: searchsorted(ends, b * BLOCK_M, right=True) (E past the last group)
+    blocks = c * BB + tl.arange(0, BB)
+    past = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts < E)[None, :]
+    tl.store(block_expert_ptr + blocks, tl.sum(past.to(tl.int32), axis=1), mask=blocks < BLOCKS)
+
+
+def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
+                small: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids [padded] int32, block_expert [padded / block_m] int32): the (token, slot)
     pairs grouped by expert in pair order (a stable sort), each group padded to a multiple
     of block_m with the sentinel T*k; tail blocks past the last group carry expert E.
-    Three kernels, no host sync: count per chunk of ALIGN_CHUNK pairs (and fill the
-    sentinel), each (chunk, expert)'s start in one program, then each chunk scatters its
-    pairs (rank = earlier pairs of the chunk with the same expert)."""
+    No host sync. Up to SMALL_CHUNKS chunks of ALIGN_CHUNK pairs, one kernel
+    (`_align_small_kernel`); past that three: count per chunk (and fill the sentinel), each
+    (chunk, expert)'s start in one program, then each chunk scatters its pairs (rank = earlier
+    pairs of the chunk with the same expert). small: force one way (tests)."""
     flat = topk_ids.reshape(-1).contiguous()
     pairs = flat.numel()
     dev = flat.device
@@ -85,10 +139,16 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[tor
     blocks = padded_len // block_m
     chunks = triton.cdiv(pairs, ALIGN_CHUNK)
     e_pad = triton.next_power_of_2(experts)
-    counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
     sorted_ids = torch.empty((padded_len,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((blocks,), dtype=torch.int32, device=dev)
     fill = triton.next_power_of_2(triton.cdiv(padded_len, chunks))
+    if chunks <= SMALL_CHUNKS if small is None else small:
+        _align_small_kernel[(chunks,)](flat, sorted_ids, block_expert, pairs, padded_len, blocks, chunks, E=experts,
+                                       E_PAD=e_pad, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, FILL=fill,
+                                       BB=triton.next_power_of_2(triton.cdiv(blocks, chunks)),
+                                       num_warps=8 if e_pad >= 128 else 4)  # (ptxas, sm_90a: 128 experts, 128 regs)
+        return sorted_ids, block_expert
+    counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
     _align_count_kernel[(chunks,)](flat, counts, sorted_ids, pairs, padded_len, CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
                                    FILL=fill)
     _align_offsets_kernel[(1,)](counts, block_expert, chunks, blocks, E=experts, E_PAD=e_pad, BLOCK_M=block_m,

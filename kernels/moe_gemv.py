@@ -248,6 +248,7 @@ def moe_gemv(
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """kernels.reference_moe.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
@@ -258,7 +259,7 @@ def moe_gemv(
     block_n, block_k, unroll: GEMM 1's tiles; down: GEMM 2's (block_n, block_k, unroll,
     num_warps), default DOWN. activation, swiglu_alpha, swiglu_limit and the expert biases
     (w_gate_up_bias [E, 2I], w_down_bias [E, H]): the reference's, the biases added in the
-    GEMMs' epilogues."""
+    GEMMs' epilogues. x_rows: x's float8 rows and scales made by the caller (per-row experts)."""
     act = act_constants(activation, swiglu_alpha, swiglu_limit)
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -272,7 +273,7 @@ def moe_gemv(
     b_gu = bias_operand(w_gate_up_bias, (experts, 2 * inter), x)
     b_d = bias_operand(w_down_bias, (experts, hidden), x)
     scaled, x, sx, sw_gu, sw_d = fp8_operands(x, w_gate_up_scale, w_down_scale, block,
-                                              (tuple(w_gate_up.shape), tuple(w_down.shape)))
+                                              (tuple(w_gate_up.shape), tuple(w_down.shape)), x_rows)
     d_n, d_k, d_unroll, d_warps = down or DOWN
     group_n, group_k = block or (1, 0)
     grid_rows = (sw_gu.stride(1), sw_d.stride(1)) if block is not None else (0, 0)  # (W's block grid rows)

@@ -40,18 +40,23 @@ def fp8_operands(
     w_down_scale: torch.Tensor | None,
     block: tuple[int, int] | None = None,
     w_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scaled, x or its float8 rows, x's scales, the two weight scales): float8 experts when
-    the scales are given (both or neither), x quantized per row, or per row and group of bk
-    columns with `block` (the scales' grids then checked against w_shapes, the shapes
-    [E, 2I, H] and [E, H, I] of the weights); otherwise x contiguous and unread placeholders."""
+    the scales are given (both or neither), x quantized per row (or x_rows, quantize_rows(x)
+    made by the caller), or per row and group of bk columns with `block` (the scales' grids then
+    checked against w_shapes, the shapes [E, 2I, H] and [E, H, I] of the weights); otherwise x
+    contiguous and unread placeholders."""
     scaled = w_gate_up_scale is not None
     assert scaled == (w_down_scale is not None), "both scales or neither"
     assert block is None or scaled, "block-scaled experts need their scales"
     x = x.contiguous()
     if w_gate_up_scale is None or w_down_scale is None:
         return False, x, x, x, x
-    if block is None:
+    if block is None and x_rows is not None:
+        q, sx = x_rows[0], x_rows[1].reshape(-1)
+        assert q.shape == x.shape and sx.shape == (x.shape[0],), "x_rows: x's float8 rows and one scale a row"
+    elif block is None:
         q, sx = quantize_rows(x)
     else:
         assert w_shapes is not None
@@ -64,24 +69,35 @@ def fp8_operands(
     return True, q, sx, w_gate_up_scale.float().contiguous(), w_down_scale.float().contiguous()
 
 
-def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(a: torch.Tensor, live: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 rows, fp32 scales [M]) of kernels.reference.quantize_rows_fp8: the Triton
-    kernel on CUDA, the reference in the interpreter."""
-    from kernels import ops  # (ops imports the MoE modules lazily)
+    kernel on CUDA, the reference in the interpreter. live = (sorted_ids, pairs): row r only
+    where sorted_ids[r] < pairs (kernels/moe.py's intermediate; the Triton kernel everywhere,
+    the other rows left unwritten: their readers mask them off)."""
+    from kernels import ops, quant  # (ops imports the MoE modules lazily)
 
-    q, s = ops.quantize_rows_fp8(a) if a.is_cuda else reference.quantize_rows_fp8(a)
+    if live is not None:
+        q, s = quant.quantize_rows_fp8(a, (live[0], live[1], 1))
+    else:
+        q, s = ops.quantize_rows_fp8(a) if a.is_cuda else reference.quantize_rows_fp8(a)
     return q, s.reshape(-1).contiguous()
 
 
-def quantize_groups(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(a: torch.Tensor, group: int,
+                    live: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 [M, K], fp32 scales [M, ceil(K / group)] contiguous) of
     kernels.reference.quantize_groups_fp8 (block-scaled experts' inputs). Where K is a multiple
-    of the group each group is a row of quantize_rows (the Triton kernel on CUDA): the same
-    bits, as the reference quantizes each group with quantize_rows_fp8."""
+    of the group each group is a row of quantize_rows (the Triton kernel on CUDA, or with `live`
+    as there): the same bits, as the reference quantizes each group with quantize_rows_fp8."""
+    from kernels import quant
+
     m, k = a.shape
-    if k % group or not a.is_cuda:
+    if k % group or not (a.is_cuda or live is not None):
         q, s = reference.quantize_groups_fp8(a, group)
         return q, s.contiguous()
+    if live is not None:
+        q, s = quant.quantize_rows_fp8(a.contiguous().view(m * (k // group), group), (live[0], live[1], k // group))
+        return q.view(m, k), s.view(m, k // group)
     q, s = quantize_rows(a.contiguous().view(m * (k // group), group))
     return q.view(m, k), s.view(m, k // group)
 

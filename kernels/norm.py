@@ -21,6 +21,8 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
+from kernels.quant import quantize_row
+from kernels.reference import FP8_MAX, FP8_TINY
 
 
 @triton.jit
@@ -43,6 +45,9 @@ def _rms_norm_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
     OFFSET: tl.constexpr = 0.0,
+    q_ptr=None,
+    scale_ptr=None,
+    QUANT: tl.constexpr = False,
 ):
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -61,10 +66,13 @@ def _rms_norm_kernel(
         y = (x * rstd) * (OFFSET + w)
     else:
         y = w * _round_to(x * rstd, X_DTYPE, INTERP).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, _round_to(y, OUT_DTYPE, INTERP), mask=mask)
+    out = _round_to(y, OUT_DTYPE, INTERP)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if QUANT:  # the stored row's float8 rows and scale, for a float8 layer that takes it next
+        quantize_row(out.to(tl.float32), q_ptr + row * N + offs, mask, scale_ptr + row, FP8_MAX, FP8_TINY, INTERP)
 
 
-def _launch(x, residual, weight, eps, num_warps=None, offset=0.0):
+def _launch(x, residual, weight, eps, num_warps=None, offset=0.0, fp8=False):
     hidden = x.shape[-1]
     assert weight.shape[-1] == hidden
     x2 = x.reshape(-1, hidden)
@@ -80,6 +88,10 @@ def _launch(x, residual, weight, eps, num_warps=None, offset=0.0):
         new_res = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     else:
         r2, new_res = x2, out
+    quant = None
+    if fp8:
+        quant = (torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=x.device),
+                 torch.empty((rows, 1), dtype=torch.float32, device=x.device))
     weight = weight.contiguous()
     block = triton.next_power_of_2(hidden)
     if num_warps is None:
@@ -105,13 +117,14 @@ def _launch(x, residual, weight, eps, num_warps=None, offset=0.0):
             INTERP=_interpreting(),
             PDL=pdl,
             OFFSET=float(offset),
+            q_ptr=out if quant is None else quant[0],
+            scale_ptr=out if quant is None else quant[1],
+            QUANT=fp8,
             num_warps=num_warps,
             launch_pdl=pdl,
         )
     out = out.view(*x.shape[:-1], hidden)
-    if residual is None:
-        return out, None
-    return out, new_res.view(*x.shape[:-1], hidden)
+    return out, None if residual is None else new_res.view(*x.shape[:-1], hidden), quant
 
 
 def rms_norm(
@@ -131,4 +144,16 @@ def fused_add_rms_norm(
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) as new tensors."""
-    return _launch(x, residual, weight, eps, num_warps, offset)
+    out, new_res, _ = _launch(x, residual, weight, eps, num_warps, offset)
+    return out, new_res
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """rms_norm (residual None) or fused_add_rms_norm, and the output's float8 rows with their
+    scales (kernels.reference.quantize_rows_fp8 of the output [rows, hidden], the same bits) from
+    the same launch: (out, x + residual or None, (float8 [rows, hidden], fp32 scales [rows, 1]))."""
+    out, new_res, quant = _launch(x, residual, weight, eps, None, offset, fp8=True)
+    assert quant is not None
+    return out, new_res, quant

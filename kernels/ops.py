@@ -34,6 +34,23 @@ def fused_add_rms_norm(
     return reference.fused_add_rms_norm(x, residual, weight, eps, offset)
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """rms_norm (residual None) or fused_add_rms_norm, with the output's float8 rows and scales
+    (quantize_rows_fp8 of it, the same bits): (out, x + residual or None, (q, scales [rows, 1]))."""
+    if _triton(x):
+        from kernels import norm
+
+        return norm.rms_norm_fp8(x, residual, weight, eps, offset)
+    new_res = None
+    if residual is None:
+        out = reference.rms_norm(x, weight, eps, offset)
+    else:
+        out, new_res = reference.fused_add_rms_norm(x, residual, weight, eps, offset)
+    return out, new_res, reference.quantize_rows_fp8(out.reshape(-1, out.shape[-1]))
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _triton(x):
         from kernels import activation
@@ -177,9 +194,13 @@ def fused_moe(
     swiglu_alpha: float = reference.SWIGLU_ALPHA,
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """kernels.reference_moe.fused_moe (activation "silu", "gelu_tanh" or gpt-oss's "swigluoai";
-    optional float8 scales, per row or per [bn, bk] block with `block`, and expert biases)."""
+    optional float8 scales, per row or per [bn, bk] block with `block`, and expert biases).
+    x_rows: quantize_rows_fp8(x) where the caller has it already (rms_norm_fp8): per-row float8
+    experts then take it instead of quantizing x again (the same bits, so the reference, which
+    quantizes x itself, needs none)."""
     kw: dict[str, Any] = {
         "w_gate_up_scale": w_gate_up_scale, "w_down_scale": w_down_scale,
         "w_gate_up_bias": w_gate_up_bias, "w_down_bias": w_down_bias,
@@ -189,8 +210,8 @@ def fused_moe(
         from kernels import moe, moe_gemv
 
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
-            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
-        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
+            return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
+        return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
     return reference_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
 
 

@@ -21,23 +21,10 @@ from kernels.reference import FP8_MAX, FP8_TINY
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    stride_x,
-    K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FMAX: tl.constexpr,
-    TINY: tl.constexpr,
-    INTERP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+def quantize_row(x, q_ptrs, mask, scale_ptr, FMAX: tl.constexpr, TINY: tl.constexpr, INTERP: tl.constexpr):
+    """Store one row x (fp32, zero where masked off) as float8 at q_ptrs and its scale at
+    scale_ptr: kernels.reference.quantize_rows_fp8's bits (also the epilogue of kernels/norm.py's
+    RMSNorm for a float8 layer's input)."""
     # div_rn: a compiled fp32 `/` is PTX div.full (approximate, ~2 ulp); torch divides exactly.
     # One division per row; the elements are multiplied by its reciprocal (a division per
     # element made the kernel ALU-bound: 232 us for 8192 x 14336, 3x its bytes' time)
@@ -48,12 +35,47 @@ def _quantize_rows_kernel(
     else:
         # one cvt.rn.satfinite per two values on sm_89+, the rounding of torch's cast
         q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    tl.store(q_ptr + row * K + offs, q, mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptrs, q, mask=mask)
+    tl.store(scale_ptr, scale)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (fp32 / fp16 / bf16) -> (float8 e4m3 [M, K], fp32 scales [M, 1])."""
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    live_ptr,
+    PAIRS,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMAX: tl.constexpr,
+    TINY: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+    LIVE_DIV: tl.constexpr = 0,
+):
+    """One row per program; with LIVE_DIV, row r is skipped (nothing written) when
+    live[r // LIVE_DIV] >= PAIRS: the padding rows of kernels/moe.py's sorted pairs."""
+    _pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if LIVE_DIV:
+        if tl.load(live_ptr + row // LIVE_DIV) >= PAIRS:
+            return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    quantize_row(x, q_ptr + row * K + offs, mask, scale_ptr + row, FMAX, TINY, INTERP)
+
+
+def quantize_rows_fp8(
+    x: torch.Tensor, live: tuple[torch.Tensor, int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32 / fp16 / bf16) -> (float8 e4m3 [M, K], fp32 scales [M, 1]).
+
+    live = (ids, pairs, div): only rows r with ids[r // div] < pairs are quantized; the others'
+    rows and scales are left unwritten (their reader masks them off). kernels/moe.py's
+    intermediate: its padding rows (the sentinel pair) need neither zeros nor a quantization."""
     m, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -63,15 +85,17 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     block = triton.next_power_of_2(k)
     pdl = _pdl_enabled(x)
+    ids, pairs, div = live if live is not None else (x, 0, 0)
     _quantize_rows_kernel[(m,)](
-        x, q, scale, x.stride(0),
+        x, q, scale, x.stride(0), ids, pairs,
         K=k,
         BLOCK=block,
         FMAX=FP8_MAX,
         TINY=FP8_TINY,
         INTERP=_interpreting(),
         PDL=pdl,
+        LIVE_DIV=div,
         num_warps=max(1, min(16, block // 512)),
         launch_pdl=pdl,
-    )
+    )  # fmt: skip
     return q, scale

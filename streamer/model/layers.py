@@ -106,6 +106,12 @@ class Linear(nn.Linear):
                                  "the model's rotary reordering of q/k rows: a row would leave the block its scale "
                                  "covers")
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether this layer quantizes its input per token to float8 (so an RMSNorm before it
+        can make the rows: RMSNorm.fp8_rows)."""
+        return self.weight_scale is not None and self.block is None and self.act == "token"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return quant.block_fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.cublas_scale)
@@ -123,7 +129,11 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """offset 1.0: Gemma's x * (1 + w) (kernels.reference.rms_norm)."""
+    """offset 1.0: Gemma's x * (1 + w) (kernels.reference.rms_norm). fp8_rows: the layer after it
+    takes float8 rows per token (`takes_fp8_rows`), so the norm's launch also makes them and
+    attaches them to its output (quant.attach_rows): one quantization kernel fewer per use."""
+
+    fp8_rows = False
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -132,6 +142,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fp8_rows:
+            out, new_res, rows = ops.rms_norm_fp8(x, residual, self.weight, self.eps, self.offset)
+            quant.attach_rows(out, rows)
+            return out if residual is None else (out, new_res)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, self.offset)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
@@ -190,6 +204,11 @@ class Attention(nn.Module):
         return (q.reshape(t, self.heads, self.head_dim), k.reshape(t, self.kv_heads, self.head_dim),
                 v.reshape(t, self.kv_heads, self.head_dim), qk_norm)
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows)."""
+        return self.qkv_proj.takes_fp8_rows
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         t = x.shape[0]
@@ -221,6 +240,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = act
         self.act_and_mul = GATED_ACTIVATIONS[act]
+
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows)."""
+        return self.gate_up_proj.takes_fp8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj

@@ -49,6 +49,12 @@ class DecoderLayer(nn.Module):
     residual_multiplier = 1.0
     """Scales the attention and MLP outputs before their residual adds (Granite's)."""
 
+    def link_fp8_norms(self) -> None:
+        """Each norm makes float8 rows (RMSNorm.fp8_rows) when the block after it takes them
+        (`takes_fp8_rows`: float8 layers or experts per token): after a model's quantization."""
+        self.input_layernorm.fp8_rows = bool(getattr(self.self_attn, "takes_fp8_rows", False))
+        self.post_attention_layernorm.fp8_rows = bool(getattr(self.mlp, "takes_fp8_rows", False))
+
     def forward(self, positions, x, residual, cos_sin):
         if residual is None:
             residual = x

@@ -23,7 +23,7 @@ from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
 from streamer.model.experts import Experts
 from streamer.model.layers import Linear, RMSNorm, deferred_weights, materialize
-from streamer.model.llama import LlamaForCausalLM
+from streamer.model.llama import DecoderLayer, LlamaForCausalLM
 from streamer.model.registry import HEADS, model_class
 from streamer.model.rope import default_dtype, longrope_note
 from streamer.model.tp_group import current as tensor_parallel
@@ -240,6 +240,10 @@ def load_model(
                     m.quantize_fp8(tp if row_parallel else None)
                 elif isinstance(m, Experts):
                     m.quantize_fp8(tp)
+        if scheme is not None or quantization == "fp8":
+            for m in model.modules():
+                if isinstance(m, DecoderLayer):
+                    m.link_fp8_norms()
         if (scheme is not None or quantization == "fp8") and device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 weights' blocks go back: the KV pool is sized from free memory
     return model.eval(), hf_config

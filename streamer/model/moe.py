@@ -36,6 +36,7 @@ from torch import nn
 
 from kernels import ops
 from streamer.errors import ModelLoadError
+from streamer.model import quant
 from streamer.model.experts import Experts
 from streamer.model.layers import MLP, RMSNorm
 from streamer.model.llama import LlamaForCausalLM
@@ -73,6 +74,12 @@ class SparseMoE(nn.Module):
             x, self.gate.weight, self.top_k, self.renormalize, x.dtype if self.weights_in_hidden_dtype else None
         )
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether the experts quantize the input per row to float8 (RMSNorm.fp8_rows)."""
+        ex = self.experts
+        return ex.gate_up_proj_scale is not None and ex.block is None and ex.int4 is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mix(x, *self.route(x))
 
@@ -100,7 +107,8 @@ class SparseMoE(nn.Module):
                                      ids, self.activation, ex.int4_perms)
             return out if self.tp is None else self.tp.all_reduce(out)
         out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, self.activation,
-                            w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block)
+                            w_gate_up_scale=ex.gate_up_proj_scale, w_down_scale=ex.down_proj_scale, block=ex.block,
+                            x_rows=quant.rows_of(x))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -35,6 +35,32 @@ from kernels import ops
 from kernels.gemv import gemv, gemv_glu
 from kernels.reference import expand_blocks, quantize_groups_fp8, quantize_rows_fp8
 
+Rows = tuple[torch.Tensor, torch.Tensor]
+"""An activation's float8 rows [M, K] and fp32 scales [M, 1] (quantize_rows_fp8's)."""
+
+
+def attach_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """x with its float8 rows attached (the RMSNorm before a float8 layer makes both in one
+    launch: kernels.ops.rms_norm_fp8). A float8 layer per token (fp8_linear, fp8_gemv, the
+    per-row float8 experts) that gets this very tensor takes the rows instead of quantizing x
+    again; the bits are the same, so results do not depend on whether they came attached.
+    Only the tensor object carries them: a view or any op's result has none."""
+    x.fp8_rows = rows  # type: ignore[attr-defined]
+    return x
+
+
+def rows_of(x: torch.Tensor) -> Rows | None:
+    """The float8 rows attach_rows put on x, or None."""
+    return getattr(x, "fp8_rows", None)
+
+
+def _rows(x2: torch.Tensor, rows: Rows | None) -> Rows:
+    """x2 [M, K]'s float8 rows: the attached ones, or quantized now (one Triton kernel on CUDA)."""
+    if rows is not None:
+        assert rows[0].shape == x2.shape, f"float8 rows of shape {tuple(rows[0].shape)} for x of {tuple(x2.shape)}"
+        return rows
+    return ops.quantize_rows_fp8(x2)
+
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
     """cuBLAS's float8 GEMM needs both dimensions of W to be multiples of 16."""
@@ -45,14 +71,14 @@ def fp8_shapes_ok(weight: torch.Tensor) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, act: str = "token") -> torch.Tensor:
     """F.linear with a float8 weight [N, K] (per-row fp32 scales [N]) and the activations
-    quantized on the way in, per token (act "token") or with one scale for the whole call
-    (act "tensor"). x [..., K] -> [..., N] in x.dtype."""
+    quantized on the way in, per token (act "token": x's attached rows where it has them) or
+    with one scale for the whole call (act "tensor"). x [..., K] -> [..., N] in x.dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if act == "tensor":
         q, sx = quantize_tensor_fp8(x2)
     else:
-        q, sx = ops.quantize_rows_fp8(x2)  # one Triton kernel on CUDA
+        q, sx = _rows(x2, rows_of(x))
     if x.is_cuda:
         # cuBLAS's row-wise scaled GEMM writes bf16
         y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
@@ -130,7 +156,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     """`fp8_linear` without its bias for a row or a few (x [..., K]) through the GEMV (per_row:
     each row as if alone, see `gemv`)."""
     k = x.shape[-1]
-    q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))
+    q, sx = _rows(x.reshape(-1, k), rows_of(x))
     y = gemv(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype, per_row=per_row)
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -139,7 +165,7 @@ def fp8_gemv_glu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     """silu_and_mul(fp8_linear(x, gate_up)) for a row or a few, the activation in the GEMV's epilogue
     (each product rounded to x.dtype first, as the unfused path does)."""
     k = x.shape[-1]
-    q, sx = ops.quantize_rows_fp8(x.reshape(-1, k))
+    q, sx = _rows(x.reshape(-1, k), rows_of(x))
     y = gemv_glu(q, weight, scales=(sx, weight_scale), out_dtype=x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0] // 2)
 

@@ -159,17 +159,20 @@ def _stable_layout(ids: torch.Tensor, e: int, block_m: int) -> tuple[torch.Tenso
     return sorted_ids, torch.searchsorted(ends, torch.arange(0, padded_len, block_m), right=True)
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["one_launch", "three"])
 @pytest.mark.parametrize(
     "t,k,e,block_m",
-    [(1, 8, 128, 16), (23, 3, 8, 64), (300, 2, 8, 64), (200, 8, 128, 32), (7, 1, 60, 32), (1, 1, 4, 16)],
+    [(1, 8, 128, 16), (23, 3, 8, 64), (300, 2, 8, 64), (200, 8, 128, 32), (7, 1, 60, 32), (1, 1, 4, 16),
+     (40, 8, 256, 16), (300, 8, 64, 16)],
 )
-def test_align_is_a_stable_sort_by_expert(t, k, e, block_m):
+def test_align_is_a_stable_sort_by_expert(t, k, e, block_m, small):
     """Pairs of one expert keep their order (several chunks of ALIGN_CHUNK pairs, expert counts
-    that are not powers of two, one pair): the same layout, so the same rows, on every run."""
+    that are not powers of two, one pair): the same layout, so the same rows, on every run;
+    one launch (a decode step's few chunks, here also past SMALL_CHUNKS) or three alike."""
     gen = torch.Generator().manual_seed(t * e)
     ids = torch.randint(0, e, (t, k), generator=gen)
     ids[ids == 1] = 0  # an empty expert
-    got = align_pairs(ids.to(DEVICE), e, block_m)
+    got = align_pairs(ids.to(DEVICE), e, block_m, small)
     want = _stable_layout(ids, e, block_m)
     assert torch.equal(got[0].cpu().long(), want[0]) and torch.equal(got[1].cpu().long(), want[1])
 

@@ -83,3 +83,22 @@ def test_fp8_model_sized(t):
     args = _problem(t, 2048, 768, 128, 8, torch.bfloat16, seed=t)
     _check(ops.fused_moe, args)
     assert DEVICE.type == "cuda"
+
+
+@pytest.mark.parametrize("fn", [M.fused_moe, G.moe_gemv], ids=["grouped", "gemv"])
+def test_rows_the_caller_made_are_taken_as_x(fn):
+    """x_rows (the RMSNorm before the experts made them, kernels.ops.rms_norm_fp8): per-row
+    float8 experts multiply those rows rather than quantizing x. x's own rows give the output
+    bit for bit; rows of 2x double it, so they are the ones read."""
+    x, w_gu, w_d, weights, ids = _problem(5, 80, 48, 8, 2, torch.float32, seed=6)
+    q_gu, s_gu, q_d, s_d = fp8_experts(w_gu, w_d)
+    kw = {"w_gate_up_scale": s_gu, "w_down_scale": s_d}
+    kw.update({"config": M.MoeConfig(block_m=16, block_n=16, block_k=16)} if fn is M.fused_moe else
+              {"block_n": 8, "block_k": 16})
+    plain = fn(x, q_gu, q_d, weights, ids, **kw)
+    q, s = R.quantize_rows_fp8(x)
+    assert torch.equal(fn(x, q_gu, q_d, weights, ids, x_rows=(q.to(DEVICE), s.to(DEVICE)), **kw), plain)
+    doubled = RM.fused_moe(2 * x, q_gu, q_d, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_d)
+    got = fn(x, q_gu, q_d, weights, ids, x_rows=(q.to(DEVICE), (2 * s).to(DEVICE)), **kw)
+    err = (got - doubled).abs()
+    assert err.max().item() <= 0.03 * doubled.abs().max().item()

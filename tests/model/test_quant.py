@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import reference
 from streamer import LLM, SamplingParams
 from streamer.config import EngineConfig
 from streamer.errors import ConfigError
 from streamer.model import quant
 from streamer.model.layers import Linear
+from streamer.model.loader import load_model
 from tests.conftest import make_tiny_model
 from tests.oracle import Comparison, _hf_model, compare
 
@@ -62,6 +64,40 @@ def test_a_layer_whose_shape_the_float8_gemm_cannot_take_keeps_its_weight():
     assert ok.quantize_fp8()
     assert ok.weight.dtype == torch.float8_e4m3fn and ok.weight_scale.shape == (32,)
     assert (ok(x) - before).abs().max() < 0.1 * before.abs().max()
+
+
+def test_a_float8_layer_takes_the_rows_attached_to_its_input():
+    """The RMSNorm before a float8 layer attaches its output's float8 rows (quant.attach_rows);
+    the layer multiplies those rows rather than quantizing its input again. Rows of the input
+    itself give the same bits; other rows show that they are the ones used."""
+    layer = Linear(64, 32, bias=False)
+    assert not layer.takes_fp8_rows
+    layer.quantize_fp8()
+    assert layer.takes_fp8_rows
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    plain = layer(x)
+    assert torch.equal(layer(quant.attach_rows(x.clone(), reference.quantize_rows_fp8(x))), plain)
+    q, s = reference.quantize_rows_fp8(x)
+    torch.testing.assert_close(layer(quant.attach_rows(x.clone(), (q, 2 * s))), 2 * plain)
+    assert quant.rows_of(x) is None and quant.rows_of(x.view(3, 64)) is None  # (a view carries none)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_norms_before_float8_layers_make_their_rows(tmp_path, model):
+    """After quantization "fp8", each decoder layer's norms make the float8 rows of the layer
+    after them (qkv_proj; gate_up_proj or the per-row float8 experts); unquantized, none does."""
+    if model == "llama":
+        path = make_tiny_model(tmp_path / "m", "LlamaForCausalLM", None, vocab_size=512)
+    else:
+        path = make_tiny_model(tmp_path / "m", "Qwen3MoeForCausalLM", None, vocab_size=512, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32)
+    fp8, _ = load_model(path, quantization="fp8")
+    plain, _ = load_model(path)
+    for layer in fp8.layers:
+        assert layer.input_layernorm.fp8_rows and layer.post_attention_layernorm.fp8_rows
+    assert not any(n.fp8_rows for layer in plain.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))
+    if model == "qwen3_moe":
+        assert fp8.layers[0].mlp.takes_fp8_rows and not plain.layers[0].mlp.takes_fp8_rows
 
 
 def test_an_unknown_quantization_is_a_config_error():
