@@ -48,6 +48,8 @@ def _rms_norm_kernel(
     q_ptr=None,
     scale_ptr=None,
     QUANT: tl.constexpr = False,
+    FMAX: tl.constexpr = 448.0,
+    TINY: tl.constexpr = 1e-12,
 ):
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -69,7 +71,7 @@ def _rms_norm_kernel(
     out = _round_to(y, OUT_DTYPE, INTERP)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     if QUANT:  # the stored row's float8 rows and scale, for a float8 layer that takes it next
-        quantize_row(out.to(tl.float32), q_ptr + row * N + offs, mask, scale_ptr + row, FP8_MAX, FP8_TINY, INTERP)
+        quantize_row(out.to(tl.float32), q_ptr + row * N + offs, mask, scale_ptr + row, FMAX, TINY, INTERP)
 
 
 def _launch(x, residual, weight, eps, num_warps=None, offset=0.0, fp8=False):
@@ -120,6 +122,8 @@ def _launch(x, residual, weight, eps, num_warps=None, offset=0.0, fp8=False):
             q_ptr=out if quant is None else quant[0],
             scale_ptr=out if quant is None else quant[1],
             QUANT=fp8,
+            FMAX=FP8_MAX,
+            TINY=FP8_TINY,
             num_warps=num_warps,
             launch_pdl=pdl,
         )
