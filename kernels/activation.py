@@ -2,7 +2,8 @@
 (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
 
 Like the reference (torch ops in x.dtype), act(gate) is rounded to x.dtype
-before the multiply. One launch, no host synchronisation (CUDA-graph safe).
+before the multiply. One launch, no host synchronisation (CUDA-graph safe). For a float8
+layer next (`gated_fp8`), one program per row also writes the product's float8 rows.
 
 Also the MoE kernels' epilogue (`moe_glu`), which adds gpt-oss's clamped SwiGLU (`swigluoai`;
 no dense op: gpt-oss has no dense MLP).
@@ -19,6 +20,8 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
+from kernels.quant import quantize_row
+from kernels.reference import FP8_MAX, FP8_TINY
 
 
 @triton.jit
@@ -79,7 +82,14 @@ def _gated_mul_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
     GELU: tl.constexpr = False,
+    q_ptr=None,
+    scale_ptr=None,
+    QUANT: tl.constexpr = False,
+    FMAX: tl.constexpr = 448.0,
+    TINY: tl.constexpr = 1e-12,
 ):
+    """QUANT: BLOCK covers the row (one program per row), whose float8 rows and scale are
+    stored too (kernels/quant.py quantize_row of the stored product)."""
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -87,7 +97,10 @@ def _gated_mul_kernel(
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
     s = _round_to(gate_activation(g, GELU), DTYPE, INTERP).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, DTYPE, INTERP), mask=mask)
+    out = _round_to(s * u, DTYPE, INTERP)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if QUANT:
+        quantize_row(out.to(tl.float32), q_ptr + row * INTER + offs, mask, scale_ptr + row, FMAX, TINY, INTERP)
 
 
 def silu_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
@@ -101,7 +114,14 @@ def gelu_tanh_and_mul(x: torch.Tensor, block: int | None = None, num_warps: int 
     return _gated(x, block, num_warps, gelu=True)
 
 
-def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool) -> torch.Tensor:
+def gated_fp8(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """silu_and_mul (gelu: gelu_tanh_and_mul) and the product's float8 rows and scales
+    (kernels.reference.quantize_rows_fp8 of it, the same bits) in one launch, for a float8
+    layer per token next: (product [..., I], (float8 [rows, I], fp32 scales [rows, 1]))."""
+    return _gated(x, None, 4, gelu, fp8=True)
+
+
+def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool, fp8: bool = False):
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -110,6 +130,12 @@ def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool) -> to
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    quant = None
+    if fp8:  # one program per row: its max needs the whole row
+        quant = (torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device),
+                 torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+        block = triton.next_power_of_2(inter)
+        num_warps = max(4, min(16, block // 1024))
     if block is None:
         block = min(1024, triton.next_power_of_2(inter))
     if rows > 0:
@@ -125,7 +151,13 @@ def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool) -> to
             INTERP=_interpreting(),
             PDL=pdl,
             GELU=gelu,
+            q_ptr=out if quant is None else quant[0],
+            scale_ptr=out if quant is None else quant[1],
+            QUANT=fp8,
+            FMAX=FP8_MAX,
+            TINY=FP8_TINY,
             num_warps=num_warps,
             launch_pdl=pdl,
         )
-    return out.view(*x.shape[:-1], inter)
+    out = out.view(*x.shape[:-1], inter)
+    return out if quant is None else (out, quant)

@@ -15,6 +15,9 @@ from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
+from kernels.quant import quantize_row
+from kernels.quant import quantize_rows_fp8 as _quantize_rows_fp8
+from kernels.reference import FP8_MAX, FP8_TINY
 
 
 @triton.jit
@@ -107,6 +110,11 @@ def _router_kernel(
     PDL: tl.constexpr,
     NORM: tl.constexpr = False,
     X_DTYPE: tl.constexpr = tl.float32,
+    q_ptr=None,
+    scale_ptr=None,
+    QUANT: tl.constexpr = False,
+    FMAX: tl.constexpr = 448.0,
+    TINY: tl.constexpr = 1e-12,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
@@ -116,7 +124,9 @@ def _router_kernel(
     weight at nw_ptr, as kernels/norm.py's fused add + RMSNorm computes it (the sum rounded to
     X_DTYPE, the normalized value to X_DTYPE, times the weight rounded to LOGIT_DTYPE, the
     promoted dtype): every program normalizes the row itself (a row of the hidden size, from L2)
-    and program (t, 0) stores it and the sum, for the experts and the next layer."""
+    and program (t, 0) stores it and the sum, for the experts and the next layer. QUANT (H <=
+    BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
+    and scale (kernels/quant.py quantize_row), for float8 experts."""
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -147,6 +157,10 @@ def _router_kernel(
             tl.store(new_res_ptr + t * stride_r + at, xs, mask=keep)
             tl.store(normed_ptr + t * stride_n + at, xn, mask=keep)
             xv = xn.to(tl.float32)
+            if QUANT:  # (one chunk: the row's max is in this tile's first row)
+                if tl.program_id(1) == 0:
+                    row = tl.sum(tl.where(keep, xv, 0.0), axis=0)
+                    quantize_row(row, q_ptr + t * H + offs_k, mask_k, scale_ptr + t, FMAX, TINY, INTERP)
         acc += tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32) * xv
     z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
     tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
@@ -200,7 +214,7 @@ def route(
     live in one zeroed buffer per device, left zeroed by every call, so calls on one device
     must not run concurrently (the engine runs its model on one stream). num_warps: per program
     (tuning: the last program's top-k reduces across them k times)."""
-    weights, ids, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps, None)
+    weights, ids, _, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps, None)
     return weights, ids
 
 
@@ -212,10 +226,24 @@ def norm_route(
     normalized rows, in one kernel: (weights, ids, the normalized rows, x + residual). A decode
     step of a mixture of experts saves the norm's launch (the router's programs each normalize
     the row they read anyway)."""
-    return _launch(x, weight, top_k, renormalize, round_to, num_warps, (residual, norm_weight, eps))
+    weights, ids, normed, new_res, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps,
+                                               (residual, norm_weight, eps))
+    return weights, ids, normed, new_res
 
 
-def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm):
+def norm_route_fp8(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, round_to: torch.dtype | None = None, num_warps: int = ROUTER_WARPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """norm_route and the normalized rows' float8 rows and scales (kernels.reference.quantize_rows_fp8's
+    bits), for float8 experts: in the same kernel where a row fits one load (ROUTER_K columns),
+    else one quantization launch after it."""
+    weights, ids, normed, new_res, rows = _launch(x, weight, top_k, renormalize, round_to, num_warps,
+                                                  (residual, norm_weight, eps), quant=True)
+    return weights, ids, normed, new_res, rows if rows is not None else _quantize_rows_fp8(normed)
+
+
+def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=False):
     t, hidden = x.shape
     experts = weight.shape[0]
     assert use_gemv(t) and weight.shape == (experts, hidden)
@@ -238,13 +266,19 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm):
         in_dtype = torch.promote_types(norm_weight.dtype, x.dtype)  # (the norm's output dtype)
         normed = torch.empty((t, hidden), dtype=in_dtype, device=x.device)
         new_res = torch.empty_like(x)
+    block_k = min(ROUTER_K, triton.next_power_of_2(hidden))
+    rows = None
+    if quant and norm is not None and hidden <= block_k:
+        rows = (torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty((t, 1), dtype=torch.float32, device=x.device))
     pdl = _pdl_enabled(x)
     _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
         x, weight, logits, counts, weights, ids, residual, norm_weight, normed, new_res, float(eps),
         experts, hidden, x.stride(0), weight.stride(0), residual.stride(0), normed.stride(0),
-        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=min(ROUTER_K, triton.next_power_of_2(hidden)), BLOCK_E=block_e,
+        TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=block_k, BLOCK_E=block_e,
         RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
         LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
-        X_DTYPE=_TL_DTYPES[x.dtype], num_warps=num_warps, launch_pdl=pdl,
+        X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
+        QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
-    return weights, ids, normed, new_res
+    return weights, ids, normed, new_res, rows

@@ -75,6 +75,17 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.quantize_rows_fp8(x)
 
 
+def act_and_mul_fp8(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """silu_and_mul (gelu: gelu_tanh_and_mul) with the product's float8 rows and scales
+    (quantize_rows_fp8 of it, the same bits): (product, (q, scales [rows, 1]))."""
+    if _triton(x):
+        from kernels import activation
+
+        return activation.gated_fp8(x, gelu)
+    h = reference.gelu_tanh_and_mul(x) if gelu else reference.silu_and_mul(x)
+    return h, reference.quantize_rows_fp8(h.reshape(-1, h.shape[-1]))
+
+
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +251,22 @@ def norm_route(
             return moe_route.norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
+
+
+def norm_route_fp8(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, round_to: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """norm_route and the normalized rows' float8 rows and scales (quantize_rows_fp8 of them, the
+    same bits), for float8 experts: (weights, ids, normalized rows, x + residual, (q, scales))."""
+    if _triton(x):
+        from kernels import moe_gemv, moe_route
+
+        if moe_gemv.use_gemv(x.shape[0]):
+            return moe_route.norm_route_fp8(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
+    normed, residual, rows = rms_norm_fp8(x, residual, norm_weight, eps)
+    assert residual is not None
+    return (*route(normed, weight, top_k, renormalize, round_to), normed, residual, rows)
 
 
 def route_topk(

@@ -258,6 +258,9 @@ class MLP(nn.Module):
                 h = quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale)
             else:
                 h = gemv_glu(x, gate_up.weight)
+        elif self.down_proj.takes_fp8_rows:  # (the activation's launch also makes the float8 rows)
+            h, rows = ops.act_and_mul_fp8(gate_up(x), gelu=self.act != "silu")
+            quant.attach_rows(h, rows)
         else:
             h = self.act_and_mul(gate_up(x))
         out = self.down_proj(h)

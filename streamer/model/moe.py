@@ -88,10 +88,13 @@ class SparseMoE(nn.Module):
         add + RMSNorm and this block. With the plain router (not a subclass's) and a plain norm, the
         router's kernel does the norm too (ops.norm_route: one launch fewer per layer at decode)."""
         if type(self).route is SparseMoE.route and norm.offset == 0.0:
-            weights, ids, x, residual = ops.norm_route(
-                x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
-                x.dtype if self.weights_in_hidden_dtype else None,
-            )
+            args = (x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+                    x.dtype if self.weights_in_hidden_dtype else None)
+            if norm.fp8_rows:  # (float8 experts: the router's kernel also makes x's float8 rows)
+                weights, ids, x, residual, rows = ops.norm_route_fp8(*args)
+                quant.attach_rows(x, rows)
+            else:
+                weights, ids, x, residual = ops.norm_route(*args)
             return self.mix(x, weights, ids), residual
         x, residual = norm(x, residual)
         return self.forward(x), residual

@@ -110,6 +110,25 @@ def test_norm_route_is_the_add_and_norm_then_the_router(dtype, t, h, e, k):
         _same_routing(got_w, got_ids, rw, rids, 1e-5 if dtype == torch.float32 else 2**-6)
 
 
+@pytest.mark.parametrize("t,h", [(3, 64), (2, 4100)], ids=["one_load", "chunked"])
+def test_norm_route_makes_the_float8_rows_of_what_it_normalizes(t, h):
+    """norm_route_fp8: norm_route's outputs, bit for bit, and the float8 rows and scales of the
+    normalized rows (the reference's quantization of them): in the router's kernel where a row
+    fits one load, by a quantization after it past ROUTER_K columns."""
+    from kernels import reference
+
+    gen = torch.Generator().manual_seed(h)
+    x, res = (torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(8, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    plain = MR.norm_route(x, res, nw, 1e-6, w, 2, True, torch.bfloat16)
+    *got, (q, scale) = MR.norm_route_fp8(x, res, nw, 1e-6, w, 2, True, torch.bfloat16)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    q_ref, scale_ref = reference.quantize_rows_fp8(got[2].cpu())
+    assert torch.equal(scale.cpu(), scale_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def _same_routing(w, ids, rw, rids, tol):
     """The same experts with the same weights; the order of slots of equal probability
     (bf16 logits tie often) may differ, which only reorders the weighted sum."""

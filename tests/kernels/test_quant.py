@@ -79,3 +79,19 @@ def test_only_live_rows_are_quantized():
     q_ref, scale_ref = reference.quantize_rows_fp8(x)
     for r in (0, 1, 4, 5):
         assert torch.equal(q[r].cpu().view(torch.uint8), q_ref[r].view(torch.uint8)) and scale[r].item() == scale_ref[r]
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_activation_before_a_float8_layer_makes_the_rows_of_its_product(gelu, dtype):
+    """gated_fp8: the gated activation's product, bit for bit that of the plain kernel (here one
+    program per row), and its float8 rows and scales, the reference's quantization of it."""
+    from kernels import activation
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(5, 2 * 200, generator=gen) * 3).to(dtype).to(DEVICE)  # (I = 200: masked lanes)
+    h, (q, scale) = activation.gated_fp8(x, gelu)
+    plain = activation.gelu_tanh_and_mul(x) if gelu else activation.silu_and_mul(x)
+    assert torch.equal(h, plain)
+    q_ref, scale_ref = reference.quantize_rows_fp8(h.cpu())
+    assert torch.equal(scale.cpu(), scale_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
