@@ -206,8 +206,9 @@ class Attention(nn.Module):
 
     @property
     def takes_fp8_rows(self) -> bool:
-        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows)."""
-        return self.qkv_proj.takes_fp8_rows
+        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows; an int4
+        checkpoint's layers are not Linear)."""
+        return isinstance(self.qkv_proj, Linear) and self.qkv_proj.takes_fp8_rows
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -243,8 +244,9 @@ class MLP(nn.Module):
 
     @property
     def takes_fp8_rows(self) -> bool:
-        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows)."""
-        return self.gate_up_proj.takes_fp8_rows
+        """Whether the input goes to a float8 layer per token (Linear.takes_fp8_rows; an int4
+        checkpoint's layers are not Linear)."""
+        return isinstance(self.gate_up_proj, Linear) and self.gate_up_proj.takes_fp8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
@@ -258,7 +260,8 @@ class MLP(nn.Module):
                 h = quant.fp8_gemv_glu(x, gate_up.weight, gate_up.weight_scale)
             else:
                 h = gemv_glu(x, gate_up.weight)
-        elif self.down_proj.takes_fp8_rows:  # (the activation's launch also makes the float8 rows)
+        elif isinstance(self.down_proj, Linear) and self.down_proj.takes_fp8_rows:
+            # (the activation's launch also makes the float8 rows down_proj takes)
             h, rows = ops.act_and_mul_fp8(gate_up(x), gelu=self.act != "silu")
             quant.attach_rows(h, rows)
         else:
