@@ -20,7 +20,7 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
-from kernels.quant import quantize_row
+from kernels.quant import empty_rows, quantize_row
 from kernels.reference import FP8_MAX, FP8_TINY
 
 
@@ -132,8 +132,7 @@ def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool, fp8: 
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     quant = None
     if fp8:  # one program per row: its max needs the whole row
-        quant = (torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device),
-                 torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+        quant = empty_rows(rows, inter, x.device)
         block = triton.next_power_of_2(inter)
         num_warps = max(4, min(16, block // 1024))
     if block is None:

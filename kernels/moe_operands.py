@@ -69,15 +69,16 @@ def fp8_operands(
     return True, q, sx, w_gate_up_scale.float().contiguous(), w_down_scale.float().contiguous()
 
 
-def quantize_rows(a: torch.Tensor, live: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(a: torch.Tensor, live: tuple[torch.Tensor, int] | None = None,
+                  div: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 rows, fp32 scales [M]) of kernels.reference.quantize_rows_fp8: the Triton
     kernel on CUDA, the reference in the interpreter. live = (sorted_ids, pairs): row r only
-    where sorted_ids[r] < pairs (kernels/moe.py's intermediate; the Triton kernel everywhere,
-    the other rows left unwritten: their readers mask them off)."""
+    where sorted_ids[r // div] < pairs (kernels/moe.py's intermediate, div rows per pair row;
+    the Triton kernel everywhere, the other rows left unwritten: their readers mask them off)."""
     from kernels import ops, quant  # (ops imports the MoE modules lazily)
 
     if live is not None:
-        q, s = quant.quantize_rows_fp8(a, (live[0], live[1], 1))
+        q, s = quant.quantize_rows_fp8(a, (live[0], live[1], div))
     else:
         q, s = ops.quantize_rows_fp8(a) if a.is_cuda else reference.quantize_rows_fp8(a)
     return q, s.reshape(-1).contiguous()
@@ -89,16 +90,11 @@ def quantize_groups(a: torch.Tensor, group: int,
     kernels.reference.quantize_groups_fp8 (block-scaled experts' inputs). Where K is a multiple
     of the group each group is a row of quantize_rows (the Triton kernel on CUDA, or with `live`
     as there): the same bits, as the reference quantizes each group with quantize_rows_fp8."""
-    from kernels import quant
-
     m, k = a.shape
     if k % group or not (a.is_cuda or live is not None):
         q, s = reference.quantize_groups_fp8(a, group)
         return q, s.contiguous()
-    if live is not None:
-        q, s = quant.quantize_rows_fp8(a.contiguous().view(m * (k // group), group), (live[0], live[1], k // group))
-        return q.view(m, k), s.view(m, k // group)
-    q, s = quantize_rows(a.contiguous().view(m * (k // group), group))
+    q, s = quantize_rows(a.contiguous().view(m * (k // group), group), live, k // group)
     return q.view(m, k), s.view(m, k // group)
 
 

@@ -15,7 +15,7 @@ from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
 from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
-from kernels.quant import quantize_row
+from kernels.quant import empty_rows, quantize_row
 from kernels.quant import quantize_rows_fp8 as _quantize_rows_fp8
 from kernels.reference import FP8_MAX, FP8_TINY
 
@@ -269,8 +269,7 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
     block_k = min(ROUTER_K, triton.next_power_of_2(hidden))
     rows = None
     if quant and norm is not None and hidden <= block_k:
-        rows = (torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=x.device),
-                torch.empty((t, 1), dtype=torch.float32, device=x.device))
+        rows = empty_rows(t, hidden, x.device)
     pdl = _pdl_enabled(x)
     _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
         x, weight, logits, counts, weights, ids, residual, norm_weight, normed, new_res, float(eps),

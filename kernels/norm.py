@@ -21,7 +21,7 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
-from kernels.quant import quantize_row
+from kernels.quant import empty_rows, quantize_row
 from kernels.reference import FP8_MAX, FP8_TINY
 
 
@@ -92,8 +92,7 @@ def _launch(x, residual, weight, eps, num_warps=None, offset=0.0, fp8=False):
         r2, new_res = x2, out
     quant = None
     if fp8:
-        quant = (torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=x.device),
-                 torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+        quant = empty_rows(rows, hidden, x.device)
     weight = weight.contiguous()
     block = triton.next_power_of_2(hidden)
     if num_warps is None:

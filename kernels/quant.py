@@ -20,6 +20,12 @@ from kernels.common import round_to as _round_to
 from kernels.reference import FP8_MAX, FP8_TINY
 
 
+def empty_rows(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for m rows of k float8 values and their fp32 scales [m, 1] (what quantize_row writes)."""
+    return (torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((m, 1), dtype=torch.float32, device=device))
+
+
 @triton.jit
 def quantize_row(x, q_ptrs, mask, scale_ptr, FMAX: tl.constexpr, TINY: tl.constexpr, INTERP: tl.constexpr):
     """Store one row x (fp32, zero where masked off) as float8 at q_ptrs and its scale at
@@ -79,8 +85,7 @@ def quantize_rows_fp8(
     m, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale = empty_rows(m, k, x.device)
     if m == 0:
         return q, scale
     block = triton.next_power_of_2(k)
