@@ -14,8 +14,8 @@ ALIGN_CHUNK = 128
 
 SMALL_CHUNKS = 16
 """Up to this many chunks (2,048 pairs: 256 tokens of top-8) `_align_small_kernel` aligns them
-in one launch, each program counting every chunk itself; past it that redundant count (chunks^2
-[CHUNK, E] compares) would cost more than the two launches it saves."""
+in one launch, each program counting every pair itself; past it that redundant count (a
+histogram of all the pairs in every program) would cost more than the two launches it saves."""
 
 
 @triton.jit
@@ -80,31 +80,29 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, sorted_ptr, PAIRS, CHUNK: tl.cons
 @triton.jit
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, PAIRS, PADDED, BLOCKS, CHUNKS,
                         E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                        FILL: tl.constexpr, BB: tl.constexpr):
-    """The three kernels below in one launch, for a few chunks: program c counts every chunk's
-    pairs per expert itself (the totals, and the chunks' before its own), so each program knows
-    every group's start without waiting for another; it scatters its own chunk, then writes its
-    share of the rest: the padding of the experts e with e % CHUNKS == c, the sentinel past the
-    last group in its FILL positions, and block_expert for its BB blocks."""
+                        ALL: tl.constexpr, FILL: tl.constexpr, BB: tl.constexpr):
+    """The three kernels below in one launch, for a few chunks: program c counts every pair per
+    expert itself (two histograms of all the pairs: the totals, and the chunks' before its own),
+    so each program knows every group's start without waiting for another; it scatters its own
+    chunk, then writes its share of the rest: the padding of the experts e with e % CHUNKS == c,
+    the sentinel past the last group in its FILL positions, and block_expert for its BB blocks.
+    ALL: a power of two >= PAIRS."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    idx = tl.arange(0, CHUNK)
-    totals = tl.zeros([E_PAD], dtype=tl.int32)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, CHUNKS):
-        offs = c0 * CHUNK + idx
-        ids = tl.load(ids_ptr + offs, mask=offs < PAIRS, other=-1).to(tl.int32)
-        counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        totals += counts
-        before += counts * (c0 < c).to(tl.int32)
+    every = tl.arange(0, ALL)
+    all_ids = tl.load(ids_ptr + every, mask=every < PAIRS, other=0).to(tl.int32)
+    # (histograms, not [pairs, E] compares: the count was most of this kernel's 12 us at 1,024 pairs)
+    totals = tl.histogram(all_ids, E_PAD, mask=every < PAIRS)
+    before = tl.histogram(all_ids, E_PAD, mask=every < tl.minimum(PAIRS, c * CHUNK))
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     # this chunk's pairs: its group's start + the pairs of its expert in earlier chunks + rank
+    idx = tl.arange(0, CHUNK)
     offs = c * CHUNK + idx
     valid = offs < PAIRS
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), axis=1)
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    base = tl.gather(starts + before, ids, 0)
     rank = tl.sum(((ids[:, None] == ids[None, :]) & (idx[None, :] < idx[:, None])).to(tl.int32), axis=1)
     tl.store(sorted_ptr + base + rank, offs.to(tl.int32), mask=valid)
     # the padding after each group (fewer than BLOCK_M rows), the sentinel
@@ -144,7 +142,8 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
     fill = triton.next_power_of_2(triton.cdiv(padded_len, chunks))
     if chunks <= SMALL_CHUNKS if small is None else small:
         _align_small_kernel[(chunks,)](flat, sorted_ids, block_expert, pairs, padded_len, blocks, chunks, E=experts,
-                                       E_PAD=e_pad, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, FILL=fill,
+                                       E_PAD=e_pad, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
+                                       ALL=triton.next_power_of_2(pairs), FILL=fill,
                                        BB=triton.next_power_of_2(triton.cdiv(blocks, chunks)),
                                        num_warps=8 if e_pad >= 128 else 4)  # (ptxas, sm_90a: 128 experts, 128 regs)
         return sorted_ids, block_expert
