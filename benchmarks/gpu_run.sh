@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab)
+#                                        | fp8trace | fp8ab | align)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -35,6 +35,7 @@
 # fp8ab: the float8 MoE step's launches cut (thirty-third session: the norms make the float8 rows, one alignment
 # kernel, the intermediate's padding skipped): their compiled tests, then W8 and W2 fp8 on Qwen3-30B-A3B for the tree
 # and for .base (git archive 69b015c), on one machine (~6 min; carry .base and .whl).
+# align: the one-launch alignment's compiled tests, then align_pairs alone at 128-2,048 pairs against .base (~1 min).
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -441,11 +442,25 @@ if [ "$part" = fp8trace ]; then
   python3 benchmarks/profile_gpu.py step --case 5 --graphs 2>&1 | grep -v "it/s" > "$OUT/bf16_b1_step.txt"
   sed -n '/timeline/,$p' "$OUT/bf16_b1_step.txt"
 fi
+if [ "$part" = align ]; then
+  # the one-launch alignment by histograms (thirty-fourth session): its compiled tests, then align_pairs alone at decode's
+  # pair counts (Qwen3-30B-A3B: 128 experts, top-8, 16-row blocks), this tree against .base, CUDA graphs
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_moe.py -k align tests/kernels/test_moe_fp8.py 2>&1 | tail -3
+  for t in . .base; do (cd $t && PYTHONPATH=/tmp/site:$PWD python3 -c "
+import torch, triton
+from kernels.moe_align import align_pairs
+for tokens in (16, 64, 128, 256):
+    ids = torch.randint(0, 128, (tokens, 8), device='cuda')
+    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: align_pairs(ids, 128, 16))
+    print(f'$t: {tokens * 8} pairs {us:.2f} us')"); done
+fi
 if [ "$part" = fp8ab ]; then
-  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_quant.py tests/kernels/test_moe_fp8.py \
-      tests/kernels/test_moe_block_fp8.py tests/kernels/test_moe.py tests/kernels/test_moe_int4.py 2>&1 | tail -4
+  # (FP8AB_TESTS=0: no tests; FP8AB_W: the workloads, default W8 W2)
+  [ "${FP8AB_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_quant.py \
+      tests/kernels/test_moe_fp8.py tests/kernels/test_moe_block_fp8.py tests/kernels/test_moe.py tests/kernels/test_moe_int4.py \
+      2>&1 | tail -4
   q="--quantization fp8 --no-peer"
-  for w in W8 W2; do
+  for w in ${FP8AB_W:-W8 W2}; do
     n="--model-dir benchmarks/configs/qwen3-30b-a3b"; [ $w = W8 ] && n="--num-requests ${W8_N:-256}"
     bench --workload $w $n $q --json "$OUT/fp8ab_${w}_tree.json" | tail -1
     (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline --workload $w $n $q \
