@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align)
+#                                        | fp8trace | fp8ab | align | fp8gemm)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -36,6 +36,7 @@
 # kernel, the intermediate's padding skipped): their compiled tests, then W8 and W2 fp8 on Qwen3-30B-A3B for the tree
 # and for .base (git archive 69b015c), on one machine (~6 min; carry .base and .whl).
 # align: the one-launch alignment's compiled tests, then align_pairs alone at 128-2,048 pairs against .base (~1 min).
+# fp8gemm: the float8 GEMM for 2-256 rows: compiled tests, each tile against cuBLAS by shape, W8 fp8 against .base (~5 min).
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -453,6 +454,13 @@ for tokens in (16, 64, 128, 256):
     ids = torch.randint(0, 128, (tokens, 8), device='cuda')
     us = 1e3 * triton.testing.do_bench_cudagraph(lambda: align_pairs(ids, 128, 16))
     print(f'$t: {tokens * 8} pairs {us:.2f} us')"); done
+fi
+if [ "$part" = fp8gemm ]; then
+  # the float8 GEMM for 2-256 rows (thirty-fourth session): its compiled tests, then by shape against cuBLAS, then W8 fp8
+  # (its qkv and o at ~133 rows) for this tree against .base (carry .base made from the commit before it, and .whl)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_fp8_gemm.py 2>&1 | tail -3
+  python3 benchmarks/fp8_gemm_bench.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  FP8AB_TESTS=0 FP8AB_W=W8 bash "$0" fp8ab
 fi
 if [ "$part" = fp8ab ]; then
   # (FP8AB_TESTS=0: no tests; FP8AB_W: the workloads, default W8 W2)

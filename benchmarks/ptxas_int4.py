@@ -18,6 +18,7 @@ from ptxas_regs import usage  # noqa: E402
 from kernels.int4 import _int4_gemm_kernel, _int4_gemv_kernel  # noqa: E402
 
 SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16"}
+ALIGNED = ("K", "stride_xm", "stride_wn", "stride_sn", "stride_om")  # (multiples of 16 in every model layer)
 
 
 def main() -> None:
@@ -28,13 +29,13 @@ def main() -> None:
                                       (128, 128, 64, 8, 3), (64, 128, 32, 4, 4)):
         consts = dict(G=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DTYPE=tl.bfloat16, PRECISION="tf32", INTERP=False)
         print(f"int4 gemm {bm}x{bn}x{bk} w{warps} s{stages}:",
-              "{}/{}".format(*usage(_int4_gemm_kernel, sig, consts, num_warps=warps, num_stages=stages)), flush=True)
+              "{}/{}".format(*usage(_int4_gemm_kernel, sig, consts, ALIGNED, num_warps=warps, num_stages=stages)), flush=True)
     sig = {**SIG, "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
            "stride_om": "i32"}
     for bn, bk, warps in ((16, 128, 4), (16, 128, 8), (8, 128, 4), (32, 128, 8), (16, 64, 4)):
         consts = dict(G=128, BLOCK_N=bn, BLOCK_K=bk, UNROLL=8, DTYPE=tl.bfloat16, INTERP=False)
         print(f"int4 gemv {bn}x{bk} w{warps}:",
-              "{}/{}".format(*usage(_int4_gemv_kernel, sig, consts, num_warps=warps, num_stages=1)), flush=True)
+              "{}/{}".format(*usage(_int4_gemv_kernel, sig, consts, ALIGNED, num_warps=warps, num_stages=1)), flush=True)
 
 
 if __name__ == "__main__":

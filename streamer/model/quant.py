@@ -5,7 +5,9 @@ range. Activations: one scale per token, computed at each call from the token's 
 max |x| (dynamic), so no calibration is needed (kernels/quant.py: one Triton kernel on
 CUDA, the torch reference elsewhere, the same bits). On CUDA the product goes through
 `torch._scaled_mm` (float8 tensor cores on sm_89+), which multiplies both scales back in
-while accumulating in fp32; on CPU the same formula runs as an fp32 matmul:
+while accumulating in fp32 (from 2 to 256 rows, where cuBLAS's tiles would leave SMs idle, a
+Triton GEMM of the same formula: kernels/fp8_gemm.py); on CPU the same formula runs as an fp32
+matmul:
 
     y[m, n] = sx[m] * sw[n] * sum_k q(x)[m, k] * q(W)[n, k]
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
+from kernels import fp8_gemm, ops
 from kernels.gemv import gemv, gemv_glu
 from kernels.reference import expand_blocks, quantize_groups_fp8, quantize_rows_fp8
 
@@ -79,7 +81,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         q, sx = quantize_tensor_fp8(x2)
     else:
         q, sx = _rows(x2, rows_of(x))
-    if x.is_cuda:
+    if x.is_cuda and fp8_gemm.use_triton(q.shape[0], weight.shape[0], x.device):
+        # a few dozen rows: smaller tiles than cuBLAS's, so that every SM has some (kernels/fp8_gemm.py)
+        y = fp8_gemm.fp8_gemm(q, sx, weight, weight_scale, x.dtype)
+    elif x.is_cuda:
         # cuBLAS's row-wise scaled GEMM writes bf16
         y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
     else:
