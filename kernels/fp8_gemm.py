@@ -16,6 +16,8 @@ weight tile at about the same time, so a second row block finds it in L2.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +62,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_xm, 
 
 def device_sms(device: torch.device) -> int:
     """The SM count of a CUDA device (its index, or the current device)."""
-    return sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    return _sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(index: int) -> int:
+    return sm_count(index)  # (asked at every eager float8 layer call: once per device)
 
 
 def use_triton(m: int, n: int, device: torch.device) -> bool:
