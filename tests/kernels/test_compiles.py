@@ -53,6 +53,13 @@ def compile_all() -> None:
         for i, case in enumerate(cases):
             consts = {k: tl.core.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in case["consts"].items()}
             consts.update({k: v for k, v in GPU_CONSTS.items() if k in consts})
+            first = next(t for t in case["sig"].values() if t.startswith("*"))
+            if consts.get("COMPUTE") == tl.float32 and first in ("*bf16", "*fp16"):
+                # the interpreter's dots widen 16-bit operands to fp32; the GPU multiplies them on the
+                # tensor cores as they are (each kernel's host code: fp32 only for fp32 inputs)
+                consts["COMPUTE"] = tl.core.dtype(first[1:])
+                if "PRECISION" in consts:
+                    consts["PRECISION"] = "tf32"
             # pointers 16-byte aligned, as a launch with torch's allocations specializes them (their loads
             # then vectorize and pipeline: the code the GPU runs)
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
