@@ -5,7 +5,10 @@ and accepts what the compiler refuses, such as a module-level float read inside 
 
 The cases are launches the interpreted kernel tests made (compile_cases.json, written by
 tests/kernels/record_launches.py: the first few distinct ones of each kernel), compiled as the
-GPU launches them: INTERP off, PDL on. The compiler runs in a child process: this one has
+GPU launches them: INTERP off, PDL on, pointers 16-byte aligned, 16-bit operands multiplied as
+16-bit. Launches the interpreter cannot make are written by hand in compile_cases_gpu.json, which
+the recorder never rewrites: float8 tensor-core dots (the interpreter multiplies in fp32) and
+decode's tiles at a model's sizes. The compiler runs in a child process: this one has
 TRITON_INTERPRET set (conftest.py), under which @triton.jit makes interpreted functions."""
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 
 from tests.kernels.record_launches import CASES_FILE
 
+GPU_CASES_FILE = CASES_FILE.with_name("compile_cases_gpu.json")
+"""Hand-written cases (same format): the GPU's own variants of kernels whose interpreted launches differ."""
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONSTS = {"INTERP": False, "PDL": True}
 """Constexprs the interpreter launches with one value and the GPU with another."""
@@ -47,7 +52,9 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    for where, cases in json.loads(CASES_FILE.read_text()).items():
+    recorded, by_hand = json.loads(CASES_FILE.read_text()), json.loads(GPU_CASES_FILE.read_text())
+    for where in sorted(set(recorded) | set(by_hand)):
+        cases = recorded.get(where, []) + by_hand.get(where, [])
         module, name = where.split(":")
         kernel = getattr(importlib.import_module(module), name)
         for i, case in enumerate(cases):
@@ -91,4 +98,4 @@ def test_kernels_compile_for_hopper():
     failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
     assert not failed, "\n".join(failed)
     assert run.stdout.count("\nok ") + run.stdout.startswith("ok ") == sum(
-        len(v) for v in json.loads(CASES_FILE.read_text()).values())
+        len(v) for f in (CASES_FILE, GPU_CASES_FILE) for v in json.loads(f.read_text()).values())
