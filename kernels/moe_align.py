@@ -86,7 +86,7 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, PAIRS, PADDED, BL
     so each program knows every group's start without waiting for another; it scatters its own
     chunk, then writes its share of the rest: the padding of the experts e with e % CHUNKS == c,
     the sentinel past the last group in its FILL positions, and block_expert for its BB blocks.
-    ALL: a power of two >= PAIRS."""
+    ALL: a power of two >= PAIRS (at least CHUNK: no degenerate one-element histograms)."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     every = tl.arange(0, ALL)
@@ -143,7 +143,7 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
     if chunks <= SMALL_CHUNKS if small is None else small:
         _align_small_kernel[(chunks,)](flat, sorted_ids, block_expert, pairs, padded_len, blocks, chunks, E=experts,
                                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
-                                       ALL=triton.next_power_of_2(pairs), FILL=fill,
+                                       ALL=max(ALIGN_CHUNK, triton.next_power_of_2(pairs)), FILL=fill,
                                        BB=triton.next_power_of_2(triton.cdiv(blocks, chunks)),
                                        num_warps=8 if e_pad >= 128 else 4)  # (ptxas, sm_90a: 128 experts, 128 regs)
         return sorted_ids, block_expert
