@@ -47,8 +47,9 @@ def usage(fn, sig: dict, consts: dict, aligned: tuple[str, ...] = (), **opts) ->
     sees that from their values). Without those facts a GEMM's loads neither vectorize nor pipeline
     through cp.async, and ptxas reports registers and spills the GPU never sees (kernels/fp8_gemm.py at
     64 x 64: 255 registers and 428 bytes of spills unaligned, 78 and none aligned)."""
+    kept = set(fn.do_not_specialize_on_alignment) | set(fn.do_not_specialize)  # (the kernel's own opt-outs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if sig.get(a, "").startswith("*") or a in aligned}
+             if (sig.get(a, "").startswith("*") or a in aligned) and a not in kept}
     sig = {**sig, **{c: "constexpr" for c in consts}}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET, options=opts)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -85,6 +86,11 @@ def cells(f, *args) -> str:
     return "  ".join("{}/{}".format(*f(*args, r)) for r in (1, 2, 3, 4))
 
 
+def ints(sig: dict) -> tuple[str, ...]:
+    """Every integer argument, as aligned: the MoE layers' sizes and strides are multiples of 16."""
+    return tuple(a for a, t in sig.items() if t == "i32")
+
+
 def moe() -> None:
     """moe_gemv at top-8 (Qwen3-30B-A3B): GEMM 1's (rows, columns, unroll) with 4 warps, GEMM 2's
     (rows, columns, unroll, warps); the defaults first; bf16, float8 per row, float8 [128, 128] blocks."""
@@ -102,7 +108,8 @@ def moe() -> None:
             consts = dict(TOPK=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk, ACT="silu",
                           ALPHA=1.702, LIMIT=7.0, HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False, PDL=True)
             print(f"moe gate_up {kind} {bn}x{bk}x{un}:", "{}/{}".format(*usage(_gate_up_kernel, sig, consts,
-                                                                             num_warps=4, num_stages=1)), flush=True)
+                                                                             ints(sig), num_warps=4, num_stages=1)),
+                  flush=True)
         sig = {"h_ptr": w, "w_ptr": w, "ids_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16",
                "sh_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16", "H": "i32", "INTER": "i32",
                "stride_h": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_o": "i32", "stride_se": "i32",
@@ -113,7 +120,8 @@ def moe() -> None:
             consts = dict(TOPK=8, TOPK_PAD=8, BLOCK_N=bn, BLOCK_K=bk, UNROLL=un, GROUP_N=gn, GROUP_K=gk,
                           HAS_BIAS=False, SCALED=fp8, DTYPE=tl.bfloat16, INTERP=False, PDL=True)
             print(f"moe down {kind} {bn}x{bk}x{un} w{warps}:", "{}/{}".format(*usage(_down_kernel, sig, consts,
-                                                                                  num_warps=warps, num_stages=1)),
+                                                                                  ints(sig), num_warps=warps,
+                                                                                  num_stages=1)),
                   flush=True)
 
 

@@ -70,7 +70,7 @@ def compile_all() -> None:
             # pointers 16-byte aligned, as a launch with torch's allocations specializes them (their loads
             # then vectorize and pipeline: the code the GPU runs)
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                     if case["sig"].get(a, "").startswith("*")}
+                     if case["sig"].get(a, "").startswith("*") and a not in kernel.do_not_specialize_on_alignment}
             src = ASTSource(fn=kernel, signature={**case["sig"], **{c: "constexpr" for c in consts}}, constexprs=consts,
                             attrs=attrs)
             try:
