@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from kernels import fp8_gemm, reference  # noqa: E402
+from kernels.common import sm_count  # noqa: E402
 
 LAYERS = {  # (N, K) of the float8 linear layers
     "qwen3-30b-a3b qkv": (5120, 2048),
@@ -45,7 +46,7 @@ def main() -> None:
             q, sx = reference.quantize_rows_fp8(torch.randn(m, k, device=dev))
             cublas = 1e3 * do_bench_cudagraph(lambda: torch._scaled_mm(q, qw.t(), scale_a=sx, scale_b=sw.view(1, -1),
                                                                          out_dtype=torch.bfloat16))
-            default = fp8_gemm.tiles(m, n, fp8_gemm.device_sms(dev))
+            default = fp8_gemm.tiles(m, n, sm_count(dev))
             cells = []
             for bm, bn, bk, warps, stages in TILES:
                 if bm > max(16, 2 * m):

@@ -23,9 +23,16 @@ engine's settings (it does not import streamer): the engine sets this from its c
 (STREAMER_PDL=0 turns it off, streamer.config.use_pdl) before it captures its graphs."""
 
 
+def sm_count(device: torch.device | int) -> int:
+    """The SM count of a CUDA device, by index or torch.device (without an index: the current
+    one), asked once per device (split and grid heuristics, at every eager launch)."""
+    if isinstance(device, torch.device):
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(device)
+
+
 @functools.lru_cache(maxsize=8)
-def sm_count(device_index: int) -> int:
-    """The SM count of a CUDA device (split and grid heuristics)."""
+def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -16,8 +16,6 @@ weight tile at about the same time, so a second row block finds it in L2.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -60,22 +58,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_xm, 
     tl.store(out, round_to(y, DTYPE, INTERP), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def device_sms(device: torch.device) -> int:
-    """The SM count of a CUDA device (its index, or the current device)."""
-    return _sms(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=8)
-def _sms(index: int) -> int:
-    return sm_count(index)  # (asked at every eager float8 layer call: once per device)
-
-
 def use_triton(m: int, n: int, device: torch.device) -> bool:
     """True where this kernel should replace cuBLAS's row-wise float8 GEMM: CUDA, 1 < M <= MAX_ROWS
     (one row goes to the float8 GEMV), and cuBLAS's 128 x 128 tiles would not give every SM one."""
     if device.type != "cuda" or not 1 < m <= MAX_ROWS:
         return False
-    return triton.cdiv(m, CUBLAS_TILE) * triton.cdiv(n, CUBLAS_TILE) < device_sms(device)
+    return triton.cdiv(m, CUBLAS_TILE) * triton.cdiv(n, CUBLAS_TILE) < sm_count(device)
 
 
 def tiles(m: int, n: int, sms: int) -> tuple[int, int, int]:
@@ -104,7 +92,7 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
         return out
     interp = interpreting()
     pdl = pdl_enabled(q)
-    bm, bn, bk = block or tiles(m, n, device_sms(q.device) if q.is_cuda else 4)
+    bm, bn, bk = block or tiles(m, n, sm_count(q.device) if q.is_cuda else 4)
     # the interpreter's float8 dot: exact fp32 products of the float8 values (a compiled float8
     # dot needs K chunks of at least 32)
     compute = tl.float32 if interp else tl.float8e4nv

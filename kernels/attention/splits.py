@@ -78,7 +78,7 @@ def _choose_splits(
 ) -> int:
     """Host-side heuristic from shapes only (CUDA-graph safe). per_sm: programs resident per SM."""
     if device.type == "cuda":
-        sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms = sm_count(device)
     else:
         sms = 4
     # about one resident wave of programs, but each split keeps >= 2 key blocks

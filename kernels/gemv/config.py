@@ -37,7 +37,7 @@ class GemvConfig:
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # H200: keeps the CPU (interpreter) choice equal to the GPU one
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 def gemv_config(m: int, n: int, k: int, sms: int = 132, w_bytes: int = 2) -> GemvConfig:
