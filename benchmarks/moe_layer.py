@@ -102,7 +102,8 @@ def main() -> None:
             for warps in (1, 2, 4):
                 us = time_us(lambda: moe_route.route(x, router, k, True, dt, num_warps=warps))
                 print(f"      fused router, {warps} warps: {us:7.1f} us")
-        for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2)):
+        for bn, bk, un in ((4, 256, 1), (4, 256, 2), (8, 256, 2), (4, 512, 1), (2, 256, 2), (2, 256, 4), (2, 512, 2),
+                           (1, 512, 4), (4, 256, 4), (1, 256, 8)):
             us = time_us(lambda: moe_gemv.moe_gemv(x, w_gu, w_d, weights, ids, block_n=bn, block_k=bk, unroll=un))
             print(f"      gemv gate_up n {bn:3d} k {bk:4d} unroll {un}: {us:7.1f} us ({floor / us:5.1%} of floor)")
         for down in ((4, 256, 1, 8), (4, 256, 3, 8), (2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (2, 256, 3, 8),

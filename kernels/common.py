@@ -66,6 +66,38 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+PREFETCH_BYTES = 2048
+"""Bytes of each of its weight rows a GEMV program asks L2 for before its PDL wait (`prefetch_l2`):
+the first chunks it will load. A GEMV of a decode step follows a short, latency-bound kernel (a norm,
+attention's merge, a split-K reduce) during which the memory bus idles; its resident programs wait
+there for that kernel, and their first weight bytes can be on their way meanwhile."""
+
+
+def prefetch_lines(row_bytes: int, pdl: bool) -> int:
+    """LINES for `prefetch_l2`: 128-byte lines of each weight row (of `row_bytes` in the program's
+    share) to prefetch, a power of two; 0 without PDL, where a kernel starts after the one before
+    it has ended and its own loads begin at once."""
+    if not pdl or row_bytes <= 0:
+        return 0
+    return max(1, min(PREFETCH_BYTES, triton.next_power_of_2(row_bytes)) // 128)
+
+
+@triton.jit
+def prefetch_l2(row_ptrs, row_len, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of the rows starting at `row_ptrs` ([R] pointers of
+    any element type, 16-byte aligned rows of `row_len` elements; lines past a row's end are not
+    asked for). A hint: nothing waits for it and no register holds the data. Called before
+    `pdl_enter` with weights only (which no kernel of the step writes): the loads after the wait
+    then find them in L2."""
+    if LINES > 0:
+        PER_LINE: tl.constexpr = 128 // (row_ptrs.dtype.element_ty.primitive_bitwidth // 8)
+        offs = tl.minimum(tl.arange(0, LINES) * PER_LINE, row_len - 1)
+        ptrs = row_ptrs[:, None] + offs[None, :]
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
 def log_compiles(log) -> bool:
     """Log every kernel variant Triton builds (or loads from its disk cache) from now on: its
     name and argument specialization (STREAMER_LOG_COMPILES=1, diagnostics). A variant built

@@ -20,7 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import TL_DTYPES, interpreting, pdl_enabled, pdl_enter, round_to, sm_count
+from kernels.common import (
+    TL_DTYPES,
+    interpreting,
+    pdl_enabled,
+    pdl_enter,
+    prefetch_l2,
+    prefetch_lines,
+    round_to,
+    sm_count,
+)
 
 MAX_ROWS = 256
 """Most rows `use_triton` sends here (past it the layer is compute-bound and cuBLAS's tiles fill the card)."""
@@ -32,12 +41,15 @@ CUBLAS_TILE = 128
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
-                     PRECISION: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                     PRECISION: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr = 0):
     """out[BLOCK_M rows, BLOCK_N columns] = the scaled float8 product (module docstring), K in
     BLOCK_K chunks (K need not divide: the tail is masked to zeros)."""
-    pdl_enter(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if tl.program_id(0) == 0:  # (the weights, once per column block: no kernel before writes them)
+        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn, K, PREFETCH)
+    pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
@@ -100,7 +112,7 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         q, weight, sx, sw, out, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, COMPUTE=compute, PRECISION="ieee" if interp else "tf32",
-        DTYPE=TL_DTYPES[out_dtype], INTERP=interp, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        DTYPE=TL_DTYPES[out_dtype], INTERP=interp, PDL=pdl, PREFETCH=prefetch_lines(k, pdl), num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -13,6 +13,8 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import prefetch_l2 as _prefetch_l2
+from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
 from kernels.quant import empty_rows, quantize_row
@@ -115,6 +117,7 @@ def _router_kernel(
     QUANT: tl.constexpr = False,
     FMAX: tl.constexpr = 448.0,
     TINY: tl.constexpr = 1e-12,
+    PREFETCH: tl.constexpr = 0,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
@@ -127,10 +130,12 @@ def _router_kernel(
     and program (t, 0) stores it and the sum, for the experts and the next layer. QUANT (H <=
     BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
     and scale (kernels/quant.py quantize_row), for float8 experts."""
-    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
+    if tl.program_id(0) == 0:  # (the router's weights, once: no kernel before writes them)
+        _prefetch_l2(w_ptr + clamped.to(tl.int64) * stride_w, H, PREFETCH)
+    _pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + clamped[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
@@ -278,6 +283,7 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
         RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
         LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
         X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
-        QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, num_warps=num_warps, launch_pdl=pdl,
+        QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, PREFETCH=_prefetch_lines(hidden * weight.element_size(), pdl),
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids, normed, new_res, rows

@@ -10,6 +10,8 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import prefetch_l2 as _prefetch_l2
+from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.gemv.config import MAX_M, GemvConfig, glu_config
 from kernels.gemv.linear import _scale_args, _x_chunk
@@ -60,6 +62,7 @@ def _gemv_glu_kernel(
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     """out[m, n] = silu(x[m] . W[n]) * (x[m] . W[N + n]): W holds [gate; up] ([2N, K]); BLOCK_M
     (<= 4) rows of x per program (program_id(1)), each accumulated exactly as a lone row is, on
@@ -73,7 +76,10 @@ def _gemv_glu_kernel(
     m0 = tl.program_id(1) * BLOCK_M
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
-    g_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    g_rows = w_ptr + rows.to(tl.int64) * stride_wn
+    _prefetch_l2(g_rows, K, PREFETCH)  # (weights: no kernel before writes them)
+    _prefetch_l2(g_rows + N.to(tl.int64) * stride_wn, K, PREFETCH)
+    g_ptrs = g_rows[:, None] + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_wn
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm
@@ -169,6 +175,7 @@ def gemv_glu(
         OUT_DTYPE=dtype,
         INTERP=_interpreting(),
         PDL=pdl,
+        PREFETCH=_prefetch_lines(k * weight.element_size(), pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

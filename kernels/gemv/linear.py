@@ -11,6 +11,8 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import prefetch_l2 as _prefetch_l2
+from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.gemv.config import MAX_M, GemvConfig, gemv_config, rows_per_program
 from kernels.gemv.config import num_sms as _num_sms
@@ -101,6 +103,7 @@ def _gemv_kernel(
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -110,8 +113,10 @@ def _gemv_kernel(
     k0 = pid_k * k_split
     k_len = tl.minimum(K - k0, k_split)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
+    w_rows = w_ptr + rows.to(tl.int64) * stride_wn + k0
+    _prefetch_l2(w_rows, k_len, PREFETCH)  # (weights: no kernel before writes them)
     _pdl_enter(PDL)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    w_ptrs = w_rows[:, None] + offs_k[None, :]
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k0
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k0
     x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + k0
@@ -263,6 +268,7 @@ def gemv(
         OUT_DTYPE=dtype,
         INTERP=interp,
         PDL=pdl,
+        PREFETCH=_prefetch_lines(k_split * weight.element_size(), pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

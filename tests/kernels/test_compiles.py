@@ -60,6 +60,10 @@ def compile_all() -> None:
         for i, case in enumerate(cases):
             consts = {k: tl.core.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in case["consts"].items()}
             consts.update({k: v for k, v in GPU_CONSTS.items() if k in consts})
+            # constexprs a case leaves out (recorded before the kernel had them) take their defaults,
+            # as a launch that does not pass them does
+            consts.update({p.name: p.default for p in kernel.params
+                           if p.is_constexpr and p.has_default and p.name not in consts and p.name not in case["sig"]})
             first = next(t for t in case["sig"].values() if t.startswith("*"))
             if consts.get("COMPUTE") == tl.float32 and first in ("*bf16", "*fp16"):
                 # the interpreter's dots widen 16-bit operands to fp32; the GPU multiplies them on the
@@ -99,3 +103,38 @@ def test_kernels_compile_for_hopper():
     assert not failed, "\n".join(failed)
     assert run.stdout.count("\nok ") + run.stdout.startswith("ok ") == sum(
         len(v) for f in (CASES_FILE, GPU_CASES_FILE) for v in json.loads(f.read_text()).values())
+
+
+def ptx_of_case(where: str, index: int) -> None:
+    """Print the sm_90a PTX of one hand-written case (run in a child without TRITON_INTERPRET)."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    case = json.loads(GPU_CASES_FILE.read_text())[where][index]
+    module, name = where.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    consts = {k: tl.core.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in case["consts"].items()}
+    src = ASTSource(fn=kernel, signature={**case["sig"], **{c: "constexpr" for c in consts}}, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
+    print(compiled.asm["ptx"])
+
+
+def test_gemv_weights_are_prefetched_before_the_pdl_wait():
+    """The decode GEMVs ask L2 for their first weight bytes while the kernel before them finishes:
+    the prefetch must come before griddepcontrol.wait in the code the GPU runs (a compiler that
+    moved it after the wait would keep the results and lose the point)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for where in ("kernels.gemv.linear:_gemv_kernel", "kernels.gemv.glu:_gemv_glu_kernel",
+                  "kernels.moe_route:_router_kernel", "kernels.fp8_gemm:_fp8_gemm_kernel"):
+        code = f"from tests.kernels.test_compiles import ptx_of_case; ptx_of_case({where!r}, 0)"
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        ptx = run.stdout
+        assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx, where
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), where

@@ -357,3 +357,17 @@ def test_float8_gemv_glu_of_several_rows_takes_each_rows_scale():
     rows = quant.fp8_gemv_glu(x.to(torch.bfloat16), w, sw.view(-1))
     for i in range(4):
         assert torch.equal(rows[i], quant.fp8_gemv_glu(x[i : i + 1].to(torch.bfloat16), w, sw.view(-1))[0]), i
+
+
+def test_weights_are_prefetched_only_where_the_kernel_may_start_early():
+    """prefetch_lines: the 128-byte lines of each weight row a GEMV program asks L2 for before its
+    PDL wait. None without PDL (the kernel's loads then start at once); else a power of two, at
+    least one line, at most PREFETCH_BYTES of the row and no more than the row holds."""
+    from kernels.common import PREFETCH_BYTES, prefetch_lines
+
+    assert prefetch_lines(8192, pdl=False) == 0
+    assert prefetch_lines(0, pdl=True) == 0
+    assert prefetch_lines(8192, pdl=True) == PREFETCH_BYTES // 128
+    assert prefetch_lines(512, pdl=True) == 4  # (a split-K share shorter than the cap)
+    assert prefetch_lines(300, pdl=True) == 4  # (the row's tail line: the kernel clamps to the row)
+    assert prefetch_lines(64, pdl=True) == 1
