@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -37,6 +37,8 @@
 # and for .base (git archive 69b015c), on one machine (~6 min; carry .base and .whl).
 # align: the one-launch alignment's compiled tests, then align_pairs alone at 128-2,048 pairs against .base (~1 min).
 # fp8gemm: the float8 GEMM for 2-256 rows: compiled tests, each tile against cuBLAS by shape, W8 fp8 against .base (~5 min).
+# prefetch: weights asked of L2 before the PDL wait: compiled tests, then W2 on the 8B and MoE shapes against .base2
+# (carry .base2 = git archive of the commit before, and .whl; ~5 min).
 # sweepa, sweepb: issue 32's batch sweep on the 8B shape, both engines in one call each (carry .peer
 # and .whl): W3's requests (1,000 in / 1,000 out) at batch 1, 8, 32 (sweepa, ~8 min) and 128, 512
 # (sweepb, ~6 min), B requests at once; vLLM through bench offline --peer vllm (.peer/site unpacked
@@ -473,6 +475,18 @@ if [ "$part" = fp8ab ]; then
     bench --workload $w $n $q --json "$OUT/fp8ab_${w}_tree.json" | tail -1
     (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline --workload $w $n $q \
         --json "$OUT/fp8ab_${w}_base.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1)
+  done
+fi
+if [ "$part" = prefetch ]; then
+  # weights asked of L2 before the PDL wait (thirty-fifth session): the compiled tests of the kernels that do it, then
+  # W2 (batch 1) on the 8B and the MoE shapes, this tree and .base2 (git archive of the commit before it) in turn
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gemv.py tests/kernels/test_gemv_decode_path.py \
+      tests/kernels/test_moe_gemv.py tests/kernels/test_fp8_gemm.py 2>&1 | tail -3
+  for m in ${PF_MODELS:-llama-3.1-8b qwen3-30b-a3b}; do
+    a="--workload W2 --no-peer --model-dir benchmarks/configs/$m"
+    bench $a --json "$OUT/pf_${m}_tree.json" | tail -1
+    (cd .base2 && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $a --json "$OUT/pf_${m}_base.json" 2>&1 \
+        | grep -v "\] [0-9]*/[0-9]* " | tail -1)
   done
 fi
 if [ "$part" = moelayer ]; then
