@@ -128,7 +128,9 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    _pdl_enter(PDL)
+    # the lengths and the page table come from the step's inputs, not from the kernel before this
+    # one (rotary_store writes q and the new token's K and V): read before the PDL wait, their
+    # latency overlaps that kernel's end
     if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -161,6 +163,7 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
+    _pdl_enter(PDL)
     q = tl.load(
         q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
