@@ -35,6 +35,8 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import prefetch_l2 as _prefetch_l2
+from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.moe_operands import (
     act_constants,
@@ -186,21 +188,27 @@ def _down_kernel(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     """out[t, n] for BLOCK_N rows n (each slot's product plus its expert's bias [E, H] with
     HAS_BIAS): the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N + i, so the k
     slots' W rows (k experts) stream at once rather than one slot after the other
     (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s)."""
-    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     r = tl.arange(0, TOPK_PAD * BLOCK_N)
     slot = r // BLOCK_N
     n = tl.minimum(n0 + r % BLOCK_N, H - 1)  # tail rows re-read row H-1; the store masks them
     p = t * TOPK + tl.minimum(slot, TOPK - 1)  # padding slots re-read the last one, weighted 0
-    expert = tl.load(ids_ptr + p).to(tl.int64)
+    # Before the PDL wait: the ids are the router's, which completed before the kernel before this one
+    # (the gate_up GEMV, or the quantization after it) passed its own wait, so they are final; read
+    # from L2 (.cg), and the experts' rows asked of L2 while that kernel ends.
+    expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
+    w_rows = w_ptr + expert * stride_we + n.to(tl.int64) * stride_wn
+    _prefetch_l2(w_rows, INTER, PREFETCH)
+    _pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_ptrs = w_rows[:, None] + offs_k[None, :]
     h_ptrs = h_ptr + p[:, None] * stride_h + offs_k[None, :]  # (a slot's rows share h: L1 hits)
     s_ptrs = sw_ptr + expert * stride_se + (n // GROUP_N) * stride_sn  # (block scales)
     acc = tl.zeros([TOPK_PAD * BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -307,7 +315,7 @@ def moe_gemv(
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), sw_d.stride(0), grid_rows[1], sh.stride(0),
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
         GROUP_N=group_n, GROUP_K=group_k,
-        HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl, num_warps=d_warps,
-        num_stages=1, launch_pdl=pdl,
+        HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
+        PREFETCH=_prefetch_lines(inter * w_down.element_size(), pdl), num_warps=d_warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out

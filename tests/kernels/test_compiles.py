@@ -124,13 +124,14 @@ def ptx_of_case(where: str, index: int) -> None:
     print(compiled.asm["ptx"])
 
 
-def test_gemv_weights_are_prefetched_before_the_pdl_wait():
+def test_decode_weights_are_prefetched_before_the_pdl_wait():
     """The decode GEMVs ask L2 for their first weight bytes while the kernel before them finishes:
     the prefetch must come before griddepcontrol.wait in the code the GPU runs (a compiler that
     moved it after the wait would keep the results and lose the point)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for where in ("kernels.gemv.linear:_gemv_kernel", "kernels.gemv.glu:_gemv_glu_kernel",
-                  "kernels.moe_route:_router_kernel", "kernels.fp8_gemm:_fp8_gemm_kernel"):
+                  "kernels.moe_route:_router_kernel", "kernels.fp8_gemm:_fp8_gemm_kernel",
+                  "kernels.moe_gemv:_down_kernel"):
         code = f"from tests.kernels.test_compiles import ptx_of_case; ptx_of_case({where!r}, 0)"
         run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=600)
