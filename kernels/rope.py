@@ -265,13 +265,15 @@ def _rotary_store_kernel(
     NORM: tl.constexpr,
     NORM_OFFSET: tl.constexpr,
 ):
-    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    # the position, its cos/sin row and the slot are step inputs and a table (no kernel before this
+    # one writes them): two dependent loads read before the PDL wait, while the q/k/v GEMV ends
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    _pdl_enter(PDL)
     _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
             H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE, qn_ptr, eps, NORM, NORM_OFFSET)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     safe = tl.maximum(slot, 0)
     page = safe // PAGE_SIZE
     off = safe % PAGE_SIZE
