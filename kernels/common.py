@@ -56,11 +56,14 @@ def _capability(device_index: int) -> int:
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First statement of a kernel launched with `launch_pdl=PDL`: wait until the kernel
-    before it has completed and its writes are visible (every program, before any load of
-    a tensor a previous kernel writes and any store), then let the next kernel launch.
-    Without PDL it is nothing. Every program must pass here: a grid whose programs all
-    skipped the wait could complete before its predecessor and release its successor early."""
+    """In a kernel launched with `launch_pdl=PDL`: wait until the kernel before it has completed
+    and its writes are visible, then let the next kernel launch. Without PDL it is nothing.
+    Every program passes here before any store and before any load of what the kernel just
+    before it writes. Loads of what no kernel of the step writes (weights, the step's inputs)
+    may come first, and so may loads of what kernels further back wrote: this kernel launches
+    only once every program of the one before passed its own wait, i.e. after those completed.
+    Every program must pass here: a grid whose programs all skipped the wait could complete
+    before its predecessor and release its successor early."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
