@@ -69,18 +69,20 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-PREFETCH_BYTES = 2048
+DEFAULT_PREFETCH_BYTES = 2048
+PREFETCH_BYTES = DEFAULT_PREFETCH_BYTES
 """Bytes of each of its weight rows a GEMV program asks L2 for before its PDL wait (`prefetch_l2`):
 the first chunks it will load. A GEMV of a decode step follows a short, latency-bound kernel (a norm,
 attention's merge, a split-K reduce) during which the memory bus idles; its resident programs wait
-there for that kernel, and their first weight bytes can be on their way meanwhile."""
+there for that kernel, and their first weight bytes can be on their way meanwhile. 0: none (the
+engine sets it from its config, STREAMER_L2_PREFETCH, streamer.config.use_l2_prefetch)."""
 
 
 def prefetch_lines(row_bytes: int, pdl: bool) -> int:
     """LINES for `prefetch_l2`: 128-byte lines of each weight row (of `row_bytes` in the program's
     share) to prefetch, a power of two; 0 without PDL, where a kernel starts after the one before
     it has ended and its own loads begin at once."""
-    if not pdl or row_bytes <= 0:
+    if not pdl or row_bytes <= 0 or PREFETCH_BYTES <= 0:
         return 0
     return max(1, min(PREFETCH_BYTES, triton.next_power_of_2(row_bytes)) // 128)
 

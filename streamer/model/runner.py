@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 import kernels.common
-from streamer.config import EngineConfig, use_pdl
+from streamer.config import EngineConfig, use_l2_prefetch, use_pdl
 from streamer.diagnostics import Diagnostics
 from streamer.errors import ConfigError
 from streamer.messages import Batch, SampledToken, StepOutput
@@ -51,6 +51,7 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config.device)
         kernels.common.PDL = use_pdl()  # (before any kernel runs or a graph is captured)
+        kernels.common.PREFETCH_BYTES = kernels.common.DEFAULT_PREFETCH_BYTES if use_l2_prefetch() else 0
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             model_path,

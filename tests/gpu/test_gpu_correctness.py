@@ -103,7 +103,9 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
     """With PDL (kernels.common.pdl_enabled) each Triton kernel of a step may start while
     the one before it finishes, and waits for it before reading: the same arithmetic, so
     the same bits. A missing wait would read a half-written input, at batch 1 (decode
-    graphs of GEMVs) as in a batch."""
+    graphs of GEMVs) as in a batch. What kernels read before their wait (weights asked of
+    L2, STREAMER_L2_PREFETCH; the step's lengths, positions and slots; the router's ids in
+    the MoE down GEMV) changes no bit either."""
     path = tiny_models["llama3"]
     batch = prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
@@ -112,18 +114,22 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
     from kernels.common import pdl_enabled
 
     monkeypatch.setattr(kernels.common, "PDL", kernels.common.PDL)  # (the engines below set it)
+    monkeypatch.setattr(kernels.common, "PREFETCH_BYTES", kernels.common.PREFETCH_BYTES)
 
-    def run(pdl):
+    def run(pdl, prefetch="1"):
         monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.config.use_pdl)
+        monkeypatch.setenv("STREAMER_L2_PREFETCH", prefetch)
         with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048) as llm:
             on = pdl == "1" and torch.cuda.get_device_capability()[0] >= 9
             assert pdl_enabled(torch.zeros(1, device="cuda")) == on
+            assert (kernels.common.PREFETCH_BYTES > 0) == (prefetch == "1")
             return [llm.generate([p], params)[0] for p in batch] + llm.generate(batch, params)
 
-    on, off = run("1"), run("0")
-    for x, y in zip(on, off):
-        assert x.token_ids == y.token_ids
+    on, off, on_no_prefetch = run("1"), run("0"), run("1", prefetch="0")
+    for x, y, z in zip(on, off, on_no_prefetch):
+        assert x.token_ids == y.token_ids == z.token_ids
         assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in y.logprobs]
+        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in z.logprobs]
 
 
 def test_fp8_linear_layers_follow_transformers_with_the_same_roundings(tiny_models):

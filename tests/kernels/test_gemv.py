@@ -371,3 +371,11 @@ def test_weights_are_prefetched_only_where_the_kernel_may_start_early():
     assert prefetch_lines(512, pdl=True) == 4  # (a split-K share shorter than the cap)
     assert prefetch_lines(300, pdl=True) == 4  # (the row's tail line: the kernel clamps to the row)
     assert prefetch_lines(64, pdl=True) == 1
+
+
+def test_the_engine_can_turn_the_prefetch_off(monkeypatch):
+    """PREFETCH_BYTES = 0 (STREAMER_L2_PREFETCH=0, set by the model runner): no lines at all."""
+    from kernels import common
+
+    monkeypatch.setattr(common, "PREFETCH_BYTES", 0)
+    assert common.prefetch_lines(8192, pdl=True) == 0
