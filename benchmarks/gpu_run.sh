@@ -479,7 +479,8 @@ if [ "$part" = fp8ab ]; then
 fi
 if [ "$part" = prefetch ]; then
   # weights asked of L2 before the PDL wait (thirty-fifth session): the compiled tests of the kernels that do it, then
-  # W2 (batch 1) on the 8B and the MoE shapes, this tree and .base2 (git archive of the commit before it) in turn
+  # W2 (batch 1) on the 8B and the MoE shapes: this tree, this tree with STREAMER_L2_PREFETCH=0 (the reads before the
+  # wait without the weight prefetch) and .base2 (git archive of the commit before all of it) in turn
   python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gemv.py tests/kernels/test_gemv_decode_path.py \
       tests/kernels/test_moe_gemv.py tests/kernels/test_fp8_gemm.py 2>&1 | tail -3
   # (PF_PEER=1: the tree's 8B run with vLLM beside it, issue 32's W2; .peer carried and unpacked first:
@@ -488,6 +489,7 @@ if [ "$part" = prefetch ]; then
     a="--workload W2 --model-dir benchmarks/configs/$m"
     peer=--no-peer; [ -n "${PF_PEER:-}" ] && [ "$m" = llama-3.1-8b ] && peer="--peer vllm"
     bench $a $peer --json "$OUT/pf_${m}_tree.json" | tail -2
+    STREAMER_L2_PREFETCH=0 bench $a --no-peer --json "$OUT/pf_${m}_noprefetch.json" | tail -1
     (cd .base2 && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $a --no-peer --json "$OUT/pf_${m}_base.json" \
         2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1)
   done
