@@ -274,6 +274,12 @@ class EngineProcess:
             raise RuntimeError("the engine process is not started")
         return self._stats
 
+    @property
+    def stats_received_at(self) -> float:
+        """time.monotonic() when stats() arrived. A snapshot received after an output was
+        made after it (one ordered socket), so it counts that output's request."""
+        return self._stats_at
+
     async def generate(self, request: GenerateRequest) -> RequestOutput:
         """Run one request to the end; the result holds all its token ids and text."""
         return await collect(request.request_id, self.submit(request))

@@ -45,10 +45,14 @@ class Served:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def wait_idle(self, timeout: float = 10.0) -> Any:
-        deadline = time.monotonic() + timeout
+        """The first snapshot received from now on that shows the engine idle. (The snapshot
+        at hand may predate outputs already read, or even the admission of their request.)"""
+        since = time.monotonic()
+        deadline = since + timeout
         while True:
             s = self.engine.stats()
-            if s.running == 0 and s.waiting == 0 and s.pages_used == s.pages_cached:
+            fresh = self.engine.stats_received_at > since
+            if fresh and s.running == 0 and s.waiting == 0 and s.pages_used == s.pages_cached:
                 return s
             assert time.monotonic() < deadline, f"not idle after {timeout} s: {s}"
             time.sleep(0.05)
