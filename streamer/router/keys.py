@@ -72,17 +72,35 @@ def request_key(req: GenerateRequest) -> str:
 
 
 def body_key(path: str, body: Any) -> str:
-    """The key of an HTTP request's JSON body (the standalone router): chat messages, a
+    """The key of an HTTP request's JSON body (the standalone router): chat messages (a
+    response's input: responses_key), a
     completion's prompt (a batch of prompts: the first; they go to one worker together), the
     native API's text or input_ids; "" when the body has none (then load alone decides)."""
     if not isinstance(body, dict):
         return ""
+    if path == "/v1/responses":
+        return responses_key(body)
     if isinstance(body.get("messages"), list):
         return chat_key(body["messages"], body.get("tools") if isinstance(body.get("tools"), list) else None)
     for field in ("prompt", "text", "input_ids"):
         if field in body:
             return _prompt_key(body[field])
     return ""
+
+
+def responses_key(body: dict[str, Any]) -> str:
+    """A /v1/responses body's key: its instructions and input items as the chat messages they
+    render as (an item without a role: its type, and its output or arguments as the text)."""
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list):
+        return ""
+    messages: list[Any] = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    for item in items:
+        if isinstance(item, dict) and "role" not in item:
+            item = {"role": item.get("type", ""), "content": item.get("output", item.get("arguments"))}
+        messages.append(item)
+    return chat_key(messages, body.get("tools") if isinstance(body.get("tools"), list) else None)
 
 
 def _prompt_key(prompt: Any) -> str:

@@ -116,6 +116,11 @@ class ChatOutput:
     def plain(self) -> bool:
         return self.tools is None and self.reasoning is None
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The text fed so far has not ended the reasoning (False without a reasoning parser)."""
+        return self._reasoning is not None and not self._reasoning.ended
+
     def parse(self, text: str) -> Parsed:
         reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
         calls: list[ToolCall] = []

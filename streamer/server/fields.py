@@ -105,6 +105,29 @@ CHAT_REFUSED: dict[str, Rule] = {
     **OTHER_SERVERS_REFUSED,
 }
 
+NO_STORE = ("this server stores no responses: send the whole conversation in input (earlier answers' "
+            "output items included)")
+
+RESPONSES_REFUSED: dict[str, Rule] = {
+    "store": only((False,), f"store may only be false: {NO_STORE}"),
+    "previous_response_id": unsupported(f"previous_response_id is not supported: {NO_STORE}"),
+    "conversation": unsupported(f"conversation is not supported: {NO_STORE}"),
+    "background": only((False,), "background is not supported: a response runs while its request is open"),
+    "prompt": unsupported("prompt (a stored prompt template) is not supported: send input and instructions"),
+    "reasoning": unsupported("reasoning (effort, summary) is not supported by this server: a reasoning model's "
+                             "reasoning comes whole in a reasoning item (--reasoning-parser)"),
+    "truncation": only(("disabled",), "truncation may only be disabled: an input longer than the context is "
+                                      "refused, never cut"),
+    "max_tool_calls": unsupported("max_tool_calls is not supported: parallel_tool_calls false allows one call"),
+    "service_tier": CHAT_REFUSED["service_tier"],
+    "n": only((1,), "n is not a Responses field: a response has one output (chat completions have n)"),
+    "max_tokens": unsupported("max_tokens is not a Responses field: use max_output_tokens"),
+    "response_format": unsupported("response_format is not a Responses field: use text.format"),
+    **OTHER_SERVERS_REFUSED,
+}
+"""/v1/responses: what it refuses. Function tools, text.format and include's values are checked by
+the endpoint (responses_api.py)."""
+
 MESSAGE_REFUSED: dict[str, Rule] = {
     "function_call": unsupported("function_call is deprecated and not supported: use tool_calls"),
     "audio": unsupported("audio (a previous audio response) is not supported: this server answers text"),
@@ -128,7 +151,9 @@ ACCEPTED: Mapping[str, str] = {
     "best_of": "1, or equal to n: n samples, all returned (others are refused)",
 }
 """The OpenAI fields accepted without an effect, and why none is needed (documentation, and
-the specification tests/server/test_api_fields.py checks)."""
+the specification tests/server/test_api_fields.py checks). /v1/responses accepts those of
+them it has (user, safety_identifier, prompt_cache_key, metadata: echoed in the response,
+stream_options.include_obfuscation) for the same reasons."""
 
 
 def check_refused(data: bytes, rules: Mapping[str, Rule], message_rules: Mapping[str, Rule] | None = None) -> None:

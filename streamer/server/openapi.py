@@ -11,14 +11,21 @@ from typing import Any
 import msgspec
 
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
-from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from streamer.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
+from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
+from streamer.server.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ResponseObject,
+)
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-             ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse]
-    (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver), comps = \
+             ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse,
+             ResponsesRequest, ResponseObject]
+    (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver, req_r, res_r), comps = \
         msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
 
     def error(status: int, why: str) -> dict:
@@ -50,6 +57,7 @@ def openapi_document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": post(req_c, res_c, "Text completion"),
             "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
+            "/v1/responses": post(req_r, res_r, "A response (OpenAI's Responses API; nothing is stored)"),
             "/v1/models": get("Served models", models),
             "/v1/models/{model}": get("One served model (404, code model_not_found, for any other)", card,
                                       parameters=model_param),

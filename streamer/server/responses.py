@@ -1,10 +1,13 @@
 """Wire bodies of the OpenAI-compatible API's answers, as msgspec Structs: completions, chat
 completions (whole and streamed chunks) and the model list. The requests and their one
-mapping to SamplingParams are in protocol.py."""
+mapping to SamplingParams are in protocol.py. Also the Responses API's response, its items
+and usage (/v1/responses: responses_api.py)."""
 
 from __future__ import annotations
 
-from msgspec import Struct
+from typing import Any
+
+from msgspec import Struct, field
 
 from streamer.server.protocol import ToolCallItem  # (an answer's calls have the history's shape)
 
@@ -135,3 +138,101 @@ class ModelCard(Struct):
 class ModelList(Struct):
     object: str
     data: list[ModelCard]
+
+
+# ---- the Responses API (/v1/responses) -------------------------------------------------
+
+
+class OutputText(Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[dict] = []
+    logprobs: list[TokenLogprob] = []
+    """With include ["message.output_text.logprobs"] or top_logprobs: every token's (else empty)."""
+
+
+class ReasoningText(Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class MessageItem(Struct, tag_field="type", tag="message"):
+    id: str
+    status: str
+    """completed, or incomplete when the answer was cut (max_output_tokens)."""
+    role: str
+    content: list[OutputText]
+
+
+class ReasoningItem(Struct, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[dict]
+    """Always empty: the reasoning is given whole, in content."""
+    content: list[ReasoningText]
+    status: str
+
+
+class FunctionCallItem(Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+
+
+class InputTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Struct):
+    reason: str
+
+
+class ResponseError(Struct):
+    code: str
+    message: str
+
+
+class ResponseObject(Struct):
+    """A response: the answer to a POST /v1/responses, and what its stream's lifecycle
+    events carry (status in_progress, then completed, incomplete or failed)."""
+
+    id: str
+    created_at: int
+    status: str
+    model: str
+    output: list[OutputItem]
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    top_logprobs: int
+    tool_choice: Any
+    tools: list[Any]
+    text: Any
+    metadata: dict[str, str]
+    user: str | None
+    usage: ResponseUsage | None = None
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    object: str = "response"
+    previous_response_id: None = None
+    reasoning: dict = field(default_factory=lambda: {"effort": None, "summary": None})
+    store: bool = False
+    background: bool = False
+    truncation: str = "disabled"
+    service_tier: str = "default"

@@ -97,6 +97,12 @@ def test_keys_of_engine_requests_and_http_bodies() -> None:
     assert ids == request_key(GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3]))
     assert ids != text_key("\x01\x02\x03")
     assert body_key("/v1/models", None) == ""
+    # a response's instructions and input render as chat messages do: a later turn extends the key
+    turn = {"instructions": "S" * 50, "input": "hi"}
+    assert body_key("/v1/responses", turn) == chat_key(msgs)
+    later = {**turn, "input": [{"role": "user", "content": "hi"}, {"type": "function_call", "arguments": "{}"}]}
+    assert body_key("/v1/responses", later).startswith(chat_key(msgs)) and body_key("/v1/responses", later) != \
+        chat_key(msgs)
     assert len(text_key("x" * (2 * MAX_KEY_CHARS))) == MAX_KEY_CHARS
 
 
