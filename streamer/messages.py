@@ -85,6 +85,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     that key, replacing the key's previous path, until abort(key) or keep_prefix_s later
     (engine/scheduler/keeps.py)."""
     keep_prefix_s: float = 600.0
+    prediction: str | list[int] | None = None
+    """Text (or token ids) the output is expected to repeat, as OpenAI's Predicted Outputs:
+    with ngram speculation, the proposals follow it where the output does (spec/ngram.py:
+    from_prediction), and verification keeps what the model itself would have written, so the
+    output is the same without it. Without ngram speculation it has no effect."""
 
     def validate(self) -> None:
         if self.max_tokens < 1 and not self.fill_context:
@@ -169,6 +174,8 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     """A compiled grammar (sampling.grammar.CompiledGrammar) or None."""
     arrival: float = 0.0
     """As Tokenize.arrival (the scheduler's deadline starts here; 0: at the scheduler)."""
+    prediction: list[int] | None = None
+    """params.prediction as token ids (only where the engine speculates with ngram)."""
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -79,6 +79,9 @@ class Tokenizer:
         self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
         self.chat_template_kwargs: dict[str, Any] = {}
         """The server's defaults (--default-chat-template-kwargs); a request's own win."""
+        self.predictions = False
+        """The engine speculates with ngram: a request's prediction is tokenized for its
+        proposals (SamplingParams.prediction); otherwise it has no use and is not."""
 
     def encode_prompt(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -130,7 +133,25 @@ class Tokenizer:
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
             arrival=arrival,
+            prediction=self.encode_prediction(params.prediction) if self.predictions else None,
         )
+
+    def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:
+        """A prediction's token ids (text tokenized without special tokens, as an output's)."""
+        if prediction is None:
+            return None
+        if isinstance(prediction, str):
+            if self.hf is None:
+                raise RequestError("this model has no tokenizer: send the prediction as token ids")
+            ids = list(self.hf(prediction, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(prediction)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prediction: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prediction has {len(ids)} tokens, more than the context ({self.max_model_len})")
+        return ids or None
 
     def fill(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """params with max_tokens the room that a prompt of this length leaves."""

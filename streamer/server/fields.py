@@ -15,7 +15,9 @@ keys, values left undecoded), and only when one of their names occurs in the bod
 at all, so that the usual body costs one substring search per name.
 
 tools, tool_choice, parallel_tool_calls, chat_template_kwargs and the messages' tool_calls,
-tool_call_id and reasoning_content are implemented (protocol.py, chat_output.py).
+tool_call_id and reasoning_content are implemented (protocol.py, chat_output.py); so is
+prediction (Predicted Outputs: the proposals of ngram speculation follow it, spec/ngram.py;
+a server without ngram speculation has no use for it, and the answer is the same either way).
 """
 
 from __future__ import annotations
@@ -140,8 +142,6 @@ ACCEPTED: Mapping[str, str] = {
     "prompt_cache_key": "a routing hint for OpenAI's caches across machines; here the prefix cache is "
                         "automatic, and cache_salt is what namespaces it",
     "metadata": "tags of a stored completion; nothing is stored (store may only be false)",
-    "prediction": "Predicted Outputs: a latency hint (content the answer will likely repeat); the answer "
-                  "is the same without it",
     "stream_options.include_obfuscation": "padding that hides token lengths on OpenAI's shared service; "
                                           "no padding is sent",
     "store": "false: nothing is stored (true is refused)",

@@ -160,6 +160,20 @@ def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def prediction_text(prediction: p.Prediction | None) -> str | None:
+    """Predicted Outputs' content as text (its parts' texts joined)."""
+    if prediction is None:
+        return None
+    if prediction.type != "content":
+        raise ApiError(f"prediction type {prediction.type!r} is not supported (only content)", param="prediction.type")
+    content = prediction.content
+    if isinstance(content, str):
+        return content
+    if any(part.type != "text" for part in content):
+        raise ApiError("prediction content parts must be text", param="prediction.content")
+    return "".join(part.text or "" for part in content)
+
+
 def chat_setup(st: ServerState, body: p.ChatFields, grammar: GrammarSpec | None) -> ChatSetup:
     """Tools, reasoning and the grammar of a chat body, against the server's parsers."""
     try:
@@ -212,7 +226,7 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
     params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
                                   vocab_size=st.info.vocab_size, fill_context=True, defaults=st.sampling_defaults)
     setup = chat_setup(st, body, params.grammar)
-    params = policy(msgspec.structs.replace(params, grammar=setup.grammar,
+    params = policy(msgspec.structs.replace(params, grammar=setup.grammar, prediction=prediction_text(body.prediction),
                                             keep_special_tokens=list(setup.keep_special)))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
@@ -281,6 +295,8 @@ async def chat_completions(request: Request) -> Response:
     st.limits.sampling(body)
     messages = chat_messages(body.messages)
     st.limits.messages(messages)
+    if body.prediction is not None:
+        st.limits.prompts([prediction_text(body.prediction)], "prediction")
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     reqs, setup = chat_requests(body, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
     return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup)

@@ -213,8 +213,16 @@ class ChatFields(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class Prediction(Struct):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (SamplingParams.prediction)."""
+
+    type: str
+    content: str | list[ContentPart]
+
+
 class ChatCompletionRequest(ChatFields, kw_only=True):
     messages: list[ChatMessage]
+    prediction: Prediction | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None

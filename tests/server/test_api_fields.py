@@ -107,7 +107,6 @@ ACCEPTED_BODIES = [
     (CHAT, {"service_tier": "default"}),
     (CHAT, {"modalities": ["text"]}),
     (CHAT, {"verbosity": "medium"}),
-    (CHAT, {"prediction": {"type": "content", "content": "Hello"}}),
     (CHAT, {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}),
     (CHAT, {"audio": None, "web_search_options": None, "reasoning_effort": None, "functions": None}),
     (CHAT, {"logprobs": True, "top_logprobs": 0}),
@@ -142,6 +141,19 @@ def test_tool_fields_reach_the_engine(fake):
     assert sent.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert sent.tools == [tool] and sent.chat_template_kwargs == {"enable_thinking": False}
     assert sent.params.grammar.kind == "structural_tag"  # auto: a call, once begun, follows its schema
+
+
+def test_a_prediction_reaches_the_engine_as_text(fake):
+    engine, client = fake
+    for content in ("def f(x):\n    return x", [{"type": "text", "text": "def f(x):\n"},
+                                                 {"type": "text", "text": "    return x"}]):
+        r = client.post(CHAT, json=body_of(CHAT, {"prediction": {"type": "content", "content": content}}))
+        assert r.status_code == 200, r.text
+        assert engine.sent[-1].params.prediction == "def f(x):\n    return x"
+    for prediction, param in (({"type": "file", "content": "x"}, "prediction.type"),
+                              ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content")):
+        r = client.post(CHAT, json=body_of(CHAT, {"prediction": prediction}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 def test_an_assistant_refusal_in_the_history_is_its_content(fake):

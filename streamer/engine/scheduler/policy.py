@@ -116,6 +116,7 @@ class Scheduler:
             frozenset(msg.eos_token_ids),
             grammar=msg.grammar,
             deadline=deadline,
+            prediction=msg.prediction,
         )
         self.requests[req.request_id] = req
         self.waiting.append(req)

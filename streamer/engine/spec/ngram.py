@@ -2,7 +2,12 @@
 tokens. The longest suffix of the sequence (prompt_lookup_max tokens down to
 prompt_lookup_min) that occurred before is looked up; the tokens that followed its latest
 earlier occurrence are proposed. Free to compute, and right whenever the output copies the
-input (code edits, extraction, quoting, summaries that reuse phrases)."""
+input (code edits, extraction, quoting, summaries that reuse phrases).
+
+A request's prediction (SamplingParams.prediction, OpenAI's Predicted Outputs: the text the
+answer will mostly repeat, as the file an edit starts from) is looked up first
+(from_prediction): the longest suffix of the output so far that occurs in the prediction
+aligns the two, and what follows it there is proposed."""
 
 from __future__ import annotations
 
@@ -28,3 +33,29 @@ def propose(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list
             i = int(cand[-1]) + n
             return a[i : i + k].tolist()
     return []
+
+
+def from_prediction(output: list[int], prediction: list[int], at: int, k: int, lookup_max: int
+                    ) -> tuple[list[int], int]:
+    """Up to k proposals from the prediction for an output so far, and the new alignment.
+
+    The longest suffix of `output` (lookup_max tokens down to 1) that occurs in `prediction`
+    is looked up; of its occurrences, the first that ends at or after `at` (where the last
+    alignment ended: the output moves forward through the prediction) is taken, else the last
+    one. Proposed: the tokens after it. None when no suffix occurs, or the prediction ends there."""
+    if k <= 0 or not output or not prediction:
+        return [], at
+    p = np.asarray(prediction, dtype=np.int64)
+    for n in range(min(lookup_max, len(output), len(p)), 0, -1):
+        suffix = output[-n:]
+        cand = np.flatnonzero(p[: len(p) - n + 1] == suffix[0])
+        for j in range(1, n):
+            if not cand.size:
+                break
+            cand = cand[p[cand + j] == suffix[j]]
+        if cand.size:
+            ends = cand + n
+            later = ends[ends >= at]
+            end = int(later[0]) if later.size else int(ends[-1])
+            return p[end : end + k].tolist(), end
+    return [], at

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from streamer.engine.request import PLACEHOLDER, Request, Status
-from streamer.engine.spec.ngram import propose
+from streamer.engine.spec.ngram import from_prediction, propose
 from streamer.messages import SeqChunk
 from streamer.speculative_config import SpeculativeConfig
 
@@ -64,6 +64,11 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
         # the runner's draft draws them (model/draft.py); under a grammar, the rows' masks
         # follow from the draws (Batch.masks_await_drafts, drafted_masks)
         return [PLACEHOLDER] * k
+    if req.prediction:
+        draft, req.prediction_at = from_prediction(req.output, req.prediction, req.prediction_at, k,
+                                                   cfg.prompt_lookup_max)
+        if draft:
+            return draft
     return propose(req.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
 

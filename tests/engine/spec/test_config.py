@@ -6,7 +6,7 @@ import pytest
 
 from streamer.cli import build_parser, engine_config
 from streamer.config import EngineConfig
-from streamer.engine.spec.ngram import propose
+from streamer.engine.spec.ngram import from_prediction, propose
 from streamer.errors import ConfigError
 from streamer.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -82,6 +82,22 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
     assert propose([4, 4], 3, 2, 3) == []  # shorter than prompt_lookup_min + 1
     assert propose([4, 4, 4], 5, 1, 2) == [4]  # (the match at 0 is followed by one token only)
+
+
+def test_a_prediction_proposes_what_follows_the_output_in_it_moving_forward():
+    pred = [10, 11, 12, 13, 10, 11, 14, 15]
+    # the output's last token 10 occurs at 0 and at 4: the first ending at or after the alignment
+    assert from_prediction([10], pred, 0, 3, 4) == ([11, 12, 13], 1)
+    assert from_prediction([10, 11, 12, 13, 10], pred, 4, 3, 4) == ([11, 14, 15], 5)
+    # a longer suffix decides where a short one would not: [13, 10, 11] occurs only at 3
+    assert from_prediction([9, 13, 10, 11], pred, 0, 2, 4) == ([14, 15], 6)
+    # past the last occurrence the last one is taken; at the prediction's end, nothing
+    assert from_prediction([11], pred, 7, 2, 4) == ([14, 15], 6)
+    assert from_prediction([15], pred, 0, 2, 4) == ([], 8)
+    # the output strayed (a token the prediction lacks), then came back to it
+    assert from_prediction([10, 99], pred, 1, 2, 4) == ([], 1)
+    assert from_prediction([10, 99, 13], pred, 1, 2, 4) == ([10, 11], 4)
+    assert from_prediction([10], [], 0, 2, 4) == ([], 0) and from_prediction([10], pred, 0, 0, 4) == ([], 0)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])

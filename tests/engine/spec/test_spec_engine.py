@@ -5,6 +5,7 @@ sampling gives the same output with and without speculation."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from streamer import LLM, SamplingParams
@@ -248,3 +249,36 @@ def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(default_model,
         assert s.spec_verifies > 0 and s.spec_accepted_tokens > 0
         assert all(n == 1 for n, verifies in sizes if verifies), sizes
         assert any(n == 3 for n, _ in sizes), "the three decoded together first"
+
+
+def test_a_prediction_is_followed_and_the_output_stays_the_plain_output(plain, spec, prompts, expected, tok):
+    """Predicted Outputs: the story's answer given as the prediction is proposed and kept
+    whole, k + 1 tokens a step (prompt lookup alone keeps less than half its proposals there);
+    a prediction with a wrong middle, an unrelated one and token ids give the plain output
+    all the same."""
+    story, want = prompts[1], expected[1]
+    s0 = spec.stats()
+    assert gen(spec, [story], GREEDY)[0].token_ids == want
+    s1 = spec.stats()
+    text = tok.decode(want)
+    exact = msgspec.structs.replace(GREEDY, prediction=text)
+    assert gen(spec, [story], exact)[0].token_ids == want
+    s2 = spec.stats()
+    k = SPEC["num_speculative_tokens"]
+    assert s2.spec_accepted_tokens - s1.spec_accepted_tokens == s2.spec_draft_tokens - s1.spec_draft_tokens > 0
+    assert s2.steps - s1.steps <= 2 + (len(want) - 1) // (k + 1), "the prefill, then k + 1 tokens a step"
+    assert s2.steps - s1.steps < s1.steps - s0.steps
+    half = len(text) // 2
+    for prediction in (text[: half - 20] + " an unexpected storm rolled in" + text[half:],
+                       "Completely different words about the sea.", want[5:], [0]):
+        got = gen(spec, [story], msgspec.structs.replace(GREEDY, prediction=prediction))[0]
+        assert got.token_ids == want, prediction
+    # without ngram speculation a prediction changes nothing either
+    assert gen(plain, [story], exact)[0].token_ids == want
+    settle(spec)
+
+
+def test_a_prediction_outside_the_vocabulary_or_the_context_is_refused(spec, prompts):
+    for prediction, word in (([10**9], "outside the vocabulary"), ([1] * 10_000, "more than the context")):
+        out = gen(spec, [prompts[2]], msgspec.structs.replace(GREEDY, prediction=prediction))[0]
+        assert out.finish_reason == "error" and word in out.error
