@@ -1,7 +1,7 @@
 """W7: batch-1 latency on an input-grounded workload, with and without speculative decoding.
 
     python3 benchmarks/spec_w7.py [--model default|DIR|FILE.gguf] [--speculative-config JSON]
-                                  [--num-prompts N] [--max-tokens N] [--json OUT] [--tiny]
+                                  [--num-prompts N] [--max-tokens N] [--json OUT] [--tiny] [--prediction]
 
 Each prompt asks the chat model to rewrite a piece of code with one change ("rename x to y"),
 its answer opened with a code fence, so the answer copies long spans of the prompt: what prompt-lookup (ngram) proposals predict.
@@ -10,6 +10,10 @@ defaults: overlap scheduling, CUDA graphs) and one with speculation; each report
 output token (first token to last, over all prompts), the mean time to first token, the
 engine steps, and for speculation its acceptance rate and mean accepted length. Greedy
 outputs must be identical token for token: the mismatches are counted and printed.
+
+--prediction adds a third run: speculation with each request's code as its prediction
+(SamplingParams.prediction, OpenAI's Predicted Outputs: the file being edited), whose
+outputs must be the plain ones too.
 
 Real weights make acceptance real (the default model, or a GGUF of it carried in ignored
 folders); --load-format dummy measures the verify step's cost only (random weights copy no
@@ -98,6 +102,11 @@ def most_common(text, n=3):
 ]
 
 
+def codes(n: int) -> list[str]:
+    """Each prompt's code before the edit (its prediction with --prediction)."""
+    return [SNIPPETS[i % len(SNIPPETS)][2] for i in range(n)]
+
+
 def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
@@ -111,12 +120,13 @@ def prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 async def _one_at_a_time(llm: Any, ps: list[list[int]], max_tokens: int, label: str,
-                         top: int | None = None) -> list[dict[str, Any]]:
+                         top: int | None = None, predictions: list[str] | None = None) -> list[dict[str, Any]]:
     from streamer.messages import GenerateRequest, SamplingParams
 
     rows = []
     for i, p in enumerate(ps):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=top)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=top,
+                                prediction=predictions[i] if predictions is not None else None)
         req = GenerateRequest(request_id=f"{label}-{i}", prompt_token_ids=p, params=params)
         t0 = time.perf_counter()
         t_first = None
@@ -134,7 +144,8 @@ async def _one_at_a_time(llm: Any, ps: list[list[int]], max_tokens: int, label: 
     return rows
 
 
-def run(model: str, ps: list[list[int]], args: argparse.Namespace, spec: str | None) -> dict[str, Any]:
+def run(model: str, ps: list[list[int]], args: argparse.Namespace, spec: str | None,
+        predictions: list[str] | None = None) -> dict[str, Any]:
     from streamer import LLM, SamplingParams
     from streamer.engine.spec.report import spec_delta
 
@@ -145,12 +156,12 @@ def run(model: str, ps: list[list[int]], args: argparse.Namespace, spec: str | N
         kw["cuda_graphs"] = False
     if args.no_overlap:
         kw["overlap_schedule"] = False
-    label = "spec" if spec else "plain"
+    label = "pred" if predictions is not None else "spec" if spec else "plain"
     with LLM(model, speculative_config=spec, **kw) as llm:
         llm.generate(ps[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up (compiles, graphs)
         llm.wait_idle()
         s0 = llm.stats()
-        rows = llm.call(_one_at_a_time(llm, ps, args.max_tokens, label, 3 if args.diagnose else None))
+        rows = llm.call(_one_at_a_time(llm, ps, args.max_tokens, label, 3 if args.diagnose else None, predictions))
         s1 = llm.stats()
     tokens = sum(max(len(r["ids"]) - 1, 0) for r in rows)
     res = dict(
@@ -189,6 +200,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="overlap scheduling off (both runs)")
     ap.add_argument("--tiny", action="store_true", help="2 prompts of 48 tokens (a CPU check)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--prediction", action="store_true",
+                    help="a third run: speculation with each request's code as its prediction")
     ap.add_argument("--diagnose", action="store_true",
                     help="ask for the top-3 logprobs of every token (both runs) and print them where the outputs part")
     args = ap.parse_args()
@@ -203,14 +216,19 @@ def main() -> None:
     ps = prompts(load_tokenizer(path, None), args.num_prompts)
     plain = run(str(path), ps, args, None)
     spec = run(str(path), ps, args, args.speculative_config)
-    same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"]))
+    runs = [plain, spec]
+    if args.prediction:
+        runs.append(run(str(path), ps, args, args.speculative_config, codes(len(ps))))
+    same = min(sum(a == b for a, b in zip(plain["outputs"], r["outputs"])) for r in runs[1:])
     if args.diagnose:
         _print_partings(plain, spec)
     summary = dict(
         workload="W7", model=args.model, identical_outputs=f"{same}/{len(ps)}",
         speedup=plain["ms_per_token"] / spec["ms_per_token"], plain=plain, spec=spec,
     )
-    for r in (plain, spec):
+    if args.prediction:
+        summary.update(predicted=runs[2], prediction_speedup=plain["ms_per_token"] / runs[2]["ms_per_token"])
+    for r in runs:
         extra = ""
         if "spec_acceptance_rate" in r:
             extra = (f"  acceptance {r['spec_acceptance_rate']:.2f}, "
@@ -218,6 +236,8 @@ def main() -> None:
         print(f"W7 {r['mode']:5} {r['output_tokens']:6d} tokens  {r['ms_per_token']:8.2f} ms/token  "
               f"TTFT {r['ttft_ms']:7.1f} ms  {r['steps']:5d} steps{extra}")
     print(f"W7 speedup {summary['speedup']:.2f}x, identical greedy outputs {summary['identical_outputs']}")
+    if args.prediction:
+        print(f"W7 with predictions: speedup {summary['prediction_speedup']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if same != len(ps):
