@@ -85,6 +85,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     that key, replacing the key's previous path, until abort(key) or keep_prefix_s later
     (engine/scheduler/keeps.py)."""
     keep_prefix_s: float = 600.0
+    embed: bool = False
+    """The request's answer is its prompt's embedding (RequestOutput.embedding: the model's
+    final hidden state at the prompt's last token, as last-token pooling takes it), not text:
+    it runs with max_tokens 1 and the token sampled is dropped (/v1/embeddings, LLM.embed)."""
     prediction: str | list[int] | None = None
     """Text (or token ids) the output is expected to repeat, as OpenAI's Predicted Outputs:
     with ngram speculation, the proposals follow it where the output does (spec/ngram.py:
@@ -124,6 +128,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"keep_prefix must be a string of 1 to {MAX_CACHE_SALT} characters")
         if not 0 < self.keep_prefix_s < math.inf:
             raise RequestError(f"keep_prefix_s must be a positive number of seconds, got {self.keep_prefix_s}")
+        if self.embed and (self.max_tokens != 1 or self.fill_context or self.grammar is not None or self.n != 1):
+            raise RequestError("an embedding request runs its prompt alone: max_tokens 1, n 1, no grammar")
 
     @property
     def greedy(self) -> bool:
@@ -216,6 +222,9 @@ class SeqChunk(msgspec.Struct):
     num_draft: int = 0
     """Speculative decoding: the last num_draft tokens are proposals; the chunk samples at
     each of its last num_draft + 1 positions (a row each in the Batch's sampling lists)."""
+    embed: bool = False
+    """The chunk ends its embedding request's prompt: the final hidden state at its last
+    position is wanted (StepOutput.embeddings)."""
 
 
 class Batch(msgspec.Struct):
@@ -276,6 +285,8 @@ class StepOutput(msgspec.Struct):
     drafts: dict[str, list[int]] = msgspec.field(default_factory=dict)
     """speculative draft_model: the proposals the draft drew for each verify chunk (sent as
     PLACEHOLDERs, model/draft.py)."""
+    embeddings: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    """Per chunk with SeqChunk.embed: the final hidden state at its last position (float32)."""
     device_time: float = 0.0
     """Seconds the step took on the device, from its first work to its tokens' copy (on
     the CPU: the launch's wall time). The scheduler predicts decode steps' ends from it."""
@@ -314,6 +325,8 @@ class TokenDelta(msgspec.Struct):
     """With prompt_logprobs: RequestOutput.prompt_top_logprobs."""
     cached_host_tokens: int = 0
     """Of cached_tokens, those loaded back from the host tier (first delta)."""
+    embedding: list[float] | None = None
+    """SamplingParams.embed: the prompt's embedding (with its last delta, which has no tokens)."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -354,6 +367,8 @@ class RequestOutput(msgspec.Struct):
     cached_host_tokens: int = 0
     """Of cached_tokens, those whose KV came back from the host tier (--host-kv-cache-gb); the
     rest were on the device."""
+    embedding: list[float] | None = None
+    """SamplingParams.embed: the prompt's embedding (the final output; no tokens, no text)."""
 
 
 ENGINE_DOWN = "engine_down"

@@ -29,7 +29,7 @@ from streamer.distributed.step import StepChannel, for_ranks
 from streamer.frames import RankStep, RankStop, TierCopy
 from streamer.kv.host import HostTier
 from streamer.messages import Batch
-from streamer.model.launched import Launched, PromptLogprobs
+from streamer.model.launched import Launched, RowValues
 from streamer.model.runner import ModelRunner, row_ids
 from streamer.model.tp_group import TPGroup
 
@@ -95,10 +95,10 @@ class TPRunner(ModelRunner):
             self.loads_ready += 1
         self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens, copies, self.loads_ready))
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs,
+    def _sample(self, batch: Batch, logits: torch.Tensor, values: RowValues,
                 plan: Any = None, proposed: Any = None) -> Launched:
         try:
-            out = super()._sample(batch, logits, prompt_logprobs, plan, proposed)
+            out = super()._sample(batch, logits, values, plan, proposed)
             if self.last_tokens.numel():  # (the same count on every rank: all skip it, or none)
                 self.group.broadcast(self.last_tokens.to(torch.long).contiguous())
         except Exception as e:

@@ -191,6 +191,7 @@ class Stream:
             error_code=d.error_code,
             prompt_token_ids=d.prompt_token_ids,
             prompt_top_logprobs=d.prompt_top_logprobs,
+            embedding=d.embedding,
         )
 
 

@@ -30,6 +30,7 @@ from streamer.engine import detokenizer, executor, scheduler, tokenizer
 from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
+from streamer.engine.pooling import pooling_config
 from streamer.engine.protocol import ModelInfo
 from streamer.engine.scheduler import Scheduler
 from streamer.engine.step_thread import StepThread
@@ -153,7 +154,8 @@ class AsyncEngine:
         self.tokenizer.predictions = spec is not None and not spec.drafted  # (ngram: proposals may follow one)
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
                               self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
-                              chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
+                              chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),
+                              pooling=pooling_config(self.model_path))
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics, kv_window=kv_window(hf))
         self._attach_grammar()

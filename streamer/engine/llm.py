@@ -16,7 +16,8 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.engine.engine import AsyncEngine
-from streamer.errors import ConfigError
+from streamer.engine.pooling import unit
+from streamer.errors import ConfigError, RequestError
 from streamer.messages import GenerateRequest, RequestOutput, SamplingParams
 
 _open: weakref.WeakSet[LLM] = weakref.WeakSet()
@@ -86,6 +87,22 @@ class LLM:
         req = GenerateRequest(request_id=rid, messages=messages, params=params or SamplingParams(), tools=tools,
                               chat_template_kwargs=chat_template_kwargs)
         return self.call(self._run([req]))[0]
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], normalize: bool | None = None
+              ) -> list[list[float]]:
+        """One embedding per prompt (text or token ids), in order: the final hidden state at
+        the prompt's last token (engine/pooling.py), L2-normalized as the model's folder says
+        (normalize: override it). Raises RequestError for a prompt the engine refuses."""
+        pooling = self.engine.info.pooling
+        if pooling.unsupported is not None:
+            raise RequestError(pooling.unsupported)
+        params = SamplingParams(max_tokens=1, temperature=0, embed=True)
+        outs = self.generate(prompts, params)
+        failed = next((o for o in outs if o.embedding is None), None)
+        if failed is not None:
+            raise RequestError(failed.error or "no embedding")
+        norm = pooling.normalize if normalize is None else normalize
+        return [unit(o.embedding) if norm else list(o.embedding) for o in outs]  # type: ignore[arg-type]
 
     async def _run(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:
         return list(await asyncio.gather(*(self.engine.generate(r) for r in reqs)))

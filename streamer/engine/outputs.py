@@ -78,6 +78,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         error_code=b.error_code or a.error_code,
         prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
         prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
+        embedding=b.embedding if b.embedding is not None else a.embedding,
     )
 
 
@@ -143,4 +144,5 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         error_code=last.error_code,
         prompt_token_ids=prompt_ids,
         prompt_top_logprobs=prompt_tops,
+        embedding=last.embedding,
     )

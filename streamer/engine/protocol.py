@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from streamer.engine.pooling import Pooling
 from streamer.engine_stats import EngineStats
 from streamer.messages import GenerateRequest, RequestOutput
 
@@ -49,6 +50,8 @@ class ModelInfo:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The engine's default template variables (the server decides from them, e.g. whether
     a reasoning model thinks before its constrained answer)."""
+    pooling: Pooling = field(default_factory=Pooling)
+    """How its embeddings are made (engine/pooling.py: normalized or not, or why none)."""
 
 
 class Engine(Protocol):

@@ -43,6 +43,7 @@ from streamer.config import EngineConfig
 from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import FAIL_STALLED_S, HEARTBEAT_S, step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
+from streamer.engine.pooling import pooling_config
 from streamer.engine.protocol import ModelInfo
 from streamer.engine.remote_engine import LENGTH, engine_main, frame, read_frame, recv_exactly
 from streamer.engine.tokenizer import load_tokenizer
@@ -127,7 +128,8 @@ class EngineProcess:
         hf = load_tokenizer(Path(first.model_path), self.config.chat_template)
         self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf,
                                generation_defaults=generation_defaults(Path(first.model_path)),
-                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}))
+                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),
+                               pooling=pooling_config(Path(first.model_path)))
 
     @property
     def info(self) -> ModelInfo:

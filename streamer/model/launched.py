@@ -1,5 +1,5 @@
 """A step queued on the device (ModelRunner.launch) until its tokens reach the host
-(ModelRunner.collect), and the prompt logprobs a step computed."""
+(ModelRunner.collect), and what a step computed besides its logits (RowValues)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ from streamer.messages import Batch, SampledToken
 from streamer.model.draft import Proposed
 from streamer.sampling.sampler import Plan
 
-PromptLogprobs = tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]]]
-"""What a step computed of its prompt logprobs, per request: the logprob of each position's
-next token, and (where asked for, SeqChunk.logprob_top) the top (id, logprob) there."""
+
+@dataclass(slots=True)
+class RowValues:
+    """What a step computed besides its logits, per request: prompt logprobs (the logprob of
+    each position's next token, and where asked for, SeqChunk.logprob_top, the top (id,
+    logprob) there) and embeddings (SeqChunk.embed: the final hidden state at its last position)."""
+
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 
@@ -25,7 +32,7 @@ class Launched:
     None while the step awaits its grammar masks."""
     sampled: list[SampledToken] | None
     """Already on the host (non-greedy sampling syncs), or None."""
-    prompt_logprobs: PromptLogprobs
+    values: RowValues
     done: torch.cuda.Event | None = None
     """Recorded after the copy of `tokens` to the host; None when nothing is in flight."""
     plan: Plan | None = None

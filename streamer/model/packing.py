@@ -75,7 +75,10 @@ def prepare(
             lp_rows.extend(range(first, first + len(s.logprob_targets)))
             lp_targets.extend(s.logprob_targets)
             lp_owner.append((s.request_id, len(s.logprob_targets), s.logprob_top))
-    decode = max(lens) == 1 and all(s.sample for s in seqs)
+    # embedding requests: the hidden state of their last position (an eager step: the decode
+    # graphs end in the LM head)
+    embed_rows = [(s.request_id, int(cu[i + 1]) - 1) for i, s in enumerate(seqs) if s.embed]
+    decode = max(lens) == 1 and all(s.sample for s in seqs) and not embed_rows
     graph: DecodeGraphs | ExtendGraphs | None = None
     if decode and graphs is not None and graphs.fits(len(seqs), width):
         graph = graphs
@@ -90,7 +93,7 @@ def prepare(
     eg = extend_graphs
     tiles = np.zeros(0, dtype=np.int32)
     # (a decode step too large for the decode graphs runs eagerly, not in the extend graphs)
-    if (graph is None and eg is not None and not decode and not num_decodes and not lp_rows
+    if (graph is None and eg is not None and not decode and not num_decodes and not lp_rows and not embed_rows
             and eg.fits(int(cu[-1]), len(seqs), width)):
         from kernels.attention import extend_tiles
 
@@ -126,6 +129,7 @@ def prepare(
         lp_rows=lp_rows,
         lp_targets=lp_targets,
         lp_owner=lp_owner,
+        embed_rows=embed_rows,
     )
 
 

@@ -30,7 +30,7 @@ from streamer.model.eagle_draft import EagleDraft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.kv_budget import make_pool
-from streamer.model.launched import Launched, PromptLogprobs
+from streamer.model.launched import Launched, RowValues
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
@@ -169,25 +169,26 @@ class ModelRunner:
         tensor-parallel rank 0 sends it to the other ranks here."""
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, PromptLogprobs]:
-        """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs asked for."""
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, RowValues]:
+        """Logits [sampling sequences, vocab] in the model's dtype, and the prompt logprobs and
+        embeddings asked for."""
         x = self.prepare(batch)
         out = self._forward(x)
         if self.draft is not None:  # the draft's KV of the same tokens (model/draft.py)
             self.draft.mirror(batch, x)
         return out
 
-    def _forward(self, x: dict[str, Any]) -> tuple[torch.Tensor, PromptLogprobs]:
+    def _forward(self, x: dict[str, Any]) -> tuple[torch.Tensor, RowValues]:
         if self.device.type == "cuda":
             # the step's device work starts here: its inputs are prepared, the kernels follow
             self.step_start = torch.cuda.Event(enable_timing=True)
             self.step_start.record()
         graph = x["graph"]
         if isinstance(graph, DecodeGraphs):
-            return graph.replay(x), ({}, {})  # the LM head is in the graph
+            return graph.replay(x), RowValues()  # the LM head is in the graph
         if isinstance(graph, ExtendGraphs):
             hidden = graph.replay(x)
-            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], ({}, {})
+            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], RowValues()
         hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"])
         prompt_logprobs: dict[str, list[float]] = {}
         prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}
@@ -208,7 +209,13 @@ class ModelRunner:
                 if k:
                     prompt_tops[rid] = [list(zip(top_i[j][:k], top_v[j][:k])) for j in range(i, i + n)]
                 i += n
-        return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], (prompt_logprobs, prompt_tops)
+        embeddings: dict[str, list[float]] = {}
+        if x["embed_rows"]:
+            rows = torch.tensor([r for _, r in x["embed_rows"]], device=self.device)
+            for (rid, _), row in zip(x["embed_rows"], hidden[rows].float().tolist()):
+                embeddings[rid] = row
+        logits = self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]]
+        return logits, RowValues(prompt_logprobs, prompt_tops, embeddings)
 
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
@@ -229,7 +236,7 @@ class ModelRunner:
         if self.draft is not None and batch.spec:
             batch, proposed = self.draft.propose(batch)
         self.before_forward(batch)
-        logits, prompt_logprobs = self.forward(batch)
+        logits, values = self.forward(batch)
         start = self.step_start
         if batch.masks_deferred:
             # everything of the sampling that the masks do not change is queued now
@@ -242,9 +249,9 @@ class ModelRunner:
                 paused.record()
             t1 = time.perf_counter()
             times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
-            return Launched(batch.step, None, None, prompt_logprobs, plan=plan, batch=batch, start=start,
+            return Launched(batch.step, None, None, values, plan=plan, batch=batch, start=start,
                             wall=t1 - t0, after=after, paused=paused, times=times, proposed=proposed)
-        out = self._sample(batch, logits, prompt_logprobs, proposed=proposed)
+        out = self._sample(batch, logits, values, proposed=proposed)
         t1 = time.perf_counter()
         out.start, out.after, out.wall = start, after, t1 - t0
         out.times = {"launch_begin": t0, "launch_end": t1, "launch_cpu": time.thread_time() - c0}
@@ -260,7 +267,7 @@ class ModelRunner:
             resumed = torch.cuda.Event(enable_timing=True)
             resumed.record()
         batch = msgspec.structs.replace(launched.batch, masks=masks, masks_deferred=False)
-        out = self._sample(batch, launched.plan.logits, launched.prompt_logprobs, launched.plan,
+        out = self._sample(batch, launched.plan.logits, launched.values, launched.plan,
                            proposed=launched.proposed)
         out.start, out.after = launched.start, launched.after
         out.paused, out.resumed = launched.paused, resumed
@@ -276,7 +283,7 @@ class ModelRunner:
         return SampleInputs(batch.params, batch.histories, batch.banned, rids, batch.masks)
 
     def _sample(
-        self, batch: Batch, logits: torch.Tensor, prompt_logprobs: PromptLogprobs, plan: Plan | None = None,
+        self, batch: Batch, logits: torch.Tensor, values: RowValues, plan: Plan | None = None,
         proposed: Proposed | None = None,
     ) -> Launched:
         """Sample a step (its plan made at launch when the masks were deferred) and queue the
@@ -314,7 +321,7 @@ class ModelRunner:
             done = self.tokens_staging.record(timing=True)
             tokens = host
         self.last_done = done
-        return Launched(batch.step, tokens, sampled, prompt_logprobs, done,
+        return Launched(batch.step, tokens, sampled, values, done,
                         drafts=proposed.drafts if proposed is not None else {})
 
     @staticmethod
@@ -336,8 +343,9 @@ class ModelRunner:
         else:
             device_time = launched.wall  # the launch itself computed everything (CPU, or it synced)
         launched.times["ready"] = time.perf_counter()
-        values, tops = launched.prompt_logprobs
-        return StepOutput(launched.step, sampled, prompt_logprobs=values, prompt_top_logprobs=tops, drafts=launched.drafts,
+        v = launched.values
+        return StepOutput(launched.step, sampled, prompt_logprobs=v.prompt_logprobs,
+                          prompt_top_logprobs=v.prompt_top_logprobs, drafts=launched.drafts, embeddings=v.embeddings,
                           device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:

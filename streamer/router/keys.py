@@ -82,7 +82,7 @@ def body_key(path: str, body: Any) -> str:
         return responses_key(body)
     if isinstance(body.get("messages"), list):
         return chat_key(body["messages"], body.get("tools") if isinstance(body.get("tools"), list) else None)
-    for field in ("prompt", "text", "input_ids"):
+    for field in ("prompt", "text", "input_ids", "input"):  # (input: /v1/embeddings')
         if field in body:
             return _prompt_key(body[field])
     return ""

@@ -80,6 +80,7 @@ class BatchBuilder:
                 start,
                 req.pages[: self.pool.pages_for(start + n)],
                 sample,
+                embed=sample and req.params.embed,
             )
             want = req.params.prompt_logprobs_from
             if want is not None and req.num_output == 0:

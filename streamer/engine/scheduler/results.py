@@ -80,6 +80,14 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         if tok is None:
             continue
         req.suspect = False  # it sampled alone without failing: batched again from now
+        if req.params.embed:  # its prompt's embedding is the answer: the token sampled is dropped
+            del req.tokens[req.prompt_len :]
+            d = sched.retire(req, "stop")
+            d.embedding = out.embeddings.get(seq.request_id)
+            if d.embedding is None:
+                d.finish_reason, d.error = "error", "internal error: the step computed no embedding"
+            deltas.append(d)
+            continue
         if more is not None:
             deltas.append(verified(sched, req, seq, [tok, *more], out.drafts.get(seq.request_id)))
             continue
