@@ -85,6 +85,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     that key, replacing the key's previous path, until abort(key) or keep_prefix_s later
     (engine/scheduler/keeps.py)."""
     keep_prefix_s: float = 600.0
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the last this-many tokens of the prompt (-1: the context's length), cut
+    after the chat template and before the context checks; None: a prompt too long is refused."""
     embed: bool = False
     """The request's answer is its prompt's embedding (RequestOutput.embedding: the model's
     final hidden state at the prompt's last token, as last-token pooling takes it), not text:
@@ -128,6 +131,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"keep_prefix must be a string of 1 to {MAX_CACHE_SALT} characters")
         if not 0 < self.keep_prefix_s < math.inf:
             raise RequestError(f"keep_prefix_s must be a positive number of seconds, got {self.keep_prefix_s}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                             or self.truncate_prompt_tokens >= 1):
+            raise RequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
         if self.embed and (self.max_tokens != 1 or self.fill_context or self.grammar is not None or self.n != 1):
             raise RequestError("an embedding request runs its prompt alone: max_tokens 1, n 1, no grammar")
 

@@ -111,6 +111,9 @@ class Tokenizer:
         params = req.params
         params.validate()
         ids = self.encode_prompt(req)
+        if params.truncate_prompt_tokens is not None:  # (the last tokens: where the question is)
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
         if not ids:
             raise RequestError("the prompt is empty")
         if params.fill_context:

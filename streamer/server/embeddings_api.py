@@ -43,6 +43,8 @@ class EmbeddingRequest(Struct, kw_only=True):
     """vLLM's extension: L2-normalize (None: as the model's sentence-transformers modules say)."""
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     timeout: Annotated[float, Meta(gt=0.0)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    """vLLM's extension: embed only the input's last this-many tokens (-1: the context's length)."""
 
 
 class Embedding(Struct):
@@ -107,7 +109,8 @@ async def embeddings(request: Request) -> Response:
     st.limits.prompts(prompts, "input")
     rid = f"embd-{uuid.uuid4().hex[:24]}"
     params = st.apply_policy(SamplingParams(max_tokens=1, temperature=0, embed=True, cache_salt=body.cache_salt,
-                                            timeout=body.timeout), request.scope)
+                                            timeout=body.timeout, truncate_prompt_tokens=body.truncate_prompt_tokens),
+                             request.scope)
     reqs = [GenerateRequest(request_id=f"{rid}-{i}", prompt=prompt, params=params) if isinstance(prompt, str) else
             GenerateRequest(request_id=f"{rid}-{i}", prompt_token_ids=prompt, params=params)
             for i, prompt in enumerate(prompts)]

@@ -93,6 +93,9 @@ def check_stream_options(stream: bool, options: p.StreamOptions | None) -> None:
 
 
 def check_completion(body: p.CompletionRequest) -> None:
+    if body.echo and body.truncate_prompt_tokens is not None:
+        raise ApiError("echo cannot be combined with truncate_prompt_tokens: the echoed prompt would not be the "
+                       "one the model saw", param="truncate_prompt_tokens")
     if body.best_of not in (None, 1, body.n):
         raise ApiError(f"best_of {body.best_of} (the best n of several samples) is not supported: best_of may "
                        "only be 1 or equal n (n samples, all returned)", param="best_of",

@@ -134,6 +134,8 @@ class SamplingFields(Struct, kw_only=True):
     """Prefix-cache namespace: cached prompt pages are shared only with requests of the same salt."""
     timeout: Annotated[float, Meta(gt=0.0)] | None = None
     """Seconds until the request ends with a timeout error (capped by --request-timeout)."""
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    """vLLM's extension: only the prompt's last this-many tokens (-1: the context's length)."""
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -326,6 +328,7 @@ def to_sampling_params(
         grammar=grammar,
         cache_salt=body.cache_salt,
         timeout=body.timeout,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
 
 

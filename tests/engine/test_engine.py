@@ -10,6 +10,7 @@ import asyncio
 import random
 import time
 
+import msgspec
 import pytest
 
 from streamer import LLM, SamplingParams
@@ -135,6 +136,19 @@ def test_prompt_over_the_context_length_is_a_clear_error(default_model):
     with LLM(str(default_model), max_model_len=64) as llm:
         out = llm.generate([list(range(100, 160))], SamplingParams(max_tokens=10))[0]
         assert out.finish_reason == "error" and "maximum context length is 64" in out.error
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(plain_llm, text_ids):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cut = plain_llm.generate([text_ids[:300]], msgspec.structs.replace(greedy, truncate_prompt_tokens=40))[0]
+    last = plain_llm.generate([text_ids[260:300]], greedy)[0]
+    assert cut.token_ids == last.token_ids and cut.prompt_tokens == 40
+    chat = [{"role": "user", "content": "Say something about printing presses, please."}]
+    # (a chat prompt is cut after its template: the last tokens are the generation prompt's)
+    out = plain_llm.chat(chat, msgspec.structs.replace(greedy, truncate_prompt_tokens=6))
+    assert out.prompt_tokens == 6 and out.error is None
+    bad = plain_llm.generate([text_ids[:10]], msgspec.structs.replace(greedy, truncate_prompt_tokens=0))[0]
+    assert bad.finish_reason == "error" and "truncate_prompt_tokens" in bad.error
 
 
 def test_fill_context_is_the_room_the_prompt_leaves_in_the_context_or_the_pool(default_model):

@@ -143,6 +143,15 @@ def test_tool_fields_reach_the_engine(fake):
     assert sent.params.grammar.kind == "structural_tag"  # auto: a call, once begun, follows its schema
 
 
+def test_truncate_prompt_tokens_reaches_the_engine_but_not_with_echo(fake):
+    engine, client = fake
+    for path in (CMPL, CHAT):
+        assert client.post(path, json=body_of(path, {"truncate_prompt_tokens": 5})).status_code == 200
+        assert engine.sent[-1].params.truncate_prompt_tokens == 5
+    r = client.post(CMPL, json=body_of(CMPL, {"truncate_prompt_tokens": 5, "echo": True}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_a_prediction_reaches_the_engine_as_text(fake):
     engine, client = fake
     for content in ("def f(x):\n    return x", [{"type": "text", "text": "def f(x):\n"},

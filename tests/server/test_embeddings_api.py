@@ -69,12 +69,20 @@ def test_dimensions_keep_a_prefix_normalized_again_and_token_ids_are_inputs(clie
     assert abs(np.linalg.norm(vec) - 1) > 0.1
 
 
+def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(client, live):
+    ids = live.state.info.hf_tokenizer(TEXTS[1])["input_ids"]
+    cut = client.embeddings.create(model="smol", input=TEXTS[1], extra_body={"truncate_prompt_tokens": 3})
+    last = client.embeddings.create(model="smol", input=[ids[-3:]])
+    np.testing.assert_allclose(cut.data[0].embedding, last.data[0].embedding, atol=1e-6)
+    assert cut.usage.prompt_tokens == 3
+
+
 @pytest.mark.parametrize(("body", "param", "word"), [
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "int8"),
     ({"input": "x", "dimensions": 100_000}, "dimensions", "100000"),
     ({"input": []}, "input", "empty"),
     ({"input": "x", "model": "nope"}, "model", "nope"),
-    ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, None, "truncate_prompt_tokens"),
     ({"input": [[10**9]]}, None, "outside the vocabulary"),
 ])
 def test_what_cannot_be_served_is_an_error_naming_it(live, body, param, word):
