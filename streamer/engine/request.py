@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from streamer.kv.radix import Node
 from streamer.messages import SamplingParams
 
@@ -74,8 +76,8 @@ class Request:
     ahead_left: int = 0
     """Of those, how many of its next steps may still be scheduled ahead without proposals
     before it waits for its tokens to try again (spec/rollback.py: ahead_budget)."""
-    prediction: list[int] | None = None
-    """SamplingParams.prediction's token ids (with ngram speculation): its proposals' source."""
+    prediction: np.ndarray | None = None
+    """SamplingParams.prediction's token ids (with ngram speculation), int64: its proposals' source."""
     prediction_at: int = 0
     """Where in prediction the output was last aligned (spec/ngram.py: from_prediction)."""
 

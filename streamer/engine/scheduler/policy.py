@@ -22,6 +22,8 @@ import time
 from collections import Counter, deque
 from typing import Any
 
+import numpy as np
+
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.engine.request import Request, Status
@@ -116,7 +118,7 @@ class Scheduler:
             frozenset(msg.eos_token_ids),
             grammar=msg.grammar,
             deadline=deadline,
-            prediction=msg.prediction,
+            prediction=np.asarray(msg.prediction, dtype=np.int64) if msg.prediction else None,
         )
         self.requests[req.request_id] = req
         self.waiting.append(req)

@@ -35,17 +35,17 @@ def propose(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list
     return []
 
 
-def from_prediction(output: list[int], prediction: list[int], at: int, k: int, lookup_max: int
+def from_prediction(output: list[int], prediction: np.ndarray | list[int], at: int, k: int, lookup_max: int
                     ) -> tuple[list[int], int]:
     """Up to k proposals from the prediction for an output so far, and the new alignment.
 
     The longest suffix of `output` (lookup_max tokens down to 1) that occurs in `prediction`
     is looked up; of its occurrences, the first that ends at or after `at` (where the last
     alignment ended: the output moves forward through the prediction) is taken, else the last
-    one. Proposed: the tokens after it. None when no suffix occurs, or the prediction ends there."""
-    if k <= 0 or not output or not prediction:
+    one. Proposed: the tokens after it; nothing when no suffix occurs, or the prediction ends there."""
+    p = np.asarray(prediction, dtype=np.int64)  # (the request keeps it as an array: no copy per step)
+    if k <= 0 or not output or not p.size:
         return [], at
-    p = np.asarray(prediction, dtype=np.int64)
     for n in range(min(lookup_max, len(output), len(p)), 0, -1):
         suffix = output[-n:]
         cand = np.flatnonzero(p[: len(p) - n + 1] == suffix[0])

@@ -64,7 +64,7 @@ def proposals(cfg: SpeculativeConfig, req: Request, budget: int, max_model_len: 
         # the runner's draft draws them (model/draft.py); under a grammar, the rows' masks
         # follow from the draws (Batch.masks_await_drafts, drafted_masks)
         return [PLACEHOLDER] * k
-    if req.prediction:
+    if req.prediction is not None:
         draft, req.prediction_at = from_prediction(req.output, req.prediction, req.prediction_at, k,
                                                    cfg.prompt_lookup_max)
         if draft:
