@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -198,6 +199,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+@dataclass
+class OpenItem:
+    """The output item being streamed: what it has gathered so far."""
+
+    kind: str
+    """message, reasoning or function_call"""
+    id: str
+    text: list[str] = field(default_factory=list)
+    """The message's text, the reasoning, or the call's arguments, in pieces."""
+    logprobs: list[r.TokenLogprob] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+
+
 class ResponseBuilder:
     """One response's output items, built from the engine's outputs as they come; the events
     of a stream on the way (taken with take())."""
@@ -210,8 +225,7 @@ class ResponseBuilder:
         self.reasoning_tokens = 0
         self.seq = 0
         self.pending: list[bytes] = []
-        self.item: dict[str, Any] | None = None
-        """The open item: kind, id, and what it has gathered (text pieces, logprobs, a call)."""
+        self.item: OpenItem | None = None
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.pending.append(b"event: " + kind.encode() + b"\n" +
@@ -233,24 +247,23 @@ class ResponseBuilder:
         """The open item's output_index."""
         return len(self.response.output)
 
-    def open(self, kind: str, **more: Any) -> dict[str, Any]:
-        if self.item is not None and self.item["kind"] == kind and kind != "function_call":
+    def open(self, kind: str, call_id: str = "", name: str = "") -> OpenItem:
+        """The open item if it is of this kind (a call is never continued), else a new one."""
+        if self.item is not None and self.item.kind == kind and kind != "function_call":
             return self.item
         self.close("completed")
         prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        item = self.item = {"kind": kind, "id": new_id(prefix), "text": [], "logprobs": [], **more}
+        item = self.item = OpenItem(kind, new_id(prefix), call_id=call_id, name=name)
         at = {"output_index": self.index}
         if kind == "message":
-            self.emit("response.output_item.added", **at, item=r.MessageItem(item["id"], "in_progress", "assistant", []))
-            self.emit("response.content_part.added", **at, item_id=item["id"], content_index=0,
-                      part=r.OutputText(""))
+            self.emit("response.output_item.added", **at, item=r.MessageItem(item.id, "in_progress", "assistant", []))
+            self.emit("response.content_part.added", **at, item_id=item.id, content_index=0, part=r.OutputText(""))
         elif kind == "reasoning":
-            self.emit("response.output_item.added", **at, item=r.ReasoningItem(item["id"], [], [], "in_progress"))
-            self.emit("response.content_part.added", **at, item_id=item["id"], content_index=0,
-                      part=r.ReasoningText(""))
+            self.emit("response.output_item.added", **at, item=r.ReasoningItem(item.id, [], [], "in_progress"))
+            self.emit("response.content_part.added", **at, item_id=item.id, content_index=0, part=r.ReasoningText(""))
         else:
             self.emit("response.output_item.added", **at,
-                      item=r.FunctionCallItem(item["id"], item["call_id"], item["name"], "", "in_progress"))
+                      item=r.FunctionCallItem(item.id, call_id, name, "", "in_progress"))
         return item
 
     def close(self, status: str) -> None:
@@ -258,46 +271,46 @@ class ResponseBuilder:
         item, self.item = self.item, None
         if item is None:
             return
-        text = "".join(item["text"])
-        at = {"output_index": self.index, "item_id": item["id"]}
+        text = "".join(item.text)
+        at = {"output_index": self.index, "item_id": item.id}
         done: r.OutputItem
-        if item["kind"] == "message":
-            part = r.OutputText(text, logprobs=item["logprobs"])
+        if item.kind == "message":
+            part = r.OutputText(text, logprobs=item.logprobs)
             self.emit("response.output_text.done", **at, content_index=0, text=text, logprobs=part.logprobs)
             self.emit("response.content_part.done", **at, content_index=0, part=part)
-            done = r.MessageItem(item["id"], status, "assistant", [part])
-        elif item["kind"] == "reasoning":
+            done = r.MessageItem(item.id, status, "assistant", [part])
+        elif item.kind == "reasoning":
             self.emit("response.reasoning_text.done", **at, content_index=0, text=text)
             self.emit("response.content_part.done", **at, content_index=0, part=r.ReasoningText(text))
-            done = r.ReasoningItem(item["id"], [], [r.ReasoningText(text)], status)
+            done = r.ReasoningItem(item.id, [], [r.ReasoningText(text)], status)
         else:
-            self.emit("response.function_call_arguments.done", **at, name=item["name"], arguments=text)
-            done = r.FunctionCallItem(item["id"], item["call_id"], item["name"], text, status)
+            self.emit("response.function_call_arguments.done", **at, name=item.name, arguments=text)
+            done = r.FunctionCallItem(item.id, item.call_id, item.name, text, status)
         self.emit("response.output_item.done", output_index=self.index, item=done)
         self.response.output.append(done)
 
     def apply(self, d: ChatDelta, out: RequestOutput) -> None:
         if d.reasoning:
             item = self.open("reasoning")
-            item["text"].append(d.reasoning)
-            self.emit("response.reasoning_text.delta", output_index=self.index, item_id=item["id"], content_index=0,
+            item.text.append(d.reasoning)
+            self.emit("response.reasoning_text.delta", output_index=self.index, item_id=item.id, content_index=0,
                       delta=d.reasoning)
         lps = self.fmt.chat_logprobs(out.logprobs or []) if self.logprobs else None
         if d.content or lps is not None:
             item = self.open("message")
-            item["text"].append(d.content)
+            item.text.append(d.content)
             tokens = (lps.content or []) if lps is not None else []
-            item["logprobs"].extend(tokens)
-            self.emit("response.output_text.delta", output_index=self.index, item_id=item["id"], content_index=0,
+            item.logprobs.extend(tokens)
+            self.emit("response.output_text.delta", output_index=self.index, item_id=item.id, content_index=0,
                       delta=d.content, logprobs=tokens)
         for call in d.calls:
             if call.name is not None:  # (a call's first delta: its id and name)
-                self.open("function_call", call_id=call.id, name=call.name)
+                self.open("function_call", call_id=call.id or "", name=call.name)
             open_call = self.item
             if call.arguments and open_call is not None:
-                open_call["text"].append(call.arguments)
-                self.emit("response.function_call_arguments.delta", output_index=self.index,
-                          item_id=open_call["id"], delta=call.arguments)
+                open_call.text.append(call.arguments)
+                self.emit("response.function_call_arguments.delta", output_index=self.index, item_id=open_call.id,
+                          delta=call.arguments)
 
     # ---- outputs
 
