@@ -55,7 +55,8 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     "prompt_logprobs": unsupported("prompt_logprobs is not supported: use echo with logprobs (completions)"),
     "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),
     "guided_whitespace_pattern": unsupported("guided_whitespace_pattern is not supported"),
-    "structural_tag": unsupported("structural_tag is not supported"),
+    "structural_tag": unsupported('structural_tag at the top level is not supported: use response_format '
+                                  '{"type": "structural_tag", ...}'),
     "spaces_between_special_tokens": only((True,), "spaces_between_special_tokens may only be true (the "
                                                    "tokenizer's own decoding)"),
     "return_tokens_as_token_ids": only((False,), "return_tokens_as_token_ids is not supported"),

@@ -100,6 +100,11 @@ class JsonSchemaFormat(Struct):
 class ResponseFormat(Struct):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    """structural_tag: xgrammar's structural tag format (tag, triggered_tags, sequence, ...)."""
+    structures: list[dict[str, Any]] | None = None
+    """structural_tag, vLLM's first form: [{"begin", "schema", "end"}], each begun by one of triggers."""
+    triggers: list[str] | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -266,8 +271,30 @@ def choice_spec(choices: list[str] | None, name: str, param: str | None) -> Gram
     return GrammarSpec("choice", json.dumps(choices))
 
 
+def structural_tag_spec(rf: ResponseFormat) -> GrammarSpec:
+    """response_format structural_tag: a format as it is, or vLLM's structures and triggers
+    (text, until a trigger begins one of the structures, whose content follows its schema)."""
+    fmt = rf.format
+    if fmt is None:
+        if rf.structures is None or rf.triggers is None:
+            raise ApiError("response_format structural_tag needs format, or structures and triggers",
+                           param="response_format")
+        tags = []
+        for i, s in enumerate(rf.structures):
+            if not (isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                    and isinstance(s.get("schema"), dict | bool)):
+                raise ApiError(f"response_format.structures[{i}] needs begin and end (strings) and schema",
+                               param=f"response_format.structures[{i}]")
+            tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                         "content": {"type": "json_schema", "json_schema": s["schema"]}})
+        fmt = {"type": "triggered_tags", "triggers": rf.triggers, "tags": tags}
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+
+
 def response_format_spec(rf: ResponseFormat | str | None) -> GrammarSpec | None:
     kind = rf if isinstance(rf, str) else rf.type if rf is not None else "text"
+    if kind == "structural_tag" and isinstance(rf, ResponseFormat):
+        return structural_tag_spec(rf)
     if kind == "json_object":
         return GrammarSpec("json_object")
     if kind == "json_schema":

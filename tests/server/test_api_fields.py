@@ -8,6 +8,7 @@ to the fields, and what it sends the engine.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,6 +151,21 @@ def test_truncate_prompt_tokens_reaches_the_engine_but_not_with_echo(fake):
         assert engine.sent[-1].params.truncate_prompt_tokens == 5
     r = client.post(CMPL, json=body_of(CMPL, {"truncate_prompt_tokens": 5, "echo": True}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_vllms_structural_tag_structures_become_triggered_tags(fake):
+    engine, client = fake
+    schema = {"type": "object"}
+    rf = {"type": "structural_tag", "triggers": ["<f="],
+          "structures": [{"begin": "<f=a>", "schema": schema, "end": "</f>"}]}
+    assert client.post(CHAT, json=body_of(CHAT, {"response_format": rf})).status_code == 200
+    grammar = engine.sent[-1].params.grammar
+    assert grammar.kind == "structural_tag" and json.loads(grammar.value) == {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f="], "tags": [
+            {"type": "tag", "begin": "<f=a>", "end": "</f>", "content": {"type": "json_schema", "json_schema": schema}}]}}
+    bad = {**rf, "structures": [{"begin": "<f=a>", "end": "</f>"}]}
+    r = client.post(CHAT, json=body_of(CHAT, {"response_format": bad}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.structures[0]"
 
 
 def test_a_prediction_reaches_the_engine_as_text(fake):

@@ -131,6 +131,35 @@ def test_response_format_json_object(client):
         assert r.choices[0].message.content.lstrip().startswith("{")
 
 
+def test_response_format_structural_tag(client):
+    """xgrammar's format as it is (here the whole answer is one tag), and vLLM's structures and
+    triggers (free text until a trigger; then the structure's schema holds up to its end)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    tag = {"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": schema},
+           "end": "</answer>"}
+    ask = [{"role": "user", "content": "Name a city."}]
+    r = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, temperature=0,
+                                       response_format={"type": "structural_tag", "format": tag})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    assert text.startswith("<answer>") and text.endswith("</answer>")
+    assert set(json.loads(text[len("<answer>"):-len("</answer>")])) == {"city"}
+    legacy = {"type": "structural_tag", "triggers": ["<answer>"],
+              "structures": [{"begin": "<answer>", "schema": schema, "end": "</answer>"}]}
+    for seed in range(3):  # (sampled: where the model writes the trigger, the schema holds after it)
+        r = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, seed=seed, temperature=1.0,
+                                           response_format=legacy)
+        text = r.choices[0].message.content
+        if "<answer>" in text and "</answer>" in text.split("<answer>", 1)[1]:
+            inner = text.split("<answer>", 1)[1].split("</answer>", 1)[0]
+            assert set(json.loads(inner)) == {"city"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=ask, max_tokens=4,
+                                       response_format={"type": "structural_tag", "triggers": ["<a>"]})
+    assert e.value.body["param"] == "response_format"
+
+
 def test_guided_choice(client):
     r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Yes or no?"}],
                                        max_tokens=8, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
