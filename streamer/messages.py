@@ -375,6 +375,8 @@ class RequestOutput(msgspec.Struct):
     rest were on the device."""
     embedding: list[float] | None = None
     """SamplingParams.embed: the prompt's embedding (the final output; no tokens, no text)."""
+    stop: str | None = None
+    """The stop string (of SamplingParams.stop) that ended the request, with finish_reason "stop"."""
 
 
 ENGINE_DOWN = "engine_down"

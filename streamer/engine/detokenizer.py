@@ -163,13 +163,15 @@ class Stream:
         self.full += piece
         reason, stopped = d.finish_reason, False
         end = len(self.full)
-        hits = [(i, -len(s)) for i, s in ((self.full.find(s, start), s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for i, s in ((self.full.find(s, start), s) for s in self.stops) if i >= 0]
+        matched = None
         if hits:
-            at, longest = min(hits)  # the first match (of two at one place, the longer string)
+            at, longest, matched = min(hits)  # the first match (of two at one place, the longer string)
             end, reason, stopped, final = at - longest if self.include_stop else at, "stop", True, True
         elif not final:
             end -= _held_back(self.full, self.stops)
         out = self._output(d, self.full[self.sent : end], final, reason)
+        out.stop = matched
         self.sent = max(self.sent, end)
         return out, stopped
 

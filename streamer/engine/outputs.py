@@ -79,6 +79,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
         prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
         embedding=b.embedding if b.embedding is not None else a.embedding,
+        stop=b.stop,
     )
 
 
@@ -145,4 +146,5 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         prompt_token_ids=prompt_ids,
         prompt_top_logprobs=prompt_tops,
         embedding=last.embedding,
+        stop=last.stop,
     )

@@ -4,7 +4,8 @@ The same RoutingPolicy as `serve --data-parallel-size` (router/policy.py), over 
 request's routing key is its JSON body's prompt or messages as text (router/keys.py says
 why text: the router holds no tokenizer and asks no worker to tokenize), and it goes, whole,
 to one worker; the worker's answer (JSON, or an SSE stream, chunk by chunk as it comes)
-goes back unchanged. Routed: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, and the native API's
+goes back unchanged. Routed: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
+/v1/messages (and its count_tokens), and the native API's
 POSTs (/generate, /tokenize, /detokenize, /apply_chat_template); /v1/models and /version go
 to the least loaded worker; the WebSocket chat /v1/chat/ws is relayed frame by frame to one
 worker for the whole session (the session sticks: the worker keeps the conversation).
@@ -44,10 +45,11 @@ from streamer.router.metrics import RouterCollector
 from streamer.router.policy import NoReplica, RoutingPolicy
 from streamer.router.workers import WorkerPool, worker_urls
 
-ROUTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/generate", "/tokenize", "/detokenize",
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
+          "/v1/messages/count_tokens", "/generate", "/tokenize", "/detokenize",
           "/apply_chat_template")
 ANY = ("/v1/models", "/version")
-PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+PASSED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "content-type", "accept", "x-request-id")
 DROPPED_ANSWER_HEADERS = ("connection", "transfer-encoding", "content-length", "keep-alive", "date", "server")
 CONNECT_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 8 << 20

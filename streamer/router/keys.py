@@ -80,6 +80,9 @@ def body_key(path: str, body: Any) -> str:
         return ""
     if path == "/v1/responses":
         return responses_key(body)
+    if path.startswith("/v1/messages") and isinstance(body.get("messages"), list):  # (Anthropic's: system apart)
+        system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+        return chat_key(system + body["messages"], body.get("tools") if isinstance(body.get("tools"), list) else None)
     if isinstance(body.get("messages"), list):
         return chat_key(body["messages"], body.get("tools") if isinstance(body.get("tools"), list) else None)
     for field in ("prompt", "text", "input_ids", "input"):  # (input: /v1/embeddings')

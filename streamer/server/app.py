@@ -3,7 +3,7 @@
   create_app(engine, server_config) -> Starlette   (`streamer serve` runs it: serve.py)
 
 The routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
-(openai_api.py), /v1/responses (responses_api.py), /v1/embeddings (embeddings_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
+(openai_api.py), /v1/responses (responses_api.py), /v1/embeddings (embeddings_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
 /tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health, /metrics,
 /openapi.json (openapi.py) and the chat page. Their handlers meet the
 engine through one ServerState (state.py), at app.state.server. Every request passes
@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 from streamer import __version__
 from streamer.config import ServerConfig
 from streamer.engine.protocol import Engine
-from streamer.server import embeddings_api, native_api, openai_api, responses_api, websocket
+from streamer.server import anthropic_api, embeddings_api, native_api, openai_api, responses_api, websocket
 from streamer.server.guard import ApiKeyCheck, HostCheck, JsonBody, error_response
 from streamer.server.metrics import RequestCounter
 from streamer.server.openapi import openapi_document
@@ -95,6 +95,8 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.responses, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
+        Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", websocket.chat_session),
         *native_api.routes(),  # /generate (the frontend language), /tokenize, ...
         Mount("/static", StaticFiles(directory=STATIC), name="static"),

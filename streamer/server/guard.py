@@ -149,8 +149,8 @@ KEY_ID = "streamer.key_id"
 
 
 class ApiKeyCheck:
-    """Pure ASGI: the PROTECTED paths over HTTP need `Authorization: Bearer <key>`, one of the
-    keys, when keys are set; the hash of the key goes to scope[KEY_ID] (per-key cache isolation).
+    """Pure ASGI: the PROTECTED paths over HTTP need `Authorization: Bearer <key>` (or Anthropic's
+    `x-api-key: <key>`), one of the keys, when keys are set; the hash of the key goes to scope[KEY_ID] (per-key cache isolation).
 
     The WebSocket checks the key itself (browsers cannot set headers on a
     WebSocket, so it also takes ?api_key=).
@@ -163,9 +163,12 @@ class ApiKeyCheck:
         keys = self.config.api_keys
         if keys and scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             headers = dict(scope["headers"])
-            key = matching_key(keys, bearer(headers.get(b"authorization", b"").decode("latin-1")))
+            given = bearer(headers.get(b"authorization", b"").decode("latin-1"))
+            if given is None and b"x-api-key" in headers:  # (Anthropic's clients send the key so)
+                given = headers[b"x-api-key"].decode("latin-1").strip()
+            key = matching_key(keys, given)
             if key is None:
-                err = ApiError("missing or wrong API key (send Authorization: Bearer <key>)", 401,
+                err = ApiError("missing or wrong API key (send Authorization: Bearer <key>, or x-api-key)", 401,
                                code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
                 return

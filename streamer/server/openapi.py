@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from streamer.server.anthropic_api import CountTokensRequest, MessagesRequest
 from streamer.server.embeddings_api import EmbeddingRequest, EmbeddingResponse
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
 from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
@@ -25,8 +26,9 @@ from streamer.server.responses import (
 def openapi_document(version: str) -> dict[str, Any]:
     kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
              ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse,
-             ResponsesRequest, ResponseObject, EmbeddingRequest, EmbeddingResponse]
-    (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver, req_r, res_r, req_e, res_e), comps = \
+             ResponsesRequest, ResponseObject, EmbeddingRequest, EmbeddingResponse, MessagesRequest, CountTokensRequest]
+    (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver, req_r, res_r, req_e, res_e, req_m,
+     req_ct), comps = \
         msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
 
     def error(status: int, why: str) -> dict:
@@ -60,6 +62,9 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
             "/v1/responses": post(req_r, res_r, "A response (OpenAI's Responses API; nothing is stored)"),
             "/v1/embeddings": post(req_e, res_e, "Embeddings (last-token pooling)", stream=False),
+            "/v1/messages": post(req_m, {"type": "object"}, "Anthropic's Messages API (errors in Anthropic's shape)"),
+            "/v1/messages/count_tokens": post(req_ct, {"type": "object"}, "The prompt's tokens, as the engine runs it",
+                                              stream=False),
             "/v1/models": get("Served models", models),
             "/v1/models/{model}": get("One served model (404, code model_not_found, for any other)", card,
                                       parameters=model_param),

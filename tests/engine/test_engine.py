@@ -298,10 +298,11 @@ def test_stop_string_spanning_tokens_ends_the_request_without_leaking(plain_llm)
     stop = "beacon of inno"
     assert stop in text
     out = llm.generate(["The capital of France is a city that"],
-                       SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
-    assert out.finish_reason == "stop"
+                       SamplingParams(max_tokens=24, temperature=0, stop=["never written", stop]))[0]
+    assert out.finish_reason == "stop" and out.stop == stop  # (which stop string it was)
     assert out.text == text[: text.index(stop)]
     assert out.completion_tokens < free.completion_tokens
+    assert free.stop is None
     settle(llm)
 
 

@@ -100,6 +100,8 @@ def test_keys_of_engine_requests_and_http_bodies() -> None:
     # a response's instructions and input render as chat messages do: a later turn extends the key
     turn = {"instructions": "S" * 50, "input": "hi"}
     assert body_key("/v1/responses", turn) == chat_key(msgs)
+    anthropic = {"system": "S" * 50, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert body_key("/v1/messages", anthropic) == chat_key(msgs)
     later = {**turn, "input": [{"role": "user", "content": "hi"}, {"type": "function_call", "arguments": "{}"}]}
     assert body_key("/v1/responses", later).startswith(chat_key(msgs)) and body_key("/v1/responses", later) != \
         chat_key(msgs)

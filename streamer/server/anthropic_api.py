@@ -1,0 +1,494 @@
+"""/v1/messages (and /v1/messages/count_tokens): Anthropic's Messages API, run as a chat completion.
+
+For clients written against Anthropic's SDK (agents, coding tools pointed at a base URL).
+The request becomes the chat request that says the same (chat_messages): `system` a system
+message; a user message's text blocks its content and its tool_result blocks tool messages
+(before it, as the results come first); an assistant message's text its content, its tool_use
+blocks tool calls, its thinking blocks its reasoning_content; tools (`input_schema`) chat's
+function tools; tool_choice auto / any / tool / none chat's auto / required / named / none
+(`disable_parallel_tool_use` chat's parallel_tool_calls false); `stop_sequences` stop strings;
+`output_config.format` (a JSON schema) chat's response_format; `thinking` {"type": "disabled"}
+the template's enable_thinking false, {"type": "adaptive"} the template's default (with
+display "omitted" the thinking blocks come empty); temperature, top_p and top_k (which
+older clients send) as chat's. From there it runs as
+a chat completion does (openai_api.chat_requests), and the output (ChatOutput's split) comes
+back as content blocks in the order written: thinking, text, tool_use (its input parsed).
+
+stop_reason: "tool_use" when the answer calls tools, "max_tokens" when cut, "stop_sequence"
+(with the string) when one of stop_sequences ended it, else "end_turn". Usage:
+input_tokens are the prompt's tokens not read from the prefix cache, cache_read_input_tokens
+those that were (Anthropic counts them apart).
+
+A stream sends Anthropic's events: message_start, then per block content_block_start,
+content_block_delta (text_delta, thinking_delta, input_json_delta) and content_block_stop,
+then message_delta (stop_reason, usage) and message_stop; an error after the stream began is
+an `error` event. Errors are Anthropic's body ({"type": "error", "error": {"type", "message"}}).
+
+Accepted without effect: metadata, user_profile_id and workspace_id (ids), cache_control at
+the top and on blocks (the prefix cache is automatic). Refused by name: image and document
+blocks, server tools (web search, code execution, ...), MCP servers, containers and context
+management, `thinking` with a budget or between tools (a reasoning model's thinking runs to its
+own end here: --reasoning-parser splits it out), output_config.effort, speed "fast",
+inference_geo and diagnostics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+from starlette.requests import Request
+from starlette.responses import Response
+
+from streamer.chat_template import render
+from streamer.errors import RequestError
+from streamer.messages import RequestOutput
+from streamer.server import protocol as p
+from streamer.server.chat_output import ChatDelta, ChatSetup
+from streamer.server.fields import Rule, check_refused, only, unsupported
+from streamer.server.openai_api import chat_requests, server
+from streamer.server.openai_output import Choice
+from streamer.server.protocol import ApiError
+from streamer.server.sse_response import EventStream
+from streamer.server.state import Merged, failure, until_disconnect
+from streamer.sse import data_event
+
+# ---- the request ---------------------------------------------------------------------
+
+
+class Block(Struct, kw_only=True):
+    """A content block of a request's message (or of a tool_result's content)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+
+
+class Message(Struct):
+    role: str
+    content: str | list[Block]
+
+
+class Tool(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+    """None or "custom": a client tool; others name Anthropic's server tools, refused."""
+
+
+class ToolChoice(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(Struct, kw_only=True):
+    type: str
+    budget_tokens: int | None = None
+    display: str | None = None
+    """adaptive: "summarized" (the thinking is returned) or "omitted" (its blocks come empty)."""
+
+
+class OutputFormat(Struct, kw_only=True):
+    type: str
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+
+
+class OutputConfig(Struct, kw_only=True):
+    format: OutputFormat | None = None
+    """Structured output: {"type": "json_schema", "schema": {...}} constrains the text (xgrammar)."""
+    effort: str | None = None
+
+
+class MessagesRequest(Struct, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: list[Message]
+    model: str | None = None
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None
+    """Accepted without effect (its user_id is an end-user id for Anthropic's abuse monitoring),
+    as are user_profile_id and workspace_id (account ids) and cache_control, here and on blocks
+    (the prefix cache is automatic: every prompt's prefix is cached and shared)."""
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    messages: list[Message]
+    model: str | None = None
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    thinking: Thinking | None = None
+
+
+REFUSED: dict[str, Rule] = {
+    "container": unsupported("container is not supported: this server runs no tools itself"),
+    "diagnostics": unsupported("diagnostics (prompt-cache miss reasons) is not supported"),
+    "inference_geo": unsupported("inference_geo is not supported: this server runs where it runs"),
+    "speed": only(("standard",), "speed may only be standard (one speed here)"),
+    "mcp_servers": unsupported("mcp_servers is not supported: this server connects to no MCP servers"),
+    "service_tier": only(("auto", "standard_only"), "this server has one service tier: service_tier may be auto "
+                                                    "or standard_only"),
+    "context_management": unsupported("context_management is not supported: send the context to keep"),
+}
+
+
+def text_of(content: str | list[Block] | None, kinds: tuple[str, ...], where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for k, b in enumerate(content):
+        if b.type not in kinds:
+            raise ApiError(f"{where}[{k}]: {b.type} blocks are not supported here (text is)", param=f"{where}[{k}]")
+        out.append(b.text or "")
+    return "".join(out)
+
+
+def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """system and messages as chat messages (the module's docstring says how)."""
+    msgs: list[dict[str, Any]] = []
+    if body.system:
+        msgs.append({"role": "system", "content": text_of(body.system, ("text",), "system")})
+    if not body.messages:
+        raise ApiError("messages must not be empty", param="messages")
+    for i, m in enumerate(body.messages):
+        at = f"messages[{i}].content"
+        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == "user":
+            texts = []
+            for k, b in enumerate(blocks):
+                if b.type == "tool_result":
+                    if b.tool_use_id is None:
+                        raise ApiError(f"{at}[{k}]: a tool_result needs tool_use_id", param=f"{at}[{k}]")
+                    result = text_of(b.content, ("text",), f"{at}[{k}].content")
+                    msgs.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                 "content": f"Error: {result}" if b.is_error else result})
+                elif b.type == "text":
+                    texts.append(b.text or "")
+                else:
+                    raise ApiError(f"{at}[{k}]: {b.type} blocks are not supported (text and tool_result are)",
+                                   param=f"{at}[{k}]")
+            if texts or not any(b.type == "tool_result" for b in blocks):
+                msgs.append({"role": "user", "content": "".join(texts)})
+        elif m.role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": ""}
+            for k, b in enumerate(blocks):
+                if b.type == "text":
+                    msg["content"] += b.text or ""
+                elif b.type == "tool_use":
+                    if b.id is None or b.name is None:
+                        raise ApiError(f"{at}[{k}]: a tool_use needs id and name", param=f"{at}[{k}]")
+                    msg.setdefault("tool_calls", []).append({"id": b.id, "type": "function", "function": {
+                        "name": b.name, "arguments": json.dumps(b.input if b.input is not None else {})}})
+                elif b.type == "thinking":
+                    msg["reasoning_content"] = msg.get("reasoning_content", "") + (b.thinking or "")
+                else:
+                    raise ApiError(f"{at}[{k}]: {b.type} blocks are not supported in the history (text, tool_use "
+                                   "and thinking are)", param=f"{at}[{k}]")
+            msgs.append(msg)
+        else:
+            raise ApiError(f"messages[{i}].role must be user or assistant, not {m.role!r}", param=f"messages[{i}].role")
+    return msgs
+
+
+def chat_tools(tools: list[Tool] | None) -> list[p.Tool] | None:
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        if t.type not in (None, "custom"):
+            raise ApiError(f"tools[{i}]: {t.type} is a server tool, which this server does not run (client tools, "
+                           "with input_schema, are supported)", param=f"tools[{i}].type")
+    return [p.Tool("function", p.FunctionDef(t.name, t.description, t.input_schema or {"type": "object"}))
+            for t in tools]
+
+
+def chat_tool_choice(choice: ToolChoice | None) -> str | p.NamedToolChoice | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError('tool_choice {"type": "tool"} needs name', param="tool_choice.name")
+        return p.NamedToolChoice("function", p.FunctionName(choice.name))
+    named = {"auto": "auto", "any": "required", "none": "none"}
+    if choice.type not in named:
+        raise ApiError(f"unknown tool_choice type {choice.type!r} (auto, any, tool or none)", param="tool_choice.type")
+    return named[choice.type]
+
+
+def template_kwargs(thinking: Thinking | None) -> dict[str, Any] | None:
+    """disabled: the template's enable_thinking false; adaptive: the model's own way (its
+    template's default). A budget (enabled) or between_tools is not something the engine can
+    hold a model to: refused."""
+    if thinking is None:
+        return None
+    if thinking.display not in (None, "summarized", "omitted"):
+        raise ApiError(f"unknown thinking display {thinking.display!r}", param="thinking.display")
+    if thinking.type == "disabled":
+        return {"enable_thinking": False}
+    if thinking.type == "adaptive":
+        return None
+    if thinking.type in ("enabled", "between_tools"):
+        raise ApiError(f"thinking {thinking.type} is not supported: a reasoning model's thinking runs to its own end "
+                       "here (omit thinking, or send {\"type\": \"adaptive\"} or {\"type\": \"disabled\"})",
+                       param="thinking")
+    raise ApiError(f"unknown thinking type {thinking.type!r}", param="thinking.type")
+
+
+def output_format(config: OutputConfig | None) -> p.ResponseFormat | None:
+    if config is None:
+        return None
+    if config.effort is not None:
+        raise ApiError("output_config.effort is not supported: the model answers as it does", param="output_config")
+    f = config.format
+    if f is None:
+        return None
+    if f.type != "json_schema" or f.schema_ is None:
+        raise ApiError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return p.ResponseFormat("json_schema", p.JsonSchemaFormat(schema_=f.schema_))
+
+
+def chat_body(body: MessagesRequest) -> p.ChatCompletionRequest:
+    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
+    return p.ChatCompletionRequest(
+        messages=[], max_completion_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, stop=body.stop_sequences, tools=chat_tools(body.tools),
+        tool_choice=chat_tool_choice(body.tool_choice), parallel_tool_calls=parallel,
+        chat_template_kwargs=template_kwargs(body.thinking), response_format=output_format(body.output_config))
+
+
+# ---- output -> blocks and events ---------------------------------------------------------
+
+
+@dataclass
+class OpenBlock:
+    kind: str
+    """text, thinking or tool_use"""
+    text: list[str] = field(default_factory=list)
+    """The text, the thinking, or the call's input as JSON, in pieces."""
+    id: str = ""
+    name: str = ""
+
+
+def block_body(b: OpenBlock, whole: bool) -> dict[str, Any]:
+    """A content block as Anthropic writes it: whole, or (content_block_start) empty."""
+    text = "".join(b.text) if whole else ""
+    if b.kind == "text":
+        return {"type": "text", "text": text}
+    if b.kind == "thinking":
+        return {"type": "thinking", "thinking": text, "signature": ""}
+    return {"type": "tool_use", "id": b.id, "name": b.name, "input": json.loads(text) if whole and text else {}}
+
+
+class MessageBuilder:
+    """One answer's content blocks, built from the engine's outputs as they come; a stream's
+    events on the way (take())."""
+
+    def __init__(self, mid: str, model: str, setup: ChatSetup, show_thinking: bool = True) -> None:
+        self.mid, self.model = mid, model
+        self.show_thinking = show_thinking
+        """thinking display "omitted": thinking blocks come, empty."""
+        self.chat = setup.output()
+        self.choice = Choice()
+        self.blocks: list[dict[str, Any]] = []
+        self.open: OpenBlock | None = None
+        self.pending: list[bytes] = []
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.pending.append(b"event: " + kind.encode() + b"\n" + data_event({"type": kind, **fields}))
+
+    def take(self) -> bytes:
+        data, self.pending = b"".join(self.pending), []
+        return data
+
+    def usage(self) -> dict[str, int]:
+        c = self.choice
+        return {"input_tokens": c.prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
+                "cache_read_input_tokens": c.cached_tokens, "cache_creation_input_tokens": 0}
+
+    def message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self.usage()}
+
+    def opening(self, first: RequestOutput) -> None:
+        self.choice.add(msgspec.structs.replace(first, token_ids=[], text="", completion_tokens=0, finished=False))
+        self.emit("message_start", message=self.message([]))
+
+    def start(self, kind: str, call_id: str = "", name: str = "") -> OpenBlock:
+        if self.open is not None and self.open.kind == kind and kind != "tool_use":
+            return self.open
+        self.close()
+        b = self.open = OpenBlock(kind, id=call_id, name=name)
+        self.emit("content_block_start", index=len(self.blocks), content_block=block_body(b, whole=False))
+        return b
+
+    def close(self) -> None:
+        b, self.open = self.open, None
+        if b is None:
+            return
+        self.emit("content_block_stop", index=len(self.blocks))
+        self.blocks.append(block_body(b, whole=True))
+
+    def apply(self, d: ChatDelta) -> None:
+        if d.reasoning:
+            block = self.start("thinking")
+            if self.show_thinking:
+                block.text.append(d.reasoning)
+                self.emit("content_block_delta", index=len(self.blocks),
+                          delta={"type": "thinking_delta", "thinking": d.reasoning})
+        if d.content:
+            self.start("text").text.append(d.content)
+            self.emit("content_block_delta", index=len(self.blocks), delta={"type": "text_delta", "text": d.content})
+        for call in d.calls:
+            if call.name is not None:
+                self.start("tool_use", call_id=call.id or "", name=call.name)
+            if call.arguments and self.open is not None:
+                self.open.text.append(call.arguments)
+                self.emit("content_block_delta", index=len(self.blocks),
+                          delta={"type": "input_json_delta", "partial_json": call.arguments})
+
+    def feed(self, out: RequestOutput) -> None:
+        self.choice.add(out)
+        self.apply(ChatDelta(content=out.text) if self.chat.plain else self.chat.feed(out.text))
+        if out.finished:
+            if not self.chat.plain:
+                self.apply(self.chat.finish())
+            self.close()
+            if self.chat.called:
+                self.stop_reason = "tool_use"
+            elif out.finish_reason == "length":
+                self.stop_reason = "max_tokens"
+            elif out.stop is not None:
+                self.stop_reason, self.stop_sequence = "stop_sequence", out.stop
+            else:
+                self.stop_reason = "end_turn"
+            self.emit("message_delta", delta={"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                      usage={"output_tokens": self.choice.completion_tokens})
+            self.emit("message_stop")
+
+
+# ---- the endpoints -------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(e: ApiError) -> Response:
+    kind = ERROR_TYPES.get(e.status, "api_error")
+    body = {"type": "error", "error": {"type": kind, "message": e.message}}
+    return Response(msgspec.json.encode(body), e.status, headers=e.headers, media_type="application/json")
+
+
+def anthropic_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as e:
+            return anthropic_error(e)
+    return wrapped
+
+
+async def outputs(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncIterator[RequestOutput]:
+    for _, out in buffered:
+        yield out
+    async for _, out in gen:
+        yield out
+
+
+async def whole(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> bool:
+    try:
+        async for out in outputs(gen, buffered):
+            if out.error:
+                raise failure(out)
+            builder.feed(out)
+            if out.finished:
+                break
+    finally:
+        await gen.aclose()
+    return True
+
+
+async def events(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]
+                 ) -> AsyncIterator[bytes]:
+    builder.opening(buffered[0][1])
+    try:
+        async for out in outputs(gen, buffered):
+            if out.error:
+                e = failure(out)
+                builder.emit("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})
+                yield builder.take()
+                return
+            builder.feed(out)
+            if data := builder.take():
+                yield data
+            if out.finished:
+                return
+    finally:
+        await gen.aclose()
+
+
+@anthropic_errors
+async def messages(request: Request) -> Response:
+    st = server(request)
+    data = await request.body()
+    body: MessagesRequest = p.decode_body(data, MessagesRequest)
+    check_refused(data, REFUSED)
+    st.check_model(body.model)
+    chat = chat_body(body)
+    st.limits.sampling(chat)
+    msgs = chat_messages(body)
+    st.limits.messages(msgs)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    reqs, setup = chat_requests(chat, msgs, mid, st, lambda sp: st.apply_policy(sp, request.scope))
+    gen, buffered = await st.start(reqs)  # (a request the engine refuses is still a 400 here)
+    shown = body.thinking is None or body.thinking.display != "omitted"
+    builder = MessageBuilder(mid, st.model_name, setup, show_thinking=shown)
+    if body.stream:
+        return EventStream(events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
+    done = await until_disconnect(request, whole(builder, gen, buffered))
+    if done is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return Response(msgspec.json.encode(builder.message(builder.blocks)), media_type="application/json")
+
+
+@anthropic_errors
+async def count_tokens(request: Request) -> Response:
+    """The prompt's tokens as the engine would render them (the chat template, tools included)."""
+    st = server(request)
+    body: CountTokensRequest = p.decode_body(await request.body(), CountTokensRequest)
+    st.check_model(body.model)
+    msgs = chat_messages(body)
+    st.limits.messages(msgs)
+    tools = chat_tools(body.tools)
+    hf = st.info.hf_tokenizer
+    if hf is None:
+        raise ApiError("this model has no tokenizer")
+    kwargs = {**st.info.chat_template_kwargs, **(template_kwargs(body.thinking) or {})}
+    try:
+        ids = await asyncio.to_thread(render, hf, msgs, tools=msgspec.to_builtins(tools) if tools else None,
+                                      kwargs=kwargs)
+    except RequestError as e:
+        raise ApiError(str(e), param="messages") from None
+    return Response(msgspec.json.encode({"input_tokens": len(ids)}), media_type="application/json")
