@@ -15,7 +15,7 @@ import torch
 from streamer.engine import executor
 from streamer.engine.step_thread import StepThread
 from streamer.messages import Batch, MaskFill, SampledToken, Shutdown, StepOutput
-from streamer.model.launched import Launched
+from streamer.model.launched import Launched, RowValues
 
 
 class ScriptedRunner:
@@ -36,13 +36,13 @@ class ScriptedRunner:
         if batch.step in self.fail:
             raise RuntimeError(f"boom in step {batch.step}")
         if batch.masks_deferred:
-            return Launched(batch.step, None, None, {}, batch=batch)  # awaiting its masks
-        return Launched(batch.step, torch.tensor([batch.step]), None, {})
+            return Launched(batch.step, None, None, RowValues(), batch=batch)  # awaiting its masks
+        return Launched(batch.step, torch.tensor([batch.step]), None, RowValues())
 
     def sample(self, launched: Launched, masks) -> Launched:
         self._log("sample", launched.step)
         assert masks == f"mask-{launched.step}"
-        return Launched(launched.step, torch.tensor([100 + launched.step]), None, {})
+        return Launched(launched.step, torch.tensor([100 + launched.step]), None, RowValues())
 
     def collect(self, launched: Launched) -> StepOutput:
         if launched.step in self.slow:
