@@ -161,3 +161,27 @@ def test_fp8_linear_layers_follow_transformers_with_the_same_roundings(tiny_mode
                 break
             agreed += 1
     assert agreed >= 0.5 * len(batch) * PARAMS.max_tokens
+
+
+def test_bf16_embeddings_follow_transformers_beside_graphed_decodes(tiny_models):
+    """SamplingParams.embed on the GPU: the prompt's last hidden state (an eager step: the
+    decode graphs end in the LM head), batched beside graphed decodes and with a cached prefix
+    (its last token alone computed); within bf16 of transformers', decodes unchanged."""
+    from transformers import AutoModel
+
+    path = tiny_models["qwen3"]
+    batch = prompts(4)
+    hf = AutoModel.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        want = [hf(input_ids=torch.tensor([p], device="cuda")).last_hidden_state[0, -1].float().cpu() for p in batch]
+    embed = SamplingParams(max_tokens=1, temperature=0, embed=True)
+    with LLM(str(path), dtype="bfloat16", num_pages=4096) as llm:
+        plain = llm.generate(batch, PARAMS)
+        mixed = llm.generate(batch + batch, [PARAMS] * len(batch) + [embed] * len(batch))
+        again = llm.generate(batch, embed)  # (the prompts are cached now but for their last token)
+    assert [o.token_ids for o in mixed[: len(batch)]] == [o.token_ids for o in plain]
+    for outs in (mixed[len(batch):], again):
+        for o, w in zip(outs, want):
+            got = torch.tensor(o.embedding)
+            assert torch.nn.functional.cosine_similarity(got, w, dim=0) > 0.999, o.request_id
+    assert all(o.cached_tokens > 0 for o in again if o.prompt_tokens > 16)
