@@ -249,6 +249,13 @@ if [ "$part" = w7 ]; then
   python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --diagnose --json "$OUT/w7.json" 2>&1 | grep "^W7"
   python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --no-overlap --json "$OUT/w7_nooverlap.json" 2>&1 | grep "^W7"
 fi
+if [ "$part" = w7pred ]; then
+  # Predicted Outputs (carry .whl and .gg/smol.part.ab, after gguf1): W7 plain, ngram, and ngram with each
+  # request's code as its prediction; then the GPU tests of embeddings and predictions' plain outputs
+  cat /tmp/smol.part.aa .gg/smol.part.ab > /tmp/smol.gguf
+  python3 benchmarks/spec_w7.py --model /tmp/smol.gguf --prediction --json "$OUT/w7pred.json" 2>&1 | grep "^W7"
+  python3 -m pytest -q tests/gpu/test_gpu_correctness.py -k embeddings 2>&1 | tail -3
+fi
 if [ "$part" = w7peer ]; then
   # vLLM's W7 beside streamer's, in one call (carry .whl and .peer; /tmp/smol.gguf from w7)
   PEER_PROJ=. bash .peer/vllm/run.sh install 2>&1 | tail -1
