@@ -85,6 +85,8 @@ def markup_format(text: str) -> str | None:
     _, _, call_begin, _, sep = DEEPSEEK_MARKERS
     if call_begin in text and sep in text:
         return "deepseek_v3" if "```json" in text else "deepseek_v31"
+    if "<function=" in text and "<parameter=" in text:  # (Qwen3-Coder's XML calls, inside <tool_call>)
+        return "qwen3_coder"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:

@@ -35,7 +35,8 @@ CHECKPOINT_FORMATS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_m
 config.json quant_method they stand for: accepted where the checkpoint is stored that way (it runs as stored),
 refused otherwise (model/fp8_config.py confirm_format). streamer quantizes at load to fp8 only."""
 QUANTIZATIONS = ("fp8", *CHECKPOINT_FORMATS)
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "deepseek_v31")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "deepseek_v31",
+                     "qwen3_coder")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 CACHE_ISOLATIONS = ("none", "per-key")
 GENERATION_CONFIGS = ("auto", "none")

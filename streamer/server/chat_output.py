@@ -54,7 +54,7 @@ class ChatSetup:
                 raise ApiError("this model's chat template speaks no tool-call format streamer knows: "
                                "start the server with --tool-call-parser", param="tools")
             try:
-                setup.tools = parser_for(fmt, None)
+                setup.tools = parser_for(fmt, None).with_schemas(tools)
                 constraint = tool_call_grammar(tools, choice, parallel, fmt)
             except (RequestError, ValueError) as e:
                 raise ApiError(str(e), param="tool_choice") from None

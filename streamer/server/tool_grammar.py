@@ -18,6 +18,9 @@ json_schema spec, grammar_build.py says how):
   mistral       [TOOL_CALLS][{"name": NAME, "arguments": ARGS}, ...]           one array of all calls
   deepseek_v3   CALLS_BEGIN (CALL_BEGIN function SEP N \n```json\n ARGS \n``` CALL_END)+ CALLS_END   joined by "\n"
   deepseek_v31  CALLS_BEGIN (CALL_BEGIN N SEP ARGS CALL_END)+ CALLS_END        calls joined by ""
+  qwen3_coder   <tool_call>\n<function=N>\n XML </function>\n</tool_call>      calls joined by "\n"
+                (XML: `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, the values
+                raw, xgrammar's json_schema style "qwen_xml"; N bare: no whitespace, < or >)
 
 (DeepSeek's: N is the tool's name as written, not a JSON string, so it may hold neither
 whitespace nor "｜", the marker's bar: RequestError for a tool whose name does; the markers
@@ -64,7 +67,7 @@ from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
 from streamer.sampling.grammar_build import format_of
 
-FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31")
+FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
 UNCONSTRAINED = "openai"
 """gpt-oss's harmony calls (tool_parsers.py): no grammar is built for them (the calls come
 after analysis messages, in markup of special tokens); "none" and "auto" only."""
@@ -106,6 +109,10 @@ class _Tagged:
     sep: str
     open: str = _CALLS_BEGIN
     close: str = _CALLS_END
+    style: str = "json"
+    """How ARGS is written: JSON, or "qwen_xml" (xgrammar's json_schema styles)."""
+    forbidden: str = _SEP[1]
+    """Characters a bare name may not hold (besides whitespace): they would end it."""
 
     @property
     def trigger(self) -> str:
@@ -115,6 +122,9 @@ class _Tagged:
 _TAGGED = {
     "deepseek_v3": _Tagged(_CALL_BEGIN + "function" + _SEP, "\n```json\n", "\n```" + _CALL_END, "\n"),
     "deepseek_v31": _Tagged(_CALL_BEGIN, _SEP, _CALL_END, ""),
+    # (as Qwen3-Coder's template writes a call: each argument's block ends with a newline)
+    "qwen3_coder": _Tagged("<function=", ">\n", "</function>", "\n</tool_call>\n<tool_call>\n", "<tool_call>\n",
+                           "\n</tool_call>", style="qwen_xml", forbidden="<>"),
 }
 
 
@@ -166,8 +176,9 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
 def _calls(m: _Markup | _Tagged, functions: dict[str, dict | bool], many: bool) -> dict:
     """The tag matching a block of calls: one call, or one or more when many."""
     if isinstance(m, _Tagged):
+        style = {"style": m.style} if m.style != "json" else {}
         tags = [{"type": "tag", "begin": m.call_head + name + m.call_mid,
-                 "content": {"type": "json_schema", "json_schema": params}, "end": m.call_end}
+                 "content": {"type": "json_schema", "json_schema": params, **style}, "end": m.call_end}
                 for name, params in functions.items()]
         begin, sep, end = m.open, m.sep, m.close
     else:
@@ -181,12 +192,12 @@ def _calls(m: _Markup | _Tagged, functions: dict[str, dict | bool], many: bool) 
             "end": end}
 
 
-def _bare_names(functions: dict[str, dict | bool], fmt: str) -> None:
+def _bare_names(functions: dict[str, dict | bool], fmt: str, forbidden: str) -> None:
     """RequestError for a name that markup writing it bare could not delimit."""
     for i, name in enumerate(functions):
-        if any(c.isspace() or c == _SEP[1] for c in name):
+        if any(c.isspace() or c in forbidden for c in name):
             raise RequestError(f"tools[{i}]: the name {name!r} cannot be written in {fmt}'s tool-call markup "
-                               "(no whitespace or \"\uff5c\" in a name there)")
+                               f"(no whitespace or {' '.join(repr(c) for c in forbidden)} in a name there)")
 
 
 def _spec(fmt: dict) -> GrammarSpec:
@@ -211,7 +222,7 @@ def tool_call_grammar(tools: list[dict], tool_choice: str | dict, parallel_tool_
         raise RequestError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
     functions = _functions(tools)
     if isinstance(m, _Tagged):
-        _bare_names(functions, fmt)
+        _bare_names(functions, fmt, m.forbidden)
     mode, name = _choice(tool_choice, list(functions))
     if mode == "none" or (mode == "auto" and not functions):
         return None

@@ -1,6 +1,6 @@
 """Tool calls out of model output text, for the formats hermes, llama3_json, mistral, openai
-(gpt-oss's harmony messages, harmony.py), and deepseek_v3 and deepseek_v31
-(tool_parsers_deepseek.py).
+(gpt-oss's harmony messages, harmony.py), deepseek_v3 and deepseek_v31
+(tool_parsers_deepseek.py), and qwen3_coder (Qwen3-Coder's XML, tool_parsers_xml.py).
 
 Each format is one incremental grammar, a ToolStream (tool_stream.py says what a stream
 holds back and when it emits): feed() it the output as it is detokenized, finish() it at
@@ -23,7 +23,8 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamer.chat_template import DEEPSEEK_MARKERS, markup_format
@@ -38,6 +39,7 @@ from streamer.server.harmony import (
     verbatim_open,
 )
 from streamer.server.tool_parsers_deepseek import DeepSeekV3Stream, DeepSeekV31Stream
+from streamer.server.tool_parsers_xml import Qwen3CoderStream
 from streamer.server.tool_stream import (
     ToolCall,
     ToolCallDelta,
@@ -329,8 +331,22 @@ class ToolParser:
     stream_type: type[ToolStream]
     markers: tuple[str, ...] = ()
     """Special tokens the stream reads, to be kept in the text under skip_special_tokens."""
+    typed: bool = False
+    """Its markup writes arguments untyped (qwen3_coder's XML): the tools' schemas type them."""
+    schemas: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    """Each tool's parameters schema, by name (with_schemas), for a typed format."""
+
+    def with_schemas(self, tools: list[dict[str, Any]]) -> ToolParser:
+        """This parser reading a request's tools (OpenAI's function tools), where it needs them."""
+        if not self.typed:
+            return self
+        schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools
+                   if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]}
+        return replace(self, schemas=schemas)
 
     def stream(self) -> ToolStream:
+        if self.typed:
+            return self.stream_type(self.schemas)  # type: ignore[call-arg]
         return self.stream_type()
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -350,6 +366,7 @@ PARSERS: dict[str, ToolParser] = {
         ToolParser("openai", HarmonyStream, HARMONY_MARKERS),
         ToolParser("deepseek_v3", DeepSeekV3Stream, DEEPSEEK_MARKERS),
         ToolParser("deepseek_v31", DeepSeekV31Stream, DEEPSEEK_MARKERS),
+        ToolParser("qwen3_coder", Qwen3CoderStream, (Qwen3CoderStream.OPEN, Qwen3CoderStream.CLOSE), typed=True),
     )
 }
 

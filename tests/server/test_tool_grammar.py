@@ -17,6 +17,7 @@ from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
 from streamer.sampling.grammar import GrammarCompiler, GrammarState, fill_bitmask
 from streamer.server.tool_grammar import FORMATS, after_reasoning, tool_call_grammar
+from streamer.server.tool_parsers import PARSERS
 
 VOCAB = 49152  # SmolLM2's model vocabulary
 
@@ -50,7 +51,7 @@ Call = tuple[str, dict[str, Any]]
 KEY = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
 CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP = DEEPSEEK_MARKERS
 TRIGGER = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]",
-           "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN}
+           "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN, "qwen3_coder": "<tool_call>\n"}
 """Where "auto" text gives way to a call."""
 DEEPSEEK_CALL = {  # (the head before a call's name, what comes between it and the JSON, the call's end)
     "deepseek_v3": (CALL_BEGIN + "function" + SEP, "\n```json\n", "\n```" + CALL_END, "\n"),
@@ -59,7 +60,16 @@ DEEPSEEK_CALL = {  # (the head before a call's name, what comes between it and t
 """DeepSeek's calls: head NAME mid ARGS end, joined by the last, in CALLS_BEGIN ... CALLS_END."""
 
 
+def xml_call(name: str, args: dict[str, Any]) -> str:
+    """A call as Qwen3-Coder's template writes it: each value raw, a string as it is."""
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                     for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
 def render(fmt: str, calls: list[Call]) -> str:
+    if fmt == "qwen3_coder":
+        return "\n".join(xml_call(name, args) for name, args in calls)
     if fmt in DEEPSEEK_CALL:
         head, mid, end, sep = DEEPSEEK_CALL[fmt]
         return CALLS_BEGIN + sep.join(head + name + mid + json.dumps(args, ensure_ascii=False) + end
@@ -74,6 +84,10 @@ def render(fmt: str, calls: list[Call]) -> str:
 
 def parse(fmt: str, text: str) -> list[Call]:
     """The calls in text, which must be exactly the markup of fmt (AssertionError if not)."""
+    if fmt == "qwen3_coder":  # (the parser, typing the values by the tools' schemas)
+        content, calls = PARSERS[fmt].with_schemas(TOOLS).parse(text)
+        assert content == "", text
+        return [(c.name, json.loads(c.arguments)) for c in calls]
     if fmt in DEEPSEEK_CALL:
         return parse_deepseek(fmt, text)
     open_, sep, close = {"hermes": ("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
@@ -143,13 +157,20 @@ def accepts(compiler: GrammarCompiler, spec: GrammarSpec | None, text: str) -> b
     return bool(s.matcher.accept_string(text)) and s.is_completed() and s.accept(compiler.info.stop_token_ids[0])
 
 
-def random_walk(compiler: GrammarCompiler, s: GrammarState, g: torch.Generator, limit: int = 300) -> str | None:
-    """Random allowed tokens until the grammar terminates (the text written) or `limit` (None)."""
+def random_walk(compiler: GrammarCompiler, s: GrammarState, g: torch.Generator, limit: int = 300,
+                blank_ok: bool = True) -> str | None:
+    """Random allowed tokens until the grammar terminates (the text written) or `limit` (None).
+    blank_ok False: a token of whitespace alone (but one newline) only where nothing else is
+    allowed (a grammar that allows whitespace anywhere would spend the walk on it, as no model
+    does)."""
     decoded = compiler.info.decoded_vocab
     out = bytearray()
     for _ in range(limit):
         mask = fill_bitmask([s], VOCAB)
         ok = ((mask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().nonzero().flatten()
+        if not blank_ok:
+            inked = ok[[bool(decoded[int(t)].strip()) or decoded[int(t)] == b"\n" for t in ok]]
+            ok = inked if len(inked) else ok
         t = int(ok[torch.randint(len(ok), (1,), generator=g)])
         assert s.accept(t)
         if s.is_terminated():
@@ -205,6 +226,9 @@ def test_a_named_choice_is_exactly_one_call_of_that_tool(compiler, fmt, parallel
     assert not accepts(compiler, spec, render(fmt, [WEATHER_CALL]))
     assert not accepts(compiler, spec, render(fmt, [ALARM_CALL, ALARM_CALL]))
     # the markup up to the first argument is forced: jump-forward writes it
+    if fmt == "qwen3_coder":  # (whitespace may come before an argument: the name's line is forced)
+        assert compiler.state_for(spec).jump_forward_string() == "<tool_call>\n<function=set_alarm>\n"
+        return
     head = render(fmt, [("set_alarm", {})]).split("{}")[0]
     assert compiler.state_for(spec).jump_forward_string() == head + '{"hour": '
 
@@ -235,7 +259,8 @@ def test_a_tool_without_parameters_takes_any_object(compiler, fmt):
     spec = tool_call_grammar([function("now")], "required", False, fmt)
     assert accepts(compiler, spec, render(fmt, [("now", {})]))
     assert accepts(compiler, spec, render(fmt, [("now", {"tz": "UTC", "n": [1, 2]})]))
-    assert not accepts(compiler, spec, render(fmt, [("now", {})]).replace("{}", "[]"))
+    if fmt != "qwen3_coder":  # (XML arguments are always an object)
+        assert not accepts(compiler, spec, render(fmt, [("now", {})]).replace("{}", "[]"))
 
 
 def test_names_are_json_strings_in_the_markup(compiler):
@@ -343,7 +368,7 @@ def test_random_walks_write_valid_calls(compiler, fmt, case):
     for _ in range(8):
         s = compiler.state_for(spec)
         assert s.matcher.accept_string(prefix)
-        text = random_walk(compiler, s, g)
+        text = random_walk(compiler, s, g, blank_ok=fmt != "qwen3_coder")
         if text is None:
             continue
         finished += 1
@@ -352,6 +377,11 @@ def test_random_walks_write_valid_calls(compiler, fmt, case):
         elif case == "after-reasoning":
             text = text.lstrip(" \t\n\r")  # (the optional whitespace after the end tag)
         calls = parse(fmt, text)
+        if fmt == "qwen3_coder":
+            # qwen_xml lets any whitespace surround a value, and random tokens write plenty: a
+            # string keeps all but the one newline on each side the template writes
+            calls = [(name, {k: v.strip() if isinstance(v, str) else v for k, v in args.items()})
+                     for name, args in calls]
         valid(calls)
         assert {name for name, _ in calls} <= set(SCHEMAS)
         if case == "named":

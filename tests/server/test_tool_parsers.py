@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 
 from streamer.server.tool_parsers import PARSERS, ToolCall, ToolCallDelta, collect_calls, parser_for
 
-MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<function=",
+          "<parameter=", "</parameter>", "</function>")
 GENERATED_ID = {
     "hermes": re.compile(r"call_[0-9a-f]{24}"),
     "llama3_json": re.compile(r"call_[0-9a-f]{24}"),
     "mistral": re.compile(r"[A-Za-z0-9]{9}"),
+    "qwen3_coder": re.compile(r"call_[0-9a-f]{24}"),
 }
 NESTED = {
     "q": 'Zürich — 東京 "quoted" {braces} [brackets] \\ back',
@@ -47,6 +49,13 @@ def hermes(name: str, args: dict[str, Any], **dumps: Any) -> str:
 
 def llama(name: str, args: dict[str, Any], key: str = "parameters") -> str:
     return json.dumps({"name": name, key: args})
+
+
+def xml(name: str, args: dict[str, str]) -> str:
+    """A call as Qwen3-Coder's template writes it (values as text: the parser unbound to
+    any tools reads every value as text)."""
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
 PARIS = ("get_weather", {"city": "Paris"})
@@ -121,6 +130,24 @@ CASES = [
     Case("mistral", "no name", '[TOOL_CALLS][{"arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]',
          markup_free=False),
     Case("mistral", "unclosed", '[TOOL_CALLS]f[ARGS]{"a": 1', '[TOOL_CALLS]f[ARGS]{"a": 1', markup_free=False),
+    # qwen3_coder
+    Case("qwen3_coder", "one call", xml(*PARIS), "", [PARIS]),
+    Case("qwen3_coder", "two parallel calls", xml(*PARIS) + "\n" + xml("get_time", {"tz": "UTC"}), "",
+         [PARIS, ("get_time", {"tz": "UTC"})]),
+    Case("qwen3_coder", "content before", "Let me check.\n\n" + xml(*PARIS), "Let me check.", [PARIS]),
+    Case("qwen3_coder", "code keeps its lines", xml("write", {"code": "def f():\n    return '<b>'\n"}), "",
+         [("write", {"code": "def f():\n    return '<b>'\n"})]),
+    Case("qwen3_coder", "no arguments", "<tool_call>\n<function=now>\n</function>\n</tool_call>", "", [("now", {})]),
+    Case("qwen3_coder", "compact", "<tool_call><function=f><parameter=a>1</parameter></function></tool_call>", "",
+         [("f", {"a": "1"})]),
+    Case("qwen3_coder", "no close tag", "<tool_call>\n<function=f>\n</function>\n", "", [("f", {})]),
+    Case("qwen3_coder", "unclosed parameter", "<tool_call>\n<function=f>\n<parameter=a>\n1",
+         "<tool_call>\n<function=f>\n<parameter=a>\n1", markup_free=False),
+    Case("qwen3_coder", "tag without function", "Write <tool_call> to call.", "Write <tool_call> to call.",
+         markup_free=False),
+    Case("qwen3_coder", "empty name", "<tool_call>\n<function=>\n</function>\n</tool_call>",
+         "<tool_call>\n<function=>\n</function>\n</tool_call>", markup_free=False),
+    Case("qwen3_coder", "hermes json is not this format", hermes(*PARIS), hermes(*PARIS), markup_free=False),
 ]
 
 
@@ -200,7 +227,8 @@ def test_streaming_at_random_boundaries_equals_parse(case):
 
 
 FRAGMENTS = [*MARKUP, "<tool", "[TOOL_C", "<|python", "</tool_", '{"name": "f", ', '"arguments": {"a": "}"}}',
-             '"parameters": {}}', "{", "}", "[", "]", '"', "\\", "; ", "\n", " ", "hi", "f", ",", "[{"]
+             '"parameters": {}}', "{", "}", "[", "]", '"', "\\", "; ", "\n", " ", "hi", "f", ",", "[{", "f>", "a>",
+             "<function=f>", "<parameter=a>", "</para", "<"]
 
 
 @pytest.mark.parametrize("parser", PARSERS)
@@ -247,6 +275,22 @@ def test_each_stream_numbers_its_calls_from_zero():
         assert [d.index for d in deltas] == [0, 0, 1, 1]
 
 
+def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "on": {"type": "boolean"}, "tags": {"type": "array"},
+        "opts": {"type": "object"}, "id": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "k": {"enum": [1, 2]},
+        "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "bad": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    text = xml("f", {"n": "24", "x": "2.5", "on": "true", "tags": '["a", 1]', "opts": '{"a": {"b": null}}',
+                     "id": "007", "unit": "c", "k": "2", "maybe": "null", "bad": "twelve", "extra": "42"})
+    content, calls = PARSERS["qwen3_coder"].with_schemas(tools).parse(text)
+    assert content == "" and json.loads(calls[0].arguments) == {
+        "n": 24, "x": 2.5, "on": True, "tags": ["a", 1], "opts": {"a": {"b": None}}, "id": "007", "unit": "c",
+        "k": 2, "maybe": None, "bad": "twelve", "extra": "42"}  # (unknown to the schema, or not JSON: text)
+    # the parsers without schemas are the shared ones, unchanged
+    assert PARSERS["qwen3_coder"].schemas is None and PARSERS["hermes"].with_schemas(tools) is PARSERS["hermes"]
+
+
 def test_the_delta_encodes_without_its_defaults():
     import msgspec
 
@@ -259,10 +303,12 @@ QWEN = "{%- if tools %}...<tools></tools>...<tool_call>\\n{\"name\": <function-n
 MISTRAL = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}"
 LLAMA31 = "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}"
 LLAMA32 = '{{- \'{"name": "function name", "parameters": dictionary}\' }}{%- elif message.role == "ipython" %}'
+QWEN3_CODER = ("<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n"
+               "</parameter>\\n</function>\\n</tool_call>")
 
 
 @pytest.mark.parametrize("template, name", [(QWEN, "hermes"), (MISTRAL, "mistral"), (LLAMA31, "llama3_json"),
-                                            (LLAMA32, "llama3_json")])
+                                            (LLAMA32, "llama3_json"), (QWEN3_CODER, "qwen3_coder")])
 def test_auto_picks_the_format_the_chat_template_writes(template, name):
     assert parser_for("auto", template).name == name
 
@@ -314,3 +360,22 @@ def test_a_format_whose_markers_are_special_tokens_still_parses(fmt, default_mod
     assert set(PARSERS[fmt].markers) <= set(engine.sent[-1].params.keep_special_tokens)
     [call] = r.json()["choices"][0]["message"]["tool_calls"]
     assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Paris"})
+
+
+def test_a_qwen3_coder_template_gets_its_xml_calls_and_grammar():
+    """A template that renders tools and writes <function=...> calls: "auto" picks qwen3_coder,
+    whose parser types values by the request's tools, and the grammar writes XML arguments."""
+    import types
+
+    from streamer.server.chat_output import ChatSetup
+
+    template = "{% for t in tools %}{{ t }}{% endfor %}" + QWEN3_CODER
+    tools = [{"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}}}]
+    setup = ChatSetup.of(tools=tools, tool_choice="required", parallel=False, grammar=None, template_kwargs={},
+                         hf_tokenizer=types.SimpleNamespace(chat_template=template), tool_parser="auto",
+                         reasoning_parser=None)
+    assert setup.tools is not None and setup.tools.name == "qwen3_coder"
+    assert setup.grammar is not None and '"style":"qwen_xml"' in setup.grammar.value
+    parsed = setup.output().parse(xml("set_alarm", {"hour": "7"}))
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("set_alarm", {"hour": 7})]

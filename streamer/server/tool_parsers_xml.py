@@ -1,0 +1,142 @@
+"""qwen3_coder: Qwen3-Coder's XML tool calls (tool_parsers.py registers it).
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    ...
+    </function>
+    </tool_call>
+
+repeated for parallel calls. A value is the text up to its `</parameter>` (one newline at
+each end, which the template writes, dropped; other whitespace is the value's, as code's
+indentation is), written raw: the tool's schema says what it is. A string parameter (or one the schema does not know) keeps the text; any other type is
+read as JSON (a number, true, an object, ...), and stays text where it is not JSON. So the
+stream needs the tools' schemas (ToolParser.with_schemas); without them every value is text.
+A call whose markup breaks off is content, as in every format (tool_stream.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from streamer.server.tool_stream import ToolCall, ToolStream, decode_json, new_call_id
+
+NAME_MAX = 256
+"""A function or parameter name longer than this is no markup (the text is content)."""
+
+
+def _types(schema: Any) -> set[str] | None:
+    """The JSON types a parameter schema allows (None: it does not say)."""
+    if not isinstance(schema, dict):
+        return None
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return {"string" if isinstance(v, str) else "other" for v in schema["enum"]}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            out: set[str] = set()
+            for sub in schema[key]:
+                out |= _types(sub) or {"other"}
+            return out
+    return None
+
+
+def typed(text: str, schema: Any) -> Any:
+    """A raw parameter value as JSON, by its schema (the module docstring says how)."""
+    types = _types(schema)
+    if types is None or types == {"string"}:
+        return text
+    value = decode_json(text)
+    if value is None and text.strip() != "null":
+        return text
+    if isinstance(value, str) and "string" not in types:
+        return text
+    return value
+
+
+class Qwen3CoderStream(ToolStream):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+
+    def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.schemas = schemas or {}
+        self._name = ""
+        self._args: dict[str, Any] = {}
+
+    def _header(self, rest: str, tag: str, final: bool) -> tuple[str, int] | bool:
+        """(name, length) of `tag`NAME`>` at the head of rest; False: wait for more text;
+        True: not this markup (the caller fails)."""
+        if not rest.startswith(tag):
+            return not (tag.startswith(rest) and not final)
+        close = rest.find(">", len(tag))
+        if close < 0:
+            return final or len(rest) > len(tag) + NAME_MAX
+        name = rest[len(tag) : close].strip()
+        if not name or len(name) > NAME_MAX or any(c in name for c in "<\n"):
+            return True
+        return name, close + 1
+
+    def _step(self, final: bool) -> bool:
+        buf = self._buf
+        if self._state == "text":
+            return self._text_until(self.OPEN, "open", final)
+        rest = buf.lstrip()
+        skip = len(buf) - len(rest)
+        if self._state == "open":
+            head = self._header(rest, self.FUNCTION, final)
+            if head is False:
+                return False
+            if head is True:
+                self._fail("text")
+                return True
+            assert not isinstance(head, bool)
+            self._name, self._args = head[0], {}
+            self._hold(skip + head[1], "parameters")
+            return True
+        if self._state == "parameters":
+            if rest.startswith(self.FUNCTION_END):
+                self._hold(skip + len(self.FUNCTION_END), "close")
+                return True
+            if not final and self.FUNCTION_END.startswith(rest):  # (nothing yet, or "<", "</f"...)
+                return False
+            head = self._header(rest, self.PARAMETER, final)
+            if head is False:
+                return False
+            if head is True:
+                self._fail("text")
+                return True
+            assert not isinstance(head, bool)
+            key, at = head
+            end = rest.find(self.PARAMETER_END, at)
+            if end < 0:
+                if final:
+                    self._fail("text")
+                return final
+            value = rest[at:end]
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            params = self.schemas.get(self._name)
+            props = params.get("properties") if isinstance(params, dict) else None
+            self._args[key] = typed(value, props.get(key) if isinstance(props, dict) else None)
+            self._hold(skip + end + len(self.PARAMETER_END), "parameters")
+            return True
+        # "close": the call is complete; consume its </tool_call> when it comes
+        if not final and len(rest) < len(self.CLOSE) and self.CLOSE.startswith(rest):
+            return False
+        if rest.startswith(self.CLOSE):
+            self._take(skip + len(self.CLOSE))
+        elif self.CLOSE.startswith(rest):
+            self._take(len(buf))  # a close tag cut off by the end of output
+        self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
+        self._state = "text"
+        return True
