@@ -87,6 +87,8 @@ def markup_format(text: str) -> str | None:
         return "deepseek_v3" if "```json" in text else "deepseek_v31"
     if "<function=" in text and "<parameter=" in text:  # (Qwen3-Coder's XML calls, inside <tool_call>)
         return "qwen3_coder"
+    if "<arg_key>" in text:  # (GLM-4.5's: <tool_call>NAME then <arg_key>/<arg_value> pairs)
+        return "glm45"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:

@@ -36,7 +36,7 @@ config.json quant_method they stand for: accepted where the checkpoint is stored
 refused otherwise (model/fp8_config.py confirm_format). streamer quantizes at load to fp8 only."""
 QUANTIZATIONS = ("fp8", *CHECKPOINT_FORMATS)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "deepseek_v31",
-                     "qwen3_coder")
+                     "qwen3_coder", "glm45")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 CACHE_ISOLATIONS = ("none", "per-key")
 GENERATION_CONFIGS = ("auto", "none")

@@ -21,6 +21,9 @@ json_schema spec, grammar_build.py says how):
   qwen3_coder   <tool_call>\n<function=N>\n XML </function>\n</tool_call>      calls joined by "\n"
                 (XML: `<parameter=KEY>\nVALUE\n</parameter>\n` per argument, the values
                 raw, xgrammar's json_schema style "qwen_xml"; N bare: no whitespace, < or >)
+  glm45         <tool_call>N\n XML </tool_call>                              calls joined by "\n"
+                (XML: `<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n` per argument,
+                xgrammar's style "glm_xml")
 
 (DeepSeek's: N is the tool's name as written, not a JSON string, so it may hold neither
 whitespace nor "｜", the marker's bar: RequestError for a tool whose name does; the markers
@@ -67,7 +70,7 @@ from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
 from streamer.sampling.grammar_build import format_of
 
-FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
+FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45")
 UNCONSTRAINED = "openai"
 """gpt-oss's harmony calls (tool_parsers.py): no grammar is built for them (the calls come
 after analysis messages, in markup of special tokens); "none" and "auto" only."""
@@ -125,6 +128,9 @@ _TAGGED = {
     # (as Qwen3-Coder's template writes a call: each argument's block ends with a newline)
     "qwen3_coder": _Tagged("<function=", ">\n", "</function>", "\n</tool_call>\n<tool_call>\n", "<tool_call>\n",
                            "\n</tool_call>", style="qwen_xml", forbidden="<>"),
+    # (the name right after <tool_call>; its arguments' tags, xgrammar's glm_xml, bound the call)
+    "glm45": _Tagged("", "", "", "</tool_call>\n<tool_call>", "<tool_call>", "</tool_call>", style="glm_xml",
+                     forbidden="<>"),
 }
 
 

@@ -1,6 +1,7 @@
 """Tool calls out of model output text, for the formats hermes, llama3_json, mistral, openai
 (gpt-oss's harmony messages, harmony.py), deepseek_v3 and deepseek_v31
-(tool_parsers_deepseek.py), and qwen3_coder (Qwen3-Coder's XML, tool_parsers_xml.py).
+(tool_parsers_deepseek.py), qwen3_coder and glm45 (Qwen3-Coder's and GLM-4.5's XML,
+tool_parsers_xml.py).
 
 Each format is one incremental grammar, a ToolStream (tool_stream.py says what a stream
 holds back and when it emits): feed() it the output as it is detokenized, finish() it at
@@ -39,7 +40,7 @@ from streamer.server.harmony import (
     verbatim_open,
 )
 from streamer.server.tool_parsers_deepseek import DeepSeekV3Stream, DeepSeekV31Stream
-from streamer.server.tool_parsers_xml import Qwen3CoderStream
+from streamer.server.tool_parsers_xml import Glm45Stream, Qwen3CoderStream
 from streamer.server.tool_stream import (
     ToolCall,
     ToolCallDelta,
@@ -367,6 +368,7 @@ PARSERS: dict[str, ToolParser] = {
         ToolParser("deepseek_v3", DeepSeekV3Stream, DEEPSEEK_MARKERS),
         ToolParser("deepseek_v31", DeepSeekV31Stream, DEEPSEEK_MARKERS),
         ToolParser("qwen3_coder", Qwen3CoderStream, (Qwen3CoderStream.OPEN, Qwen3CoderStream.CLOSE), typed=True),
+        ToolParser("glm45", Glm45Stream, Glm45Stream.MARKERS, typed=True),
     )
 }
 

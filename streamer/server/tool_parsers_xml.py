@@ -1,4 +1,6 @@
-"""qwen3_coder: Qwen3-Coder's XML tool calls (tool_parsers.py registers it).
+"""XML tool calls whose values are written raw (tool_parsers.py registers them):
+
+qwen3_coder, Qwen3-Coder's:
 
     <tool_call>
     <function=NAME>
@@ -9,7 +11,15 @@
     </function>
     </tool_call>
 
-repeated for parallel calls. A value is the text up to its `</parameter>` (one newline at
+repeated for parallel calls; glm45, GLM-4.5's (and GLM-4.6's, 4.7's):
+
+    <tool_call>NAME
+    <arg_key>KEY</arg_key>
+    <arg_value>VALUE</arg_value>
+    ...
+    </tool_call>
+
+A value is the text up to its close tag (one newline at
 each end, which the template writes, dropped; other whitespace is the value's, as code's
 indentation is), written raw: the tool's schema says what it is. A string parameter (or one the schema does not know) keeps the text; any other type is
 read as JSON (a number, true, an object, ...), and stays text where it is not JSON. So the
@@ -139,4 +149,82 @@ class Qwen3CoderStream(ToolStream):
             self._take(len(buf))  # a close tag cut off by the end of output
         self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
         self._state = "text"
+        return True
+
+
+class Glm45Stream(ToolStream):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+    MARKERS = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
+
+    def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.schemas = schemas or {}
+        self._name = ""
+        self._args: dict[str, Any] = {}
+
+    def _between(self, rest: str, tag: str, end: str, final: bool) -> tuple[str, int] | bool:
+        """(text, length) of `tag`TEXT`end` at the head of rest; False: wait; True: not it."""
+        if not rest.startswith(tag):
+            return not (tag.startswith(rest) and not final)
+        close = rest.find(end, len(tag))
+        if close < 0:
+            return final
+        return rest[len(tag) : close], close + len(end)
+
+    def _step(self, final: bool) -> bool:
+        buf = self._buf
+        if self._state == "text":
+            return self._text_until(self.OPEN, "name", final)
+        if self._state == "name":  # NAME, up to a newline or the first argument (or the close)
+            ends = [i for i in (buf.find("\n"), buf.find(self.KEY), buf.find(self.CLOSE)) if i >= 0]
+            if not ends:
+                if final or len(buf) > NAME_MAX:
+                    self._fail("text")
+                    return True
+                return False
+            name = buf[: min(ends)].strip()
+            if not name or len(name) > NAME_MAX or any(c in name for c in "<>"):
+                self._fail("text")
+                return True
+            self._name, self._args = name, {}
+            self._hold(min(ends), "arguments")
+            return True
+        rest = buf.lstrip()
+        skip = len(buf) - len(rest)
+        if rest.startswith(self.CLOSE):
+            self._take(skip + len(self.CLOSE))
+            self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
+            self._state = "text"
+            return True
+        if not final and self.CLOSE.startswith(rest):
+            return False
+        key = self._between(rest, self.KEY, self.KEY_END, final)
+        if key is False:
+            return False
+        if key is True:
+            if final and rest == "":  # a call cut off by the end of output before its close tag
+                self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
+                self._state = "text"
+                return True
+            self._fail("text")
+            return True
+        assert not isinstance(key, bool)
+        after = rest[key[1] :]
+        value_at = key[1] + len(after) - len(after.lstrip())
+        value = self._between(rest[value_at:], self.VALUE, self.VALUE_END, final)
+        if value is False:
+            return False
+        if value is True:
+            self._fail("text")
+            return True
+        assert not isinstance(value, bool)
+        text = value[0]
+        text = text[1:] if text.startswith("\n") else text
+        text = text[:-1] if text.endswith("\n") else text
+        name = key[0].strip()
+        params = self.schemas.get(self._name)
+        props = params.get("properties") if isinstance(params, dict) else None
+        self._args[name] = typed(text, props.get(name) if isinstance(props, dict) else None)
+        self._hold(skip + value_at + value[1], "arguments")
         return True

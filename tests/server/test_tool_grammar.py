@@ -51,7 +51,10 @@ Call = tuple[str, dict[str, Any]]
 KEY = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
 CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP = DEEPSEEK_MARKERS
 TRIGGER = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]",
-           "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN, "qwen3_coder": "<tool_call>\n"}
+           "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN, "qwen3_coder": "<tool_call>\n",
+           "glm45": "<tool_call>"}
+XML = ("qwen3_coder", "glm45")
+"""The formats whose arguments are XML with raw values (their parsers type them by the schemas)."""
 """Where "auto" text gives way to a call."""
 DEEPSEEK_CALL = {  # (the head before a call's name, what comes between it and the JSON, the call's end)
     "deepseek_v3": (CALL_BEGIN + "function" + SEP, "\n```json\n", "\n```" + CALL_END, "\n"),
@@ -67,9 +70,16 @@ def xml_call(name: str, args: dict[str, Any]) -> str:
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
+def glm_call(name: str, args: dict[str, Any]) -> str:
+    """A call as GLM-4.5's template writes it."""
+    params = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                     for k, v in args.items())
+    return f"<tool_call>{name}\n{params}</tool_call>"
+
+
 def render(fmt: str, calls: list[Call]) -> str:
-    if fmt == "qwen3_coder":
-        return "\n".join(xml_call(name, args) for name, args in calls)
+    if fmt in XML:
+        return "\n".join((xml_call if fmt == "qwen3_coder" else glm_call)(name, args) for name, args in calls)
     if fmt in DEEPSEEK_CALL:
         head, mid, end, sep = DEEPSEEK_CALL[fmt]
         return CALLS_BEGIN + sep.join(head + name + mid + json.dumps(args, ensure_ascii=False) + end
@@ -84,7 +94,7 @@ def render(fmt: str, calls: list[Call]) -> str:
 
 def parse(fmt: str, text: str) -> list[Call]:
     """The calls in text, which must be exactly the markup of fmt (AssertionError if not)."""
-    if fmt == "qwen3_coder":  # (the parser, typing the values by the tools' schemas)
+    if fmt in XML:  # (the parser, typing the values by the tools' schemas)
         content, calls = PARSERS[fmt].with_schemas(TOOLS).parse(text)
         assert content == "", text
         return [(c.name, json.loads(c.arguments)) for c in calls]
@@ -226,8 +236,9 @@ def test_a_named_choice_is_exactly_one_call_of_that_tool(compiler, fmt, parallel
     assert not accepts(compiler, spec, render(fmt, [WEATHER_CALL]))
     assert not accepts(compiler, spec, render(fmt, [ALARM_CALL, ALARM_CALL]))
     # the markup up to the first argument is forced: jump-forward writes it
-    if fmt == "qwen3_coder":  # (whitespace may come before an argument: the name's line is forced)
-        assert compiler.state_for(spec).jump_forward_string() == "<tool_call>\n<function=set_alarm>\n"
+    if fmt in XML:  # (whitespace may come before an argument: the markup up to the name is forced)
+        forced = compiler.state_for(spec).jump_forward_string()
+        assert forced.startswith({"qwen3_coder": "<tool_call>\n<function=set_alarm>", "glm45": "<tool_call>set_alarm"}[fmt])
         return
     head = render(fmt, [("set_alarm", {})]).split("{}")[0]
     assert compiler.state_for(spec).jump_forward_string() == head + '{"hour": '
@@ -259,7 +270,7 @@ def test_a_tool_without_parameters_takes_any_object(compiler, fmt):
     spec = tool_call_grammar([function("now")], "required", False, fmt)
     assert accepts(compiler, spec, render(fmt, [("now", {})]))
     assert accepts(compiler, spec, render(fmt, [("now", {"tz": "UTC", "n": [1, 2]})]))
-    if fmt != "qwen3_coder":  # (XML arguments are always an object)
+    if fmt not in XML:  # (XML arguments are always an object)
         assert not accepts(compiler, spec, render(fmt, [("now", {})]).replace("{}", "[]"))
 
 
@@ -368,7 +379,7 @@ def test_random_walks_write_valid_calls(compiler, fmt, case):
     for _ in range(8):
         s = compiler.state_for(spec)
         assert s.matcher.accept_string(prefix)
-        text = random_walk(compiler, s, g, blank_ok=fmt != "qwen3_coder")
+        text = random_walk(compiler, s, g, limit=500 if fmt in XML else 300, blank_ok=fmt not in XML)
         if text is None:
             continue
         finished += 1
@@ -377,8 +388,8 @@ def test_random_walks_write_valid_calls(compiler, fmt, case):
         elif case == "after-reasoning":
             text = text.lstrip(" \t\n\r")  # (the optional whitespace after the end tag)
         calls = parse(fmt, text)
-        if fmt == "qwen3_coder":
-            # qwen_xml lets any whitespace surround a value, and random tokens write plenty: a
+        if fmt in XML:
+            # the XML styles let any whitespace surround a value, and random tokens write plenty: a
             # string keeps all but the one newline on each side the template writes
             calls = [(name, {k: v.strip() if isinstance(v, str) else v for k, v in args.items()})
                      for name, args in calls]

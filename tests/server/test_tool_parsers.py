@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from streamer.server.tool_parsers import PARSERS, ToolCall, ToolCallDelta, collect_calls, parser_for
 
 MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<function=",
-          "<parameter=", "</parameter>", "</function>")
+          "<parameter=", "</parameter>", "</function>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 GENERATED_ID = {
     "hermes": re.compile(r"call_[0-9a-f]{24}"),
     "llama3_json": re.compile(r"call_[0-9a-f]{24}"),
     "mistral": re.compile(r"[A-Za-z0-9]{9}"),
     "qwen3_coder": re.compile(r"call_[0-9a-f]{24}"),
+    "glm45": re.compile(r"call_[0-9a-f]{24}"),
 }
 NESTED = {
     "q": 'Zürich — 東京 "quoted" {braces} [brackets] \\ back',
@@ -56,6 +57,12 @@ def xml(name: str, args: dict[str, str]) -> str:
     any tools reads every value as text)."""
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def glm(name: str, args: dict[str, str]) -> str:
+    """A call as GLM-4.5's template writes it (values as text)."""
+    params = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items())
+    return f"<tool_call>{name}\n{params}</tool_call>"
 
 
 PARIS = ("get_weather", {"city": "Paris"})
@@ -148,6 +155,21 @@ CASES = [
     Case("qwen3_coder", "empty name", "<tool_call>\n<function=>\n</function>\n</tool_call>",
          "<tool_call>\n<function=>\n</function>\n</tool_call>", markup_free=False),
     Case("qwen3_coder", "hermes json is not this format", hermes(*PARIS), hermes(*PARIS), markup_free=False),
+    # glm45
+    Case("glm45", "one call", glm(*PARIS), "", [PARIS]),
+    Case("glm45", "two parallel calls", glm(*PARIS) + "\n" + glm("get_time", {"tz": "UTC"}), "",
+         [PARIS, ("get_time", {"tz": "UTC"})]),
+    Case("glm45", "content before", "Let me check.\n" + glm(*PARIS), "Let me check.", [PARIS]),
+    Case("glm45", "compact", "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", "",
+         [("f", {"a": "1"})]),
+    Case("glm45", "no arguments", "<tool_call>now\n</tool_call>", "", [("now", {})]),
+    Case("glm45", "multi-line value", glm("write", {"code": "a\n  b <c>"}), "", [("write", {"code": "a\n  b <c>"})]),
+    Case("glm45", "no close tag", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n", "",
+         [("f", {"a": "1"})]),
+    Case("glm45", "unclosed value", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1",
+         "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1", markup_free=False),
+    Case("glm45", "hermes json is not this format", hermes(*PARIS), hermes(*PARIS), markup_free=False),
+    Case("glm45", "no call", "Sunny <b>today</b>.", "Sunny <b>today</b>."),
 ]
 
 
@@ -228,7 +250,7 @@ def test_streaming_at_random_boundaries_equals_parse(case):
 
 FRAGMENTS = [*MARKUP, "<tool", "[TOOL_C", "<|python", "</tool_", '{"name": "f", ', '"arguments": {"a": "}"}}',
              '"parameters": {}}', "{", "}", "[", "]", '"', "\\", "; ", "\n", " ", "hi", "f", ",", "[{", "f>", "a>",
-             "<function=f>", "<parameter=a>", "</para", "<"]
+             "<function=f>", "<parameter=a>", "</para", "<", "<arg_key>a</arg_key>", "<arg_value>", "</arg_"]
 
 
 @pytest.mark.parametrize("parser", PARSERS)
@@ -283,10 +305,14 @@ def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     text = xml("f", {"n": "24", "x": "2.5", "on": "true", "tags": '["a", 1]', "opts": '{"a": {"b": null}}',
                      "id": "007", "unit": "c", "k": "2", "maybe": "null", "bad": "twelve", "extra": "42"})
+    want = {"n": 24, "x": 2.5, "on": True, "tags": ["a", 1], "opts": {"a": {"b": None}}, "id": "007", "unit": "c",
+            "k": 2, "maybe": None, "bad": "twelve", "extra": "42"}  # (unknown to the schema, or not JSON: text)
     content, calls = PARSERS["qwen3_coder"].with_schemas(tools).parse(text)
-    assert content == "" and json.loads(calls[0].arguments) == {
-        "n": 24, "x": 2.5, "on": True, "tags": ["a", 1], "opts": {"a": {"b": None}}, "id": "007", "unit": "c",
-        "k": 2, "maybe": None, "bad": "twelve", "extra": "42"}  # (unknown to the schema, or not JSON: text)
+    assert content == "" and json.loads(calls[0].arguments) == want
+    glm_text = glm("f", {"n": "24", "x": "2.5", "on": "true", "tags": '["a", 1]', "opts": '{"a": {"b": null}}',
+                         "id": "007", "unit": "c", "k": "2", "maybe": "null", "bad": "twelve", "extra": "42"})
+    content, calls = PARSERS["glm45"].with_schemas(tools).parse(glm_text)
+    assert content == "" and json.loads(calls[0].arguments) == want
     # the parsers without schemas are the shared ones, unchanged
     assert PARSERS["qwen3_coder"].schemas is None and PARSERS["hermes"].with_schemas(tools) is PARSERS["hermes"]
 
@@ -303,12 +329,13 @@ QWEN = "{%- if tools %}...<tools></tools>...<tool_call>\\n{\"name\": <function-n
 MISTRAL = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}"
 LLAMA31 = "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}"
 LLAMA32 = '{{- \'{"name": "function name", "parameters": dictionary}\' }}{%- elif message.role == "ipython" %}'
+GLM45 = "{{ '<tool_call>' + tc.name }}{% for k, v in args.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}"
 QWEN3_CODER = ("<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n"
                "</parameter>\\n</function>\\n</tool_call>")
 
 
 @pytest.mark.parametrize("template, name", [(QWEN, "hermes"), (MISTRAL, "mistral"), (LLAMA31, "llama3_json"),
-                                            (LLAMA32, "llama3_json"), (QWEN3_CODER, "qwen3_coder")])
+                                            (LLAMA32, "llama3_json"), (QWEN3_CODER, "qwen3_coder"), (GLM45, "glm45")])
 def test_auto_picks_the_format_the_chat_template_writes(template, name):
     assert parser_for("auto", template).name == name
 
