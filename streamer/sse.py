@@ -58,6 +58,19 @@ def parse_line(line: str) -> dict[str, Any] | str | None:
     return DONE if data == DONE else json.loads(data)
 
 
+def named_events(body: str) -> list[tuple[str, Any]]:
+    """The (name, data) of each event of a whole SSE body whose events are named (`event:`
+    then `data:`, as /v1/responses and /v1/messages stream them)."""
+    out = []
+    for block in re.split(r"\r\n\r\n|\n\n|\r\r", body):
+        lines = _EOL.split(block.encode())
+        name = next((ln[len(b"event: "):].decode() for ln in lines if ln.startswith(b"event: ")), "")
+        data = next((parse_line(ln.decode()) for ln in lines if ln.startswith(b"data: ")), None)
+        if name or data is not None:
+            out.append((name, data))
+    return out
+
+
 class _Splitter:
     def __init__(self) -> None:
         self.rest = b""

@@ -60,3 +60,10 @@ def test_a_raw_line_separator_in_data_would_cut_a_splitlines_reader():
     raw = 'data: {"text": "a\u2028b"}'
     assert len(raw.splitlines()) == 2
     assert parsed(iter_lines([raw.encode() + b"\n"])) == [{"text": "a\u2028b"}]
+
+
+def test_named_events_read_back_each_events_name_and_data():
+    from streamer.sse import named_events
+
+    body = 'event: a\ndata: {"x": 1}\n\nevent: b\r\ndata: {"y": "\\u2028"}\r\n\r\n: ping\n\n'
+    assert named_events(body) == [("a", {"x": 1}), ("b", {"y": "\u2028"})]

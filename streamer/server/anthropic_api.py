@@ -56,7 +56,7 @@ from streamer.server.openai_api import chat_requests, server
 from streamer.server.openai_output import Choice
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
-from streamer.server.state import Merged, failure, until_disconnect
+from streamer.server.state import Merged, failure, feed_answer, one_answer, until_disconnect
 from streamer.sse import data_event
 
 # ---- the request ---------------------------------------------------------------------
@@ -410,31 +410,12 @@ def anthropic_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Call
     return wrapped
 
 
-async def outputs(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncIterator[RequestOutput]:
-    for _, out in buffered:
-        yield out
-    async for _, out in gen:
-        yield out
-
-
-async def whole(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> bool:
-    try:
-        async for out in outputs(gen, buffered):
-            if out.error:
-                raise failure(out)
-            builder.feed(out)
-            if out.finished:
-                break
-    finally:
-        await gen.aclose()
-    return True
-
-
 async def events(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]
                  ) -> AsyncIterator[bytes]:
     builder.opening(buffered[0][1])
+    answer = one_answer(gen, buffered)
     try:
-        async for out in outputs(gen, buffered):
+        async for out in answer:
             if out.error:
                 e = failure(out)
                 builder.emit("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})
@@ -443,10 +424,8 @@ async def events(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int,
             builder.feed(out)
             if data := builder.take():
                 yield data
-            if out.finished:
-                return
     finally:
-        await gen.aclose()
+        await answer.aclose()
 
 
 @anthropic_errors
@@ -467,7 +446,7 @@ async def messages(request: Request) -> Response:
     builder = MessageBuilder(mid, st.model_name, setup, show_thinking=shown)
     if body.stream:
         return EventStream(events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
-    done = await until_disconnect(request, whole(builder, gen, buffered))
+    done = await until_disconnect(request, feed_answer(gen, buffered, builder.feed))
     if done is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return Response(msgspec.json.encode(builder.message(builder.blocks)), media_type="application/json")

@@ -50,7 +50,7 @@ from streamer.server.openai_api import chat_requests, json_response, server
 from streamer.server.openai_output import Choice, Formatter
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
-from streamer.server.state import Merged, failure, until_disconnect
+from streamer.server.state import Merged, failure, feed_answer, one_answer, until_disconnect
 from streamer.sse import data_event
 
 LOGPROBS = "message.output_text.logprobs"
@@ -391,7 +391,7 @@ async def responses(request: Request) -> Response:
     builder = ResponseBuilder(head, setup, Formatter(st), logprobs)
     if body.stream:
         return EventStream(events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
-    done = await until_disconnect(request, whole(builder, gen, buffered))
+    done = await until_disconnect(request, feed_answer(gen, buffered, builder.feed))
     if done is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return json_response(builder.response)
@@ -406,32 +406,13 @@ def given(value: Any) -> Any:
     return value
 
 
-async def outputs(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncIterator[RequestOutput]:
-    for _, out in buffered:
-        yield out
-    async for _, out in gen:
-        yield out
-
-
-async def whole(builder: ResponseBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> bool:
-    try:
-        async for out in outputs(gen, buffered):
-            if out.error:
-                raise failure(out)
-            builder.feed(out)
-            if out.finished:
-                break
-    finally:
-        await gen.aclose()
-    return True
-
-
 async def events(builder: ResponseBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]
                  ) -> AsyncIterator[bytes]:
     """The stream: the events of each engine output in one write."""
     builder.opening()
+    answer = one_answer(gen, buffered)
     try:
-        async for out in outputs(gen, buffered):
+        async for out in answer:
             if out.error:
                 builder.fail(out)
                 yield builder.take()
@@ -439,7 +420,5 @@ async def events(builder: ResponseBuilder, gen: Merged, buffered: list[tuple[int
             builder.feed(out)
             if data := builder.take():
                 yield data
-            if out.finished:
-                return
     finally:
-        await gen.aclose()
+        await answer.aclose()

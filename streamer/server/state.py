@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -299,3 +299,35 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Any]) -> 
         if not task.done():
             task.cancel()
     return task.result() if not task.cancelled() else None
+
+
+async def one_answer(gen: Merged, buffered: list[tuple[int, RequestOutput]]) -> AsyncGenerator[RequestOutput, None]:
+    """The outputs of an answer of one engine request (/v1/responses, /v1/messages): the first,
+    already here (ServerState.start), then the rest, up to the final one. Closing it closes gen
+    (which aborts the request if it is still running)."""
+    try:
+        for _, out in buffered:
+            yield out
+            if out.finished:
+                return
+        async for _, out in gen:
+            yield out
+            if out.finished:
+                return
+    finally:
+        await gen.aclose()
+
+
+async def feed_answer(gen: Merged, buffered: list[tuple[int, RequestOutput]],
+                      feed: Callable[[RequestOutput], None]) -> bool:
+    """Every output of a one-request answer to `feed`, for a whole response: an output with an
+    error is raised as the response's error (failure)."""
+    answer = one_answer(gen, buffered)
+    try:
+        async for out in answer:
+            if out.error:
+                raise failure(out)
+            feed(out)
+    finally:
+        await answer.aclose()
+    return True

@@ -72,16 +72,36 @@ def typed(text: str, schema: Any) -> Any:
     return value
 
 
-class Qwen3CoderStream(ToolStream):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    FUNCTION, FUNCTION_END = "<function=", "</function>"
-    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+class XmlCallStream(ToolStream):
+    """What both formats share: the call being read (its name, its typed arguments) and the
+    tools' schemas that type them."""
 
     def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.schemas = schemas or {}
         self._name = ""
         self._args: dict[str, Any] = {}
+
+    def _start(self, name: str) -> None:
+        self._name, self._args = name, {}
+
+    def _argument(self, key: str, raw: str) -> None:
+        """An argument as written (its padding newlines dropped), typed by the tool's schema."""
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        params = self.schemas.get(self._name)
+        props = params.get("properties") if isinstance(params, dict) else None
+        self._args[key] = typed(raw, props.get(key) if isinstance(props, dict) else None)
+
+    def _done(self) -> None:
+        self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
+        self._state = "text"
+
+
+class Qwen3CoderStream(XmlCallStream):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 
     def _header(self, rest: str, tag: str, final: bool) -> tuple[str, int] | bool:
         """(name, length) of `tag`NAME`>` at the head of rest; False: wait for more text;
@@ -110,7 +130,7 @@ class Qwen3CoderStream(ToolStream):
                 self._fail("text")
                 return True
             assert not isinstance(head, bool)
-            self._name, self._args = head[0], {}
+            self._start(head[0])
             self._hold(skip + head[1], "parameters")
             return True
         if self._state == "parameters":
@@ -132,12 +152,7 @@ class Qwen3CoderStream(ToolStream):
                 if final:
                     self._fail("text")
                 return final
-            value = rest[at:end]
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            params = self.schemas.get(self._name)
-            props = params.get("properties") if isinstance(params, dict) else None
-            self._args[key] = typed(value, props.get(key) if isinstance(props, dict) else None)
+            self._argument(key, rest[at:end])
             self._hold(skip + end + len(self.PARAMETER_END), "parameters")
             return True
         # "close": the call is complete; consume its </tool_call> when it comes
@@ -147,21 +162,14 @@ class Qwen3CoderStream(ToolStream):
             self._take(skip + len(self.CLOSE))
         elif self.CLOSE.startswith(rest):
             self._take(len(buf))  # a close tag cut off by the end of output
-        self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
-        self._state = "text"
+        self._done()
         return True
 
 
-class Glm45Stream(ToolStream):
+class Glm45Stream(XmlCallStream):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
     MARKERS = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
-
-    def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
-        super().__init__()
-        self.schemas = schemas or {}
-        self._name = ""
-        self._args: dict[str, Any] = {}
 
     def _between(self, rest: str, tag: str, end: str, final: bool) -> tuple[str, int] | bool:
         """(text, length) of `tag`TEXT`end` at the head of rest; False: wait; True: not it."""
@@ -187,15 +195,14 @@ class Glm45Stream(ToolStream):
             if not name or len(name) > NAME_MAX or any(c in name for c in "<>"):
                 self._fail("text")
                 return True
-            self._name, self._args = name, {}
+            self._start(name)
             self._hold(min(ends), "arguments")
             return True
         rest = buf.lstrip()
         skip = len(buf) - len(rest)
         if rest.startswith(self.CLOSE):
             self._take(skip + len(self.CLOSE))
-            self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
-            self._state = "text"
+            self._done()
             return True
         if not final and self.CLOSE.startswith(rest):
             return False
@@ -204,8 +211,7 @@ class Glm45Stream(ToolStream):
             return False
         if key is True:
             if final and rest == "":  # a call cut off by the end of output before its close tag
-                self._emit(ToolCall(new_call_id(), self._name, json.dumps(self._args, ensure_ascii=False)))
-                self._state = "text"
+                self._done()
                 return True
             self._fail("text")
             return True
@@ -219,12 +225,6 @@ class Glm45Stream(ToolStream):
             self._fail("text")
             return True
         assert not isinstance(value, bool)
-        text = value[0]
-        text = text[1:] if text.startswith("\n") else text
-        text = text[:-1] if text.endswith("\n") else text
-        name = key[0].strip()
-        params = self.schemas.get(self._name)
-        props = params.get("properties") if isinstance(params, dict) else None
-        self._args[name] = typed(text, props.get(name) if isinstance(props, dict) else None)
+        self._argument(key[0].strip(), value[0])
         self._hold(skip + value_at + value[1], "arguments")
         return True

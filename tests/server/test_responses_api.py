@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from streamer.config import ServerConfig
 from streamer.server.app import create_app
-from streamer.sse import parse_line
+from streamer.sse import named_events
 from tests.server.fakes import Detokenizing, RecordingEngine
 
 PATH = "/v1/responses"
@@ -188,16 +188,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 def events_of(text: str) -> list[dict[str, Any]]:
     """The data of each SSE event; each event's name is its data's type."""
-    out = []
-    for block in text.split("\n\n"):
-        lines = block.splitlines()
-        if not lines:
-            continue
-        assert lines[0].startswith("event: ")
-        data = parse_line(lines[1])
-        assert data["type"] == lines[0].removeprefix("event: ")
-        out.append(data)
-    return out
+    events = named_events(text)
+    assert all(name == data["type"] for name, data in events)
+    return [data for _, data in events]
 
 
 def rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
