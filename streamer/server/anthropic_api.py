@@ -14,15 +14,8 @@ older clients send) as chat's. From there it runs as
 a chat completion does (openai_api.chat_requests), and the output (ChatOutput's split) comes
 back as content blocks in the order written: thinking, text, tool_use (its input parsed).
 
-stop_reason: "tool_use" when the answer calls tools, "max_tokens" when cut, "stop_sequence"
-(with the string) when one of stop_sequences ended it, else "end_turn". Usage:
-input_tokens are the prompt's tokens not read from the prefix cache, cache_read_input_tokens
-those that were (Anthropic counts them apart).
-
-A stream sends Anthropic's events: message_start, then per block content_block_start,
-content_block_delta (text_delta, thinking_delta, input_json_delta) and content_block_stop,
-then message_delta (stop_reason, usage) and message_stop; an error after the stream began is
-an `error` event. Errors are Anthropic's body ({"type": "error", "error": {"type", "message"}}).
+The answer's blocks, stop_reason, usage and the stream's events: anthropic_output.py
+(MessageBuilder). Errors are Anthropic's body ({"type": "error", "error": {"type", "message"}}).
 
 Accepted without effect: metadata, user_profile_id and workspace_id (ids), cache_control at
 the top and on blocks (the prefix cache is automatic). Refused by name: image and document
@@ -37,8 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -48,16 +40,13 @@ from starlette.responses import Response
 
 from streamer.chat_template import render
 from streamer.errors import RequestError
-from streamer.messages import RequestOutput
 from streamer.server import protocol as p
-from streamer.server.chat_output import ChatDelta, ChatSetup
+from streamer.server.anthropic_output import ERROR_TYPES, MessageBuilder
 from streamer.server.fields import Rule, check_refused, only, unsupported
 from streamer.server.openai_api import chat_requests, server
-from streamer.server.openai_output import Choice
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
-from streamer.server.state import Merged, failure, feed_answer, one_answer, until_disconnect
-from streamer.sse import data_event
+from streamer.server.state import answer_events, feed_answer, until_disconnect
 
 # ---- the request ---------------------------------------------------------------------
 
@@ -277,123 +266,7 @@ def chat_body(body: MessagesRequest) -> p.ChatCompletionRequest:
         chat_template_kwargs=template_kwargs(body.thinking), response_format=output_format(body.output_config))
 
 
-# ---- output -> blocks and events ---------------------------------------------------------
-
-
-@dataclass
-class OpenBlock:
-    kind: str
-    """text, thinking or tool_use"""
-    text: list[str] = field(default_factory=list)
-    """The text, the thinking, or the call's input as JSON, in pieces."""
-    id: str = ""
-    name: str = ""
-
-
-def block_body(b: OpenBlock, whole: bool) -> dict[str, Any]:
-    """A content block as Anthropic writes it: whole, or (content_block_start) empty."""
-    text = "".join(b.text) if whole else ""
-    if b.kind == "text":
-        return {"type": "text", "text": text}
-    if b.kind == "thinking":
-        return {"type": "thinking", "thinking": text, "signature": ""}
-    return {"type": "tool_use", "id": b.id, "name": b.name, "input": json.loads(text) if whole and text else {}}
-
-
-class MessageBuilder:
-    """One answer's content blocks, built from the engine's outputs as they come; a stream's
-    events on the way (take())."""
-
-    def __init__(self, mid: str, model: str, setup: ChatSetup, show_thinking: bool = True) -> None:
-        self.mid, self.model = mid, model
-        self.show_thinking = show_thinking
-        """thinking display "omitted": thinking blocks come, empty."""
-        self.chat = setup.output()
-        self.choice = Choice()
-        self.blocks: list[dict[str, Any]] = []
-        self.open: OpenBlock | None = None
-        self.pending: list[bytes] = []
-        self.stop_reason: str | None = None
-        self.stop_sequence: str | None = None
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.pending.append(b"event: " + kind.encode() + b"\n" + data_event({"type": kind, **fields}))
-
-    def take(self) -> bytes:
-        data, self.pending = b"".join(self.pending), []
-        return data
-
-    def usage(self) -> dict[str, int]:
-        c = self.choice
-        return {"input_tokens": c.prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
-                "cache_read_input_tokens": c.cached_tokens, "cache_creation_input_tokens": 0}
-
-    def message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self.usage()}
-
-    def opening(self, first: RequestOutput) -> None:
-        self.choice.add(msgspec.structs.replace(first, token_ids=[], text="", completion_tokens=0, finished=False))
-        self.emit("message_start", message=self.message([]))
-
-    def start(self, kind: str, call_id: str = "", name: str = "") -> OpenBlock:
-        if self.open is not None and self.open.kind == kind and kind != "tool_use":
-            return self.open
-        self.close()
-        b = self.open = OpenBlock(kind, id=call_id, name=name)
-        self.emit("content_block_start", index=len(self.blocks), content_block=block_body(b, whole=False))
-        return b
-
-    def close(self) -> None:
-        b, self.open = self.open, None
-        if b is None:
-            return
-        self.emit("content_block_stop", index=len(self.blocks))
-        self.blocks.append(block_body(b, whole=True))
-
-    def apply(self, d: ChatDelta) -> None:
-        if d.reasoning:
-            block = self.start("thinking")
-            if self.show_thinking:
-                block.text.append(d.reasoning)
-                self.emit("content_block_delta", index=len(self.blocks),
-                          delta={"type": "thinking_delta", "thinking": d.reasoning})
-        if d.content:
-            self.start("text").text.append(d.content)
-            self.emit("content_block_delta", index=len(self.blocks), delta={"type": "text_delta", "text": d.content})
-        for call in d.calls:
-            if call.name is not None:
-                self.start("tool_use", call_id=call.id or "", name=call.name)
-            if call.arguments and self.open is not None:
-                self.open.text.append(call.arguments)
-                self.emit("content_block_delta", index=len(self.blocks),
-                          delta={"type": "input_json_delta", "partial_json": call.arguments})
-
-    def feed(self, out: RequestOutput) -> None:
-        self.choice.add(out)
-        self.apply(ChatDelta(content=out.text) if self.chat.plain else self.chat.feed(out.text))
-        if out.finished:
-            if not self.chat.plain:
-                self.apply(self.chat.finish())
-            self.close()
-            if self.chat.called:
-                self.stop_reason = "tool_use"
-            elif out.finish_reason == "length":
-                self.stop_reason = "max_tokens"
-            elif out.stop is not None:
-                self.stop_reason, self.stop_sequence = "stop_sequence", out.stop
-            else:
-                self.stop_reason = "end_turn"
-            self.emit("message_delta", delta={"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                      usage={"output_tokens": self.choice.completion_tokens})
-            self.emit("message_stop")
-
-
 # ---- the endpoints -------------------------------------------------------------------------
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
 
 def anthropic_error(e: ApiError) -> Response:
     kind = ERROR_TYPES.get(e.status, "api_error")
@@ -408,24 +281,6 @@ def anthropic_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Call
         except ApiError as e:
             return anthropic_error(e)
     return wrapped
-
-
-async def events(builder: MessageBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]
-                 ) -> AsyncIterator[bytes]:
-    builder.opening(buffered[0][1])
-    answer = one_answer(gen, buffered)
-    try:
-        async for out in answer:
-            if out.error:
-                e = failure(out)
-                builder.emit("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})
-                yield builder.take()
-                return
-            builder.feed(out)
-            if data := builder.take():
-                yield data
-    finally:
-        await answer.aclose()
 
 
 @anthropic_errors
@@ -443,9 +298,9 @@ async def messages(request: Request) -> Response:
     reqs, setup = chat_requests(chat, msgs, mid, st, lambda sp: st.apply_policy(sp, request.scope))
     gen, buffered = await st.start(reqs)  # (a request the engine refuses is still a 400 here)
     shown = body.thinking is None or body.thinking.display != "omitted"
-    builder = MessageBuilder(mid, st.model_name, setup, show_thinking=shown)
+    builder = MessageBuilder(mid, st.model_name, setup, show_thinking=shown, streaming=body.stream)
     if body.stream:
-        return EventStream(events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
+        return EventStream(answer_events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
     done = await until_disconnect(request, feed_answer(gen, buffered, builder.feed))
     if done is None:
         return Response(status_code=499)  # the client is gone; nobody reads this

@@ -13,7 +13,7 @@ import msgspec
 from streamer.server.anthropic_api import CountTokensRequest, MessagesRequest
 from streamer.server.embeddings_api import EmbeddingRequest, EmbeddingResponse
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
-from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
+from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from streamer.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -21,6 +21,7 @@ from streamer.server.responses import (
     ModelList,
     ResponseObject,
 )
+from streamer.server.responses_api import ResponsesRequest
 
 
 def openapi_document(version: str) -> dict[str, Any]:

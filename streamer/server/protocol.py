@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI-compatible API as msgspec Structs, and their one mapping to SamplingParams
-(the answers: responses.py).
+(the answers: responses.py; the Responses API's own bodies: responses_api.py).
 
 Requests are decoded straight into these Structs, so a field of the wrong type
 is refused by msgspec with the path of the field (which becomes the error's
@@ -371,82 +371,3 @@ def decode_body(data: bytes, kind: type[Any]) -> Any:
         raise ApiError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError("the body nests too deeply") from None
-
-
-# ---- the Responses API (/v1/responses: responses_api.py) ---------------------------
-
-
-class ResponseInputPart(Struct):
-    """A part of an input item's content: input_text, output_text (an earlier answer's),
-    refusal, reasoning_text and summary_text (a reasoning item's); others are refused."""
-
-    type: str
-    text: str | None = None
-    refusal: str | None = None
-
-
-class ResponseInputItem(Struct, kw_only=True):
-    """One item of `input`: a message ({role, content}, type "message" or none), an earlier
-    function_call, its function_call_output, or an earlier reasoning item."""
-
-    type: str | None = None
-    role: str | None = None
-    content: str | list[ResponseInputPart] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[ResponseInputPart] | None = None
-    summary: list[ResponseInputPart] | None = None
-
-
-class ResponseTool(Struct, kw_only=True):
-    """A tool of the Responses API: a function's fields sit beside its type (chat nests them)."""
-
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseToolChoice(Struct, kw_only=True):
-    type: str
-    name: str | None = None
-
-
-class ResponseTextFormat(Struct, kw_only=True):
-    type: str = "text"
-    name: str | None = None
-    schema_: dict[str, Any] | None = field(default=None, name="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseText(Struct, kw_only=True):
-    format: ResponseTextFormat = field(default_factory=ResponseTextFormat)
-    verbosity: str | None = None
-
-
-class ResponseStreamOptions(Struct):
-    include_obfuscation: bool = True
-    """Accepted without effect (fields.ACCEPTED)."""
-
-
-class ResponsesRequest(SamplingFields, kw_only=True):
-    """A /v1/responses body. The sampling extensions of chat (top_k, min_p, seed, stop, ...)
-    apply as there; n, max_tokens and response_format are chat's and refused here
-    (fields.RESPONSES_REFUSED): max_output_tokens and text.format say the same."""
-
-    input: str | list[ResponseInputItem]
-    instructions: str | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    tools: list[ResponseTool] | None = None
-    tool_choice: str | ResponseToolChoice | None = None
-    parallel_tool_calls: bool = True
-    text: ResponseText | None = None
-    top_logprobs: TopLogprobs | None = None
-    include: list[str] | None = None
-    stream: bool = False
-    stream_options: ResponseStreamOptions | None = None
-    metadata: dict[str, str] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None

@@ -331,3 +331,31 @@ async def feed_answer(gen: Merged, buffered: list[tuple[int, RequestOutput]],
     finally:
         await answer.aclose()
     return True
+
+
+class AnswerBuilder(Protocol):
+    """A one-request answer's builder for a stream (responses_output.py, anthropic_output.py)."""
+
+    def feed(self, out: RequestOutput) -> None: ...
+
+    def fail(self, out: RequestOutput) -> None: ...
+
+    def take(self) -> bytes: ...
+
+
+async def answer_events(builder: AnswerBuilder, gen: Merged, buffered: list[tuple[int, RequestOutput]]
+                        ) -> AsyncGenerator[bytes, None]:
+    """The stream of a one-request answer: the events of each engine output in one write; an
+    error after the stream began is the builder's last event (fail)."""
+    answer = one_answer(gen, buffered)
+    try:
+        async for out in answer:
+            if out.error:
+                builder.fail(out)
+                yield builder.take()
+                return
+            builder.feed(out)
+            if data := builder.take():
+                yield data
+    finally:
+        await answer.aclose()

@@ -122,37 +122,31 @@ class Qwen3CoderStream(XmlCallStream):
             return self._text_until(self.OPEN, "open", final)
         rest = buf.lstrip()
         skip = len(buf) - len(rest)
-        if self._state == "open":
-            head = self._header(rest, self.FUNCTION, final)
-            if head is False:
-                return False
-            if head is True:
-                self._fail("text")
-                return True
-            assert not isinstance(head, bool)
-            self._start(head[0])
-            self._hold(skip + head[1], "parameters")
-            return True
-        if self._state == "parameters":
-            if rest.startswith(self.FUNCTION_END):
+        if self._state in ("open", "parameters"):  # a <function=NAME> header, or the next argument
+            opening = self._state == "open"
+            if not opening and rest.startswith(self.FUNCTION_END):
                 self._hold(skip + len(self.FUNCTION_END), "close")
                 return True
-            if not final and self.FUNCTION_END.startswith(rest):  # (nothing yet, or "<", "</f"...)
+            if not opening and not final and self.FUNCTION_END.startswith(rest):  # (nothing yet, "<", "</f"...)
                 return False
-            head = self._header(rest, self.PARAMETER, final)
+            head = self._header(rest, self.FUNCTION if opening else self.PARAMETER, final)
             if head is False:
                 return False
             if head is True:
                 self._fail("text")
                 return True
             assert not isinstance(head, bool)
-            key, at = head
+            name, at = head
+            if opening:
+                self._start(name)
+                self._hold(skip + at, "parameters")
+                return True
             end = rest.find(self.PARAMETER_END, at)
             if end < 0:
                 if final:
                     self._fail("text")
                 return final
-            self._argument(key, rest[at:end])
+            self._argument(name, rest[at:end])
             self._hold(skip + end + len(self.PARAMETER_END), "parameters")
             return True
         # "close": the call is complete; consume its </tool_call> when it comes

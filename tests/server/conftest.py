@@ -61,3 +61,19 @@ def live() -> Iterator[LiveServer]:
 def http(live: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live.url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def parsing(default_model) -> Iterator[Any]:
+    """A server with the qwen3 reasoning parser and hermes calls over a fake engine whose
+    answer is set per test (`engine.text`), detokenized token by token by the default
+    model's tokenizer: (engine, client)."""
+    from starlette.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from tests.server.fakes import Detokenizing
+
+    engine = Detokenizing(AutoTokenizer.from_pretrained(str(default_model)), "")
+    config = ServerConfig(allowed_hosts=("testserver",), reasoning_parser="qwen3", tool_call_parser="hermes")
+    with TestClient(create_app(engine, config)) as client:
+        yield engine, client

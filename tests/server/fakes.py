@@ -90,3 +90,19 @@ def marker_tokenizer(model: Path, markers: tuple[str, ...] | list[str], chat_tem
 
 def _typed(engine: RecordingEngine) -> Engine:
     return engine  # (mypy: the fake implements the interface the server depends on)
+
+
+THOUGHT = "<think>\nParis first.\n</think>\n\n"
+"""A reasoning block, as Qwen3 writes it (the qwen3 reasoning parser's)."""
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+"""A hermes call."""
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    """The data of each event of a named-event SSE body (/v1/responses, /v1/messages); each
+    event's name is its data's type."""
+    from streamer.sse import named_events
+
+    events = named_events(text)
+    assert all(name == data["type"] for name, data in events)
+    return [data for _, data in events]

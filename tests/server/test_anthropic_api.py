@@ -21,8 +21,7 @@ from starlette.testclient import TestClient
 
 from streamer.config import ServerConfig
 from streamer.server.app import create_app
-from streamer.sse import named_events
-from tests.server.fakes import Detokenizing, RecordingEngine
+from tests.server.fakes import CALL, THOUGHT, RecordingEngine, events_of
 
 PATH = "/v1/messages"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
@@ -145,17 +144,6 @@ def test_the_key_is_checked_from_x_api_key(fake):
 
 # ---- blocks and events, over a real tokenizer -----------------------------------------------
 
-THOUGHT = "<think>\nParis first.\n</think>\n\n"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def events_of(text: str) -> list[dict[str, Any]]:
-    """The data of each SSE event; each event's name is its data's type."""
-    events = named_events(text)
-    assert all(name == data["type"] for name, data in events)
-    return [data for _, data in events]
-
-
 def rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The content blocks a client gathers from the events."""
     blocks: dict[int, dict[str, Any]] = {}
@@ -172,14 +160,6 @@ def rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [blocks[k] for k in sorted(blocks)]
 
 
-@pytest.fixture(scope="module")
-def parsing(default_model) -> Iterator[Any]:
-    from transformers import AutoTokenizer
-
-    engine = Detokenizing(AutoTokenizer.from_pretrained(str(default_model)), "")
-    config = ServerConfig(allowed_hosts=("testserver",), reasoning_parser="qwen3", tool_call_parser="hermes")
-    with TestClient(create_app(engine, config)) as client:
-        yield engine, client
 
 
 @pytest.mark.parametrize("answer", [THOUGHT + "Checking. " + CALL, THOUGHT + "Sunny.", CALL + CALL, "Plain."],

@@ -21,8 +21,7 @@ from starlette.testclient import TestClient
 
 from streamer.config import ServerConfig
 from streamer.server.app import create_app
-from streamer.sse import named_events
-from tests.server.fakes import Detokenizing, RecordingEngine
+from tests.server.fakes import CALL, THOUGHT, RecordingEngine, events_of
 
 PATH = "/v1/responses"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
@@ -182,17 +181,6 @@ def test_the_response_echoes_the_request_and_counts_usage(fake):
 
 # ---- output items and events, over a real tokenizer -------------------------------------
 
-THOUGHT = "<think>\nParis first.\n</think>\n\n"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def events_of(text: str) -> list[dict[str, Any]]:
-    """The data of each SSE event; each event's name is its data's type."""
-    events = named_events(text)
-    assert all(name == data["type"] for name, data in events)
-    return [data for _, data in events]
-
-
 def rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The output items that a client gathers from the deltas (ids, names and order as added)."""
     items: dict[int, dict[str, Any]] = {}
@@ -218,16 +206,6 @@ def items_of(response: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def parsing(default_model) -> Iterator[Any]:
-    """A server with the qwen3 reasoning parser and hermes calls over a fake engine whose
-    answer is set per test (`engine.text`), detokenized token by token."""
-    from transformers import AutoTokenizer
-
-    engine = Detokenizing(AutoTokenizer.from_pretrained(str(default_model)), "")
-    config = ServerConfig(allowed_hosts=("testserver",), reasoning_parser="qwen3", tool_call_parser="hermes")
-    with TestClient(create_app(engine, config)) as client:
-        yield engine, client
 
 
 @pytest.mark.parametrize("answer", [THOUGHT + "Checking. " + CALL, THOUGHT + "Sunny, 21 C.", CALL + CALL,
@@ -279,10 +257,10 @@ def test_a_cut_answer_is_incomplete(parsing):
     from streamer.server.chat_output import ChatSetup
     from streamer.server.openai_output import Formatter
     from streamer.server.responses import ResponseObject
-    from streamer.server.responses_api import ResponseBuilder
+    from streamer.server.responses_output import ResponseBuilder
 
     head = ResponseObject("resp_x", 0, "in_progress", "m", [], None, 4, True, 1.0, 1.0, 0, "auto", [], {}, {}, None)
-    b = ResponseBuilder(head, ChatSetup(), Formatter(client.app.state.server), logprobs=False)
+    b = ResponseBuilder(head, ChatSetup(), Formatter(client.app.state.server), logprobs=False, streaming=True)
     b.opening()
     b.feed(RequestOutput("x", [1, 2], "Sunny and", prompt_tokens=3, completion_tokens=2))
     b.feed(RequestOutput("x", [3], " warm", finished=True, finish_reason="length", prompt_tokens=3,
