@@ -1,7 +1,9 @@
 """Float8 linear layers at a few dozen to a few hundred rows (quantization "fp8", per-token
 activation scales, per-row weight scales): y[m, n] = sx[m] * sw[n] * sum_k q[m, k] * w[n, k],
 accumulated in fp32 on float8 tensor cores and rounded once to the output dtype, the formula of
-torch._scaled_mm's row-wise GEMM (streamer/model/quant.py's fp8_linear).
+torch._scaled_mm's row-wise GEMM (streamer/model/quant.py's fp8_linear). On Hopper the tensor cores
+first sum each instruction's 32 products to about 14 bits, as cuBLAS's do: off by up to ~3e-5 of the
+products' absolute sum (tests/kernels/test_fp8_gemm.py, SUMS).
 
 Why not cuBLAS there: its row-wise float8 GEMM runs 128 x 128 tiles whatever M is, so a layer
 with few output tiles leaves most of the card idle. At W8's ~133 rows on the Qwen3-30B-A3B shape

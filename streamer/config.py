@@ -9,7 +9,7 @@ the typed accessors below (env_str, env_flag, env_ints):
   STREAMER_PROFILE_OUT     ...their kernel tables go to this file (kernel_profile.jsonl)
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
-  STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait
+  STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
                            (torch.distributed's standard names, unprefixed)
 
@@ -83,11 +83,12 @@ def use_pdl() -> bool:
 
 
 def use_l2_prefetch() -> bool:
-    """STREAMER_L2_PREFETCH (default on): with PDL, the decode GEMVs, the float8 GEMM and the MoE
-    router ask L2 for their first weight bytes before waiting for the kernel before them
-    (kernels.common.PREFETCH_BYTES; the model runner sets it to 0 when off); 0 turns it off, to
-    measure what it gains."""
-    return env_flag("L2_PREFETCH", True)
+    """STREAMER_L2_PREFETCH (default off): 1 makes the decode GEMVs, the float8 GEMM and the MoE
+    router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES;
+    the model runner sets it to 0 when off). Off because it gained nothing measured: W2 at batch 1
+    on an H100, 5.50 ms/token with it against 5.45 without on the 8B shape, 3.12 against 3.09 on
+    the Qwen3-30B-A3B shape (benchmarks/RESULTS.md, thirty-seventh session)."""
+    return env_flag("L2_PREFETCH", False)
 
 
 def rendezvous_env() -> tuple[str | None, int | None]:
