@@ -53,7 +53,7 @@ def main() -> None:
                     continue
                 us = 1e3 * do_bench_cudagraph(lambda: fp8_gemm.fp8_gemm(q, sx, qw, sw, torch.bfloat16, (bm, bn, bk),
                                                                        warps, stages))
-                mark = "*" if (bm, bn, bk) == default and (warps, stages) == (4, 4) else ""
+                mark = "*" if (bm, bn, bk) == default and (warps, stages) == (4, fp8_gemm.STAGES[bk]) else ""
                 cells.append(f"{bm}x{bn}x{bk} w{warps} s{stages}{mark} {us:.1f}")
             use = "triton" if fp8_gemm.use_triton(m, n, dev) else "cublas"
             print(f"{name} M {m}: cuBLAS {cublas:.1f} us ({n * k / cublas / 1e6:.2f} TB/s), uses {use}; "

@@ -72,12 +72,15 @@ def test_rows_scaled_as_one_tensor_and_no_rows():
 
 
 def test_tiles_give_every_sm_a_program_where_they_can():
-    """Row blocks of 16 to 64 (powers of two covering M), 64 columns only where that already
-    makes one program per SM."""
+    """16 rows up to 16, else 64; 64 columns only where that already makes one program per SM;
+    256-wide K chunks where 64-row programs are fewer than the SMs."""
     assert fp8_gemm.tiles(8, 5120, 132) == (16, 32, 128)  # 80 column blocks of 64 would not fill 132
-    assert fp8_gemm.tiles(40, 2048, 132) == (64, 32, 128)  # 32 column blocks of 64 would not fill 132
+    assert fp8_gemm.tiles(32, 5120, 132) == (64, 32, 128)  # 160 programs
+    assert fp8_gemm.tiles(40, 2048, 132) == (64, 32, 256)  # 64 programs: twice the bytes in flight each
+    assert fp8_gemm.tiles(64, 4096, 132) == (64, 32, 256)  # 128 programs
     assert fp8_gemm.tiles(133, 5120, 132) == (64, 64, 128)  # 3 x 80 programs
     assert fp8_gemm.tiles(133, 2048, 132) == (64, 32, 128)
+    assert fp8_gemm.STAGES[256] == 3
 
 
 def test_cublas_keeps_the_layers_its_tiles_fill():
