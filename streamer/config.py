@@ -277,6 +277,9 @@ class ServerConfig:
     max_queue: int = 1024
     """Waiting requests beyond this are answered 503 with Retry-After."""
     session_idle_timeout: float = 600.0
+    responses_store_mb: int = 256
+    """Memory for stored /v1/responses turns (server/response_store.py), least recently used dropped
+    first; 0: none stored (a body's store: true is refused)."""
     cache_isolation: str = "none"
     """none: one prefix cache for everyone; a request's cache_salt alone namespaces it.
     per-key: every request is also salted by (a hash of) the API key it authenticated with,
@@ -349,6 +352,8 @@ class ServerConfig:
     prefix may exceed the least loaded replica and still get it (router/policy.py)."""
 
     def __post_init__(self) -> None:
+        if self.responses_store_mb < 0:
+            raise ConfigError(f"responses_store_mb (--responses-store-mb) must be >= 0, not {self.responses_store_mb}")
         if self.data_parallel_size < 1 or self.balance_margin < 0:
             raise ConfigError(f"data_parallel_size must be >= 1 and balance_margin >= 0, not "
                               f"{self.data_parallel_size} and {self.balance_margin}")

@@ -94,6 +94,8 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses_api.input_items),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),

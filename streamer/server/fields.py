@@ -106,13 +106,9 @@ CHAT_REFUSED: dict[str, Rule] = {
     **OTHER_SERVERS_REFUSED,
 }
 
-NO_STORE = ("this server stores no responses: send the whole conversation in input (earlier answers' "
-            "output items included)")
-
 RESPONSES_REFUSED: dict[str, Rule] = {
-    "store": only((False,), f"store may only be false: {NO_STORE}"),
-    "previous_response_id": unsupported(f"previous_response_id is not supported: {NO_STORE}"),
-    "conversation": unsupported(f"conversation is not supported: {NO_STORE}"),
+    "conversation": unsupported("conversation (a stored Conversations object) is not supported: continue a "
+                                "response with previous_response_id, or send the whole conversation in input"),
     "background": only((False,), "background is not supported: a response runs while its request is open"),
     "prompt": unsupported("prompt (a stored prompt template) is not supported: send input and instructions"),
     "reasoning": unsupported("reasoning (effort, summary) is not supported by this server: a reasoning model's "

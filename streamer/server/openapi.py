@@ -55,13 +55,20 @@ def openapi_document(version: str) -> dict[str, Any]:
                         **more}}
 
     model_param = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    resp_param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "streamer", "version": version},
         "paths": {
             "/v1/completions": post(req_c, res_c, "Text completion"),
             "/v1/chat/completions": post(req_ch, res_ch, "Chat completion"),
-            "/v1/responses": post(req_r, res_r, "A response (OpenAI's Responses API; nothing is stored)"),
+            "/v1/responses": post(req_r, res_r, "A response (OpenAI's Responses API)"),
+            "/v1/responses/{response_id}": {
+                **get("A stored response (404, code response_not_found, when none)", res_r, parameters=resp_param),
+                "delete": {"summary": "Forget a stored response", "parameters": resp_param,
+                           "responses": {"200": {"description": "deleted"}, **errors}}},
+            "/v1/responses/{response_id}/input_items": get(
+                "The items a stored response ran with, instructions apart (order, limit, after)", parameters=resp_param),
             "/v1/embeddings": post(req_e, res_e, "Embeddings (last-token pooling)", stream=False),
             "/v1/messages": post(req_m, {"type": "object"}, "Anthropic's Messages API (errors in Anthropic's shape)"),
             "/v1/messages/count_tokens": post(req_ct, {"type": "object"}, "The prompt's tokens, as the engine runs it",

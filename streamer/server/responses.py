@@ -230,7 +230,7 @@ class ResponseObject(Struct):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     object: str = "response"
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: dict = field(default_factory=lambda: {"effort": None, "summary": None})
     store: bool = False
     background: bool = False

@@ -12,7 +12,8 @@ before any byte of a stream).
 
 The output, items and the stream's events, is responses_output.py's (ResponseBuilder).
 
-Nothing is stored (fields.RESPONSES_REFUSED: store, previous_response_id, background, ...).
+Responses are stored (store, on unless false) and continued (previous_response_id) as
+response_store.py says; background, conversation and item_reference are refused (fields.RESPONSES_REFUSED).
 Logprobs (include "message.output_text.logprobs", or top_logprobs) are those of the
 output_text's tokens: with tools or a reasoning parser, tokens are not the message's alone,
 and they are refused.
@@ -21,6 +22,7 @@ and they are refused.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
 import msgspec
@@ -30,10 +32,12 @@ from starlette.responses import Response
 
 from streamer.server import protocol as p
 from streamer.server import responses as r
-from streamer.server.fields import NO_STORE, RESPONSES_REFUSED, check_refused
+from streamer.server.fields import RESPONSES_REFUSED, check_refused
+from streamer.server.guard import KEY_ID
 from streamer.server.openai_api import chat_requests, json_response, server
 from streamer.server.openai_output import Formatter
 from streamer.server.protocol import ApiError
+from streamer.server.response_store import Turn, as_stored, page
 from streamer.server.responses_output import ResponseBuilder, new_id
 from streamer.server.sse_response import EventStream
 from streamer.server.state import answer_events, feed_answer, until_disconnect
@@ -115,6 +119,8 @@ class ResponsesRequest(p.SamplingFields, kw_only=True):
     stream_options: ResponseStreamOptions | None = None
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
 
 
 LOGPROBS = "message.output_text.logprobs"
@@ -140,14 +146,22 @@ def parts_text(content: str | list[ResponseInputPart] | None, kinds: tuple[str, 
     return "".join(t or "" for t in texts)
 
 
-def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """instructions and input as chat messages (the module's docstring says how)."""
-    msgs: list[dict[str, Any]] = []
-    if body.instructions:
-        msgs.append({"role": "system", "content": body.instructions})
+def own_items(body: ResponsesRequest) -> list[ResponseInputItem]:
+    """The request's input as items (a string: one user message)."""
     items = [ResponseInputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not items:
         raise ApiError("input must not be empty", param="input")
+    return items
+
+
+def input_messages(body: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+    """instructions, the earlier turns' items (previous_response_id: response_store.history) and
+    input as chat messages (the module's docstring says how)."""
+    msgs: list[dict[str, Any]] = []
+    if body.instructions:
+        msgs.append({"role": "system", "content": body.instructions})
+    before = msgspec.convert(list(earlier), list[ResponseInputItem])
+    items = [*before, *own_items(body)]
     reasoning: str | None = None  # an earlier reasoning item, for the next assistant message
 
     def assistant(msg: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +172,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         return msg
 
     for i, item in enumerate(items):
-        at = f"input[{i}]"
+        at = f"input[{i - len(before)}]"
         kind = item.type or ("message" if item.role is not None else None)
         if kind == "message":
             if item.role not in ROLES:
@@ -188,7 +202,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 parts_text(item.summary, ("summary_text",), f"{at}.summary")
             reasoning = text if reasoning is None else f"{reasoning}\n{text}"
         elif kind == "item_reference":
-            raise ApiError(f"{at}: item_reference is not supported: {NO_STORE}", param=f"{at}.type")
+            raise ApiError(f"{at}: item_reference is not supported: send the item, or previous_response_id",
+                           param=f"{at}.type")
         else:
             raise ApiError(f"{at}: input items of type {kind!r} are not supported (message, function_call, "
                            "function_call_output and reasoning are)", param=f"{at}.type")
@@ -268,7 +283,12 @@ async def responses(request: Request) -> Response:
     logprobs = wants_logprobs(body)
     chat = chat_body(body, logprobs)
     st.limits.sampling(chat)
-    messages = input_messages(body)
+    owner, store = request.scope.get(KEY_ID, ""), st.responses
+    if body.store and not store.enabled:
+        raise ApiError("store: this server stores no responses (streamer serve --responses-store-mb 0)", param="store")
+    keep = store.enabled and body.store is not False
+    earlier = store.history(owner, body.previous_response_id) if body.previous_response_id is not None else []
+    messages = input_messages(body, earlier)
     st.limits.messages(messages, "input")
     rid = new_id("resp")
     reqs, setup = chat_requests(chat, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
@@ -280,15 +300,59 @@ async def responses(request: Request) -> Response:
         rid, int(time.time()), "in_progress", st.model_name, [], body.instructions, body.max_output_tokens,
         body.parallel_tool_calls, params.temperature, params.top_p, body.top_logprobs or 0,
         given(body.tool_choice) if body.tool_choice is not None else "auto", [given(t) for t in body.tools or []], given(body.text or ResponseText()),
-        body.metadata or {}, body.user)
+        body.metadata or {}, body.user, store=keep, previous_response_id=body.previous_response_id)
     gen, buffered = await st.start(reqs)  # (admitted here, once: a refused request is still a 400)
     builder = ResponseBuilder(head, setup, Formatter(st), logprobs, streaming=body.stream)
+    inputs = as_stored([given(item) for item in own_items(body)], new_id) if keep else []
+
+    def kept() -> None:  # (the response as its client got it, once it ended)
+        if keep:
+            store.put(owner, Turn.of(msgspec.to_builtins(builder.response), inputs, body.previous_response_id))
+
     if body.stream:
-        return EventStream(answer_events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
+        async def events() -> AsyncGenerator[bytes, None]:
+            async for data in answer_events(builder, gen, buffered):
+                yield data
+            kept()  # (not when the client left mid-stream: the response never ended for it)
+
+        return EventStream(events(), sep="\n", shutdown_grace_period=20)
     done = await until_disconnect(request, feed_answer(gen, buffered, builder.feed))
     if done is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    kept()
     return json_response(builder.response)
+
+
+def query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+    """The request's query parameters, any but `allowed` refused by name."""
+    for name in request.query_params:
+        if name not in allowed:
+            raise ApiError(f"query parameter {name!r} is not supported here"
+                           + (f" (only {', '.join(allowed)})" if allowed else ""), param=name)
+    return dict(request.query_params)
+
+
+async def stored_response(request: Request) -> Response:
+    """GET /v1/responses/{id}: a stored response; DELETE: forget it."""
+    store, owner, rid = server(request).responses, request.scope.get(KEY_ID, ""), request.path_params["response_id"]
+    query(request, ())
+    if request.method == "DELETE":
+        store.delete(owner, rid)
+        return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+    return json_response(store.get(owner, rid).response)
+
+
+async def input_items(request: Request) -> Response:
+    """GET /v1/responses/{id}/input_items: what the response ran with, instructions apart (order asc
+    or desc, the default; limit 1-100, default 20; after: an item id)."""
+    store, owner, rid = server(request).responses, request.scope.get(KEY_ID, ""), request.path_params["response_id"]
+    q = query(request, ("order", "limit", "after"))
+    order, limit = q.get("order", "desc"), q.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise ApiError(f"order must be asc or desc, not {order!r}", param="order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise ApiError(f"limit must be an integer from 1 to 100, not {limit!r}", param="limit")
+    return json_response(page(store.input_items(owner, rid), order, int(limit), q.get("after")))
 
 
 def given(value: Any) -> Any:

@@ -55,6 +55,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="model name reported by /v1/models and accepted in requests (default: the folder's name)")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
                    help=f"requests allowed to wait for a first token; beyond it 503 + Retry-After (default {d.max_queue})")
+    g.add_argument("--responses-store-mb", type=int, default=d.responses_store_mb, metavar="MB",
+                   help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}), least "
+                        f"recently used dropped first, lost on restart; 0: none stored (default {d.responses_store_mb})")
     g.add_argument("--session-idle-timeout", type=float, default=d.session_idle_timeout,
                    help=f"seconds before an idle WebSocket chat session is closed (default {d.session_idle_timeout:g})")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
@@ -177,6 +180,7 @@ def server_config(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         generation_config=getattr(args, "generation_config", d.generation_config),
         max_queue=getattr(args, "max_queue", d.max_queue),
         session_idle_timeout=getattr(args, "session_idle_timeout", d.session_idle_timeout),
+        responses_store_mb=getattr(args, "responses_store_mb", d.responses_store_mb),
         engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
         tool_call_parser=getattr(args, "tool_call_parser", d.tool_call_parser),
         reasoning_parser=getattr(args, "reasoning_parser", d.reasoning_parser),

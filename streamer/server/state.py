@@ -32,6 +32,7 @@ from streamer.server.guard import KEY_ID
 from streamer.server.limits import Limits
 from streamer.server.metrics import Metrics, RequestTimer
 from streamer.server.protocol import ApiError
+from streamer.server.response_store import ResponseStore
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 """Outputs of several engine requests as they come: (the request's index, an output)."""
@@ -57,6 +58,8 @@ class ServerState:
         self.draining = False
         self.sessions: set[OpenSession] = set()
         """Open WebSocket sessions (closed when the engine dies)."""
+        self.responses = ResponseStore(config.responses_store_mb << 20)
+        """Stored /v1/responses turns (previous_response_id)."""
         self._limits: Limits | None = None
         self._token_bytes: TokenBytes | None = None
         self.started = int(time.time())

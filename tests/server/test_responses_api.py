@@ -1,8 +1,8 @@
 """/v1/responses: OpenAI's Responses API, run as a chat completion (server/responses_api.py).
 
 A body's instructions, input items, function tools and text.format reach the engine as the
-chat request that says the same; what is not supported (storage, hosted tools, images) is a
-400 naming it. The output is the chat output's split as items (reasoning, message, calls), and
+chat request that says the same; what is not supported (background, hosted tools, images) is a
+400 naming it (storage and previous_response_id: test_response_store.py). The output is the chat output's split as items (reasoning, message, calls), and
 a stream's events rebuild exactly the whole response. Against the live default model, through
 the official client: the text is chat's for the same conversation, required calls validate,
 and a call's result goes back in as input.
@@ -117,9 +117,7 @@ def test_text_format_constrains_as_response_format_does(fake):
 
 REFUSED = [
     # (the body's fields besides input, the param named, a word of the message)
-    ({"store": True}, "store", "stores no responses"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-    ({"conversation": "conv_1"}, "conversation", "stores no responses"),
+    ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"background": True}, "background", "background"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning"),
@@ -142,7 +140,7 @@ REFUSED = [
     ({"input": []}, "input", "empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type", "input_image"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stores no responses"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "previous_response_id"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "web_search_call"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "tool"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]", "call_id"),
@@ -320,3 +318,26 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete(client):
     assert last.response.usage.output_tokens == 5
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == last.response.output[0].content[0].text
+
+
+def test_a_stored_response_is_continued_fetched_listed_and_deleted(client):
+    """Through the official client: previous_response_id continues the conversation as the same
+    conversation sent whole does (greedy), and the stored turn reads back as it was answered."""
+    first = client.responses.create(model="smol", input="Name a color.", max_output_tokens=8, temperature=0)
+    second = client.responses.create(model="smol", input="And a fruit?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    whole = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "And a fruit?"}]
+    sent_whole = client.responses.create(model="smol", input=whole, max_output_tokens=8, temperature=0, store=False)
+    assert second.output_text == sent_whole.output_text and second.previous_response_id == first.id
+    assert second.usage.input_tokens == sent_whole.usage.input_tokens
+    again = client.responses.retrieve(second.id)
+    assert again.model_dump() == second.model_dump()
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "message", "message"]
+    assert items.data[-1].content[0].text == "And a fruit?" and items.data[-1].id.startswith("msg_")
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(sent_whole.id)  # (store false)

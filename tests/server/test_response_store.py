@@ -1,0 +1,194 @@
+"""Stored responses (server/response_store.py): /v1/responses keeps each turn unless its body says
+store false; previous_response_id runs the chain's items before the new input (instructions not
+carried over); GET, DELETE and input_items read them back; memory is bounded, least recently used
+dropped first; a response belongs to the API key that made it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from streamer.config import ConfigError, ServerConfig
+from streamer.server.app import create_app
+from streamer.server.protocol import ApiError
+from streamer.server.response_store import ResponseStore, Turn, as_stored, page
+from tests.server.fakes import RecordingEngine, events_of
+
+PATH = "/v1/responses"
+
+
+def serve(**config: Any) -> Iterator[tuple[RecordingEngine, TestClient]]:
+    engine = RecordingEngine()
+    with TestClient(create_app(engine, ServerConfig(allowed_hosts=("testserver",), **config))) as client:
+        yield engine, client
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[RecordingEngine, TestClient]]:
+    yield from serve()
+
+
+def post(client: TestClient, **body: Any) -> dict[str, Any]:
+    r = client.post(PATH, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- through the endpoints ----------------------------------------------------------------
+
+
+def test_previous_response_id_runs_the_conversation_so_far(fake):
+    engine, client = fake
+    first = post(client, input="Name a color.", instructions="Be brief.")
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    second = post(client, input=[call, {"type": "function_call_output", "call_id": "c1", "output": "42"}],
+                  previous_response_id=first["id"])
+    post(client, input="And now?", previous_response_id=second["id"], instructions="Be kind.")
+    assert first["store"] is True and second["previous_response_id"] == first["id"]
+    assert engine.sent[-1].messages == [
+        {"role": "system", "content": "Be kind."},  # (this request's instructions only)
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "ok", "tool_calls": [  # (a call after an answer joins it)
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
+def test_a_stored_response_reads_back_as_answered_until_deleted(fake):
+    _, client = fake
+    first = post(client, input="Hi", metadata={"k": "v"})
+    assert client.get(f"{PATH}/{first['id']}").json() == first
+    r = client.delete(f"{PATH}/{first['id']}")
+    assert r.status_code == 200 and r.json() == {"id": first["id"], "object": "response.deleted", "deleted": True}
+    for r in (client.get(f"{PATH}/{first['id']}"), client.delete(f"{PATH}/{first['id']}"),
+              client.post(PATH, json={"input": "Hi", "previous_response_id": first["id"]})):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+    assert r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_stream_is_stored_once_it_ended(fake):
+    _, client = fake
+    r = client.post(PATH, json={"input": "Hi", "stream": True})
+    last = events_of(r.text)[-1]
+    assert last["type"] == "response.completed"
+    assert client.get(f"{PATH}/{last['response']['id']}").json() == last["response"]
+
+
+def test_input_items_list_what_the_response_ran_with(fake):
+    _, client = fake
+    first = post(client, input="One", instructions="Be brief.")
+    second = post(client, input=[{"role": "user", "content": [{"type": "input_text", "text": "Two"}]}],
+                  previous_response_id=first["id"])
+    listed = client.get(f"{PATH}/{second['id']}/input_items", params={"order": "asc"}).json()
+    data = listed["data"]
+    assert [(i["type"], i.get("role")) for i in data] == [("message", "user"), ("message", "assistant"),
+                                                          ("message", "user")]
+    assert data[0]["content"] == [{"type": "input_text", "text": "One"}] and data[0]["id"].startswith("msg_")
+    assert data[1] == first["output"][0]
+    assert (listed["first_id"], listed["last_id"], listed["has_more"]) == (data[0]["id"], data[2]["id"], False)
+    newest = client.get(f"{PATH}/{second['id']}/input_items", params={"limit": 1}).json()  # (desc by default)
+    assert newest["data"] == [data[2]] and newest["has_more"]
+    rest = client.get(f"{PATH}/{second['id']}/input_items", params={"limit": 5, "after": data[2]["id"]}).json()
+    assert rest["data"] == [data[1], data[0]] and not rest["has_more"]
+
+
+@pytest.mark.parametrize(("query", "param"), [({"order": "up"}, "order"), ({"limit": "0"}, "limit"),
+                                              ({"limit": "x"}, "limit"), ({"after": "msg_none"}, "after"),
+                                              ({"include": "x"}, "include")])
+def test_bad_list_queries_are_a_400_naming_them(fake, query, param):
+    _, client = fake
+    rid = post(client, input="Hi")["id"]
+    r = client.get(f"{PATH}/{rid}/input_items", params=query)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.get(f"{PATH}/{rid}", params={"stream": "true"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_store_false_keeps_nothing(fake):
+    _, client = fake
+    out = post(client, input="Hi", store=False)
+    assert out["store"] is False and client.get(f"{PATH}/{out['id']}").status_code == 404
+    assert len(client.app.state.server.responses) == 0
+
+
+def test_a_server_without_a_store_refuses_store_true_and_keeps_nothing_by_default():
+    for engine, client in serve(responses_store_mb=0):
+        r = client.post(PATH, json={"input": "Hi", "store": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+        assert "--responses-store-mb" in r.json()["error"]["message"] and not engine.sent
+        out = post(client, input="Hi")
+        assert out["store"] is False and client.get(f"{PATH}/{out['id']}").status_code == 404
+    with pytest.raises(ConfigError, match="responses-store-mb"):
+        ServerConfig(responses_store_mb=-1)
+
+
+def test_another_api_key_cannot_see_or_continue_a_response():
+    for _, client in serve(api_keys=("a", "b")):
+        a, b = {"Authorization": "Bearer a"}, {"Authorization": "Bearer b"}
+        r = client.post(PATH, json={"input": "secret"}, headers=a)
+        rid = r.json()["id"]
+        assert client.get(f"{PATH}/{rid}", headers=a).status_code == 200
+        assert client.get(f"{PATH}/{rid}", headers=b).status_code == 404
+        assert client.get(f"{PATH}/{rid}/input_items", headers=b).status_code == 404
+        assert client.delete(f"{PATH}/{rid}", headers=b).status_code == 404
+        assert client.post(PATH, json={"input": "x", "previous_response_id": rid}, headers=b).status_code == 404
+        assert client.get(f"{PATH}/{rid}").status_code == 401
+
+
+# ---- the store itself -----------------------------------------------------------------------
+
+
+def turn(rid: str, text: str = "x", previous: str | None = None) -> Turn:
+    return Turn.of({"id": rid, "output": [{"type": "message", "role": "assistant", "content": text}]},
+                   [{"type": "message", "role": "user", "content": text}], previous)
+
+
+def test_the_least_recently_used_turns_go_first_when_over_budget():
+    one = turn("r1")
+    store = ResponseStore(3 * one.size)
+    for rid in ("r1", "r2", "r3"):
+        store.put("", turn(rid))
+    store.get("", "r1")  # (used: r2 is now the oldest)
+    store.put("", turn("r4"))
+    assert len(store) == 3 and store.bytes == 3 * one.size
+    with pytest.raises(ApiError):
+        store.get("", "r2")
+    store.put("", turn("big", "y" * 4 * one.size))  # (larger than the budget: not kept, nor anything else)
+    assert len(store) == 0 and store.bytes == 0
+
+
+def test_continuing_a_chain_marks_every_turn_of_it_used_and_needs_all_of_them():
+    store = ResponseStore(1 << 20)
+    store.put("", turn("r1", "a"))
+    store.put("", turn("r2", "b", previous="r1"))
+    store.put("", turn("other"))
+    assert [i["content"] for i in store.history("", "r2")] == ["a", "a", "b", "b"]
+    assert list(store._turns)[-2:] == [("", "r2"), ("", "r1")]  # (both used just now)
+    store.delete("", "r1")
+    with pytest.raises(ApiError, match="'r1'") as e:
+        store.history("", "r2")
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+    with pytest.raises(ApiError):
+        store.history("someone", "other")
+
+
+def test_stored_inputs_are_typed_given_ids_and_text_parts():
+    ids = iter(range(10))
+    items = as_stored([{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                           "arguments": "{}"}, {"id": "mine", "role": "assistant",
+                                                                                "content": "Yo"}],
+                      lambda prefix: f"{prefix}_{next(ids)}")
+    assert items == [
+        {"id": "msg_0", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"id": "fc_1", "type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "message", "id": "mine", "role": "assistant", "content": [{"type": "output_text", "text": "Yo"}]},
+    ]
+    listed = page(items, "asc", 2, None)
+    assert (listed["first_id"], listed["last_id"], listed["has_more"]) == ("msg_0", "fc_1", True)
+    assert page([], "desc", 20, None) == {"object": "list", "data": [], "first_id": None, "last_id": None,
+                                          "has_more": False}
