@@ -325,9 +325,9 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
         return Response(status_code=499)  # the client is gone; nobody reads this
     ordered = sorted(choices.items())
     if chat is not None:
+        answers = [chat_choice(i, c, chat, fmt) for i, c in ordered]  # (first: they count reasoning tokens)
         return json_response(r.ChatCompletionResponse(
-            rid, "chat.completion", created, st.model_name, usage=usage(choices, n),
-            choices=[chat_choice(i, c, chat, fmt) for i, c in ordered]))
+            rid, "chat.completion", created, st.model_name, usage=usage(choices, n, chat=True), choices=answers))
     out = []
     for i, c in ordered:
         prefix = echo[i] if echo is not None else ""

@@ -39,6 +39,10 @@ class Choice:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With echo and logprobs: the prompt's tokens, their logprobs and (logprobs > 0) the top
     tokens at each position after the first (from the first output)."""
+    pieces: list[int] = field(default_factory=list)
+    """Tokens of each output, beside its text (text[k]: pieces[k] tokens)."""
+    reasoning_tokens: int = 0
+    """Chat: tokens of outputs fed while the reasoning had not ended (ChatChunks.content, chat_choice)."""
 
     def take_prompt(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is not None:
@@ -47,6 +51,7 @@ class Choice:
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
+        self.pieces.append(len(out.token_ids))
         self.logprobs.extend(out.logprobs or [])
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.cached_host_tokens = out.cached_host_tokens
@@ -57,14 +62,16 @@ class Choice:
             self.error, self.error_code = out.error, out.error_code
 
 
-def usage(choices: dict[int, Choice], n: int) -> r.Usage:
-    """Prompt tokens count once per prompt (choice index // n), completions for every choice."""
+def usage(choices: dict[int, Choice], n: int, chat: bool = False) -> r.Usage:
+    """Prompt tokens count once per prompt (choice index // n), completions for every choice
+    (chat: and of them, the reasoning's)."""
     firsts = [c for i, c in choices.items() if i % n == 0]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices.values())
+    details = r.CompletionTokensDetails(sum(c.reasoning_tokens for c in choices.values())) if chat else None
     return r.Usage(prompt, completion, prompt + completion,
                    r.PromptTokensDetails(sum(c.cached_tokens for c in firsts),
-                                         sum(c.cached_host_tokens for c in firsts)))
+                                         sum(c.cached_host_tokens for c in firsts)), details)
 
 
 def joined(a: r.CompletionLogprobs | None, b: r.CompletionLogprobs | None) -> r.CompletionLogprobs | None:
@@ -201,6 +208,8 @@ class ChatChunks:
         if self.plain:
             return self.encode(r.ChatChunkChoice(i, r.Delta(content=out.text), lps))
         d = self.output(i).feed(out.text)
+        if self.output(i).in_reasoning:  # (the output that ends the reasoning counts as the answer's)
+            c.reasoning_tokens += len(out.token_ids)
         if not d and lps is None:
             return b""  # (all held back: markup not decided yet)
         return self.encode(r.ChatChunkChoice(i, self.delta(d), lps))
@@ -222,6 +231,13 @@ def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> r.ChatCh
         return r.ChatChoice(i, r.AssistantMessage("assistant", text), lps, c.finish_reason)
     out = setup.output()
     parsed = out.parse(text)
+    if setup.reasoning is not None:  # (counted as a stream counts them: ChatChunks.content)
+        stream = setup.reasoning.stream()
+        for piece, tokens in zip(c.text, c.pieces, strict=True):
+            stream.feed(piece)
+            if stream.ended:
+                break
+            c.reasoning_tokens += tokens
     calls = [p.ToolCallItem(k.id, p.FunctionCall(k.name, k.arguments)) for k in parsed.calls]
     msg = r.AssistantMessage("assistant", parsed.content if parsed.content or not calls else None,
                              calls or None, parsed.reasoning)
@@ -290,7 +306,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
                         if data := flush():
                             yield data
         if not failed and usage_wanted:
-            pending.append(chunks.encode(use=usage(choices, n)))
+            pending.append(chunks.encode(use=usage(choices, n, chat=isinstance(chunks, ChatChunks))))
         pending.append(DONE_EVENT)
         yield b"".join(pending)
     finally:

@@ -18,11 +18,18 @@ class PromptTokensDetails(Struct):
     """Of cached_tokens, those loaded back from the host tier (--host-kv-cache-gb)."""
 
 
-class Usage(Struct):
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int = 0
+    """Of completion_tokens, those of the reasoning (--reasoning-parser; chat only)."""
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """Chat's (completions have none)."""
 
 
 class CompletionLogprobs(Struct):

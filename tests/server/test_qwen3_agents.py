@@ -102,13 +102,17 @@ def test_reasoning_is_split_from_the_answer(served):
     r = client.chat.completions.create(model="q", messages=[{"role": "user", "content": "Think first."}])
     msg = r.choices[0].message
     assert msg.content == "Sunny tomorrow." and msg.model_extra["reasoning_content"] == "Lyon is in France."
+    # the outputs before the one that ends the reasoning (one token each here) are its tokens
+    assert (r.usage.completion_tokens, r.usage.completion_tokens_details.reasoning_tokens) == (6, 3)
     reasoning = content = ""
     for chunk in client.chat.completions.create(model="q", messages=[{"role": "user", "content": "Think first."}],
-                                                stream=True):
+                                                stream=True, stream_options={"include_usage": True}):
         if chunk.choices:
             d = chunk.choices[0].delta
             reasoning += (d.model_extra or {}).get("reasoning_content") or ""
             content += d.content or ""
+        else:
+            assert chunk.usage.completion_tokens_details.reasoning_tokens == 3
     assert (reasoning, content) == ("Lyon is in France.", "Sunny tomorrow.")
 
 
@@ -118,7 +122,7 @@ def test_with_thinking_off_everything_is_content_and_grammars_apply_at_once(serv
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     r = client.chat.completions.create(model="q", messages=[{"role": "user", "content": "No thinking."}],
                                        response_format={"type": "json_object"}, extra_body=off)
-    assert r.choices[0].message.content == "Just this."
+    assert r.choices[0].message.content == "Just this." and r.usage.completion_tokens_details.reasoning_tokens == 0
     assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
     assert engine.seen[-1].params.grammar.kind == "json_object"  # not wrapped: no reasoning comes first
     assert engine.seen[-1].chat_template_kwargs == {"enable_thinking": False}
