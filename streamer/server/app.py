@@ -3,7 +3,7 @@
   create_app(engine, server_config) -> Starlette   (`streamer serve` runs it: serve.py)
 
 The routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
-(openai_api.py), /v1/responses (responses_api.py), /v1/embeddings (embeddings_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
+(openai_api.py), /v1/responses (responses_api.py; stored ones: response_store_api.py), /v1/embeddings (embeddings_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
 /tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health, /metrics,
 /openapi.json (openapi.py) and the chat page. Their handlers meet the
 engine through one ServerState (state.py), at app.state.server. Every request passes
@@ -27,7 +27,15 @@ from starlette.staticfiles import StaticFiles
 from streamer import __version__
 from streamer.config import ServerConfig
 from streamer.engine.protocol import Engine
-from streamer.server import anthropic_api, embeddings_api, native_api, openai_api, responses_api, websocket
+from streamer.server import (
+    anthropic_api,
+    embeddings_api,
+    native_api,
+    openai_api,
+    response_store_api,
+    responses_api,
+    websocket,
+)
 from streamer.server.guard import ApiKeyCheck, HostCheck, JsonBody, error_response
 from streamer.server.metrics import RequestCounter
 from streamer.server.openapi import openapi_document
@@ -60,6 +68,7 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         finally:
             watch.cancel()
             state.draining = True
+            await state.responses.cancel_all()  # (background responses: stored as cancelled)
             state.abort_all()
             await asyncio.sleep(0)  # let the aborts reach the scheduler before the actors stop
             await engine.stop()
@@ -94,8 +103,9 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.responses, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses_api.stored_response, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", responses_api.input_items),
+        Route("/v1/responses/{response_id}", response_store_api.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", response_store_api.input_items),
+        Route("/v1/responses/{response_id}/cancel", response_store_api.cancel, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),

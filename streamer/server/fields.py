@@ -109,7 +109,6 @@ CHAT_REFUSED: dict[str, Rule] = {
 RESPONSES_REFUSED: dict[str, Rule] = {
     "conversation": unsupported("conversation (a stored Conversations object) is not supported: continue a "
                                 "response with previous_response_id, or send the whole conversation in input"),
-    "background": only((False,), "background is not supported: a response runs while its request is open"),
     "prompt": unsupported("prompt (a stored prompt template) is not supported: send input and instructions"),
     "reasoning": unsupported("reasoning (effort, summary) is not supported by this server: a reasoning model's "
                              "reasoning comes whole in a reasoning item (--reasoning-parser)"),

@@ -67,6 +67,9 @@ def openapi_document(version: str) -> dict[str, Any]:
                 **get("A stored response (404, code response_not_found, when none)", res_r, parameters=resp_param),
                 "delete": {"summary": "Forget a stored response", "parameters": resp_param,
                            "responses": {"200": {"description": "deleted"}, **errors}}},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a background response (400 for one that did not run in the background)",
+                "parameters": resp_param, "responses": {"200": {"description": "the response"}, **errors}}},
             "/v1/responses/{response_id}/input_items": get(
                 "The items a stored response ran with, instructions apart (order, limit, after)", parameters=resp_param),
             "/v1/embeddings": post(req_e, res_e, "Embeddings (last-token pooling)", stream=False),

@@ -9,11 +9,17 @@ runs with the items of every turn of that chain, oldest first, inputs then outpu
 input: the conversation so far. Instructions are not carried over: each request gives its own, as
 in OpenAI's API. A response belongs to the API key that made it (its hash, guard.KEY_ID; none
 without --api-key): to another key it does not exist.
+
+A background response (`background: true`) runs in a task of its own: stored as queued at once,
+read live while it runs (`running`), stored again when it ends (completed, incomplete, failed or
+cancelled: POST /v1/responses/{id}/cancel, or the server shutting down).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +54,8 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._turns: OrderedDict[tuple[str, str], Turn] = OrderedDict()
+        self._running: dict[tuple[str, str], tuple[asyncio.Task, Callable[[], Any]]] = {}
+        """Background responses still running: their task and their response now."""
 
     @property
     def enabled(self) -> bool:
@@ -87,7 +95,10 @@ class ResponseStore:
     def history(self, owner: str, response_id: str, param: str = "previous_response_id") -> list[dict[str, Any]]:
         """The items of the chain that ends with this response, oldest turn first: each turn's
         inputs, then its outputs. Every turn of it must still be stored (404 naming the first
-        missing one)."""
+        missing one), and ended (400 while it runs in the background)."""
+        if (owner, response_id) in self._running:
+            raise ApiError(f"response {response_id!r} is still running in the background: continue it once it "
+                           "ended (GET /v1/responses/{id} tells its status)", param=param)
         turns = []
         rid: str | None = response_id
         while rid is not None:
@@ -101,6 +112,38 @@ class ResponseStore:
         turn = self.get(owner, response_id)
         earlier = self.history(owner, turn.previous) if turn.previous is not None else []
         return [*earlier, *turn.inputs]
+
+
+    # ---- background responses
+
+    def run(self, owner: str, response_id: str, work: Coroutine[Any, Any, None], now: Callable[[], Any]) -> None:
+        """Run a background response's work in a task of its own (it stores the response when it
+        ends); `now` gives the response as it stands meanwhile."""
+        key = (owner, response_id)
+        task = asyncio.get_running_loop().create_task(work, name=f"streamer-response-{response_id}")
+        self._running[key] = (task, now)
+        task.add_done_callback(lambda _: self._running.pop(key, None))
+
+    def running(self, owner: str, response_id: str) -> Any | None:
+        """A background response's object as it stands now (None: it is not running)."""
+        entry = self._running.get((owner, response_id))
+        return entry[1]() if entry is not None else None
+
+    async def cancel(self, owner: str, response_id: str) -> None:
+        """Cancel a running background response and wait until it stored itself (nothing if it
+        is not running)."""
+        entry = self._running.get((owner, response_id))
+        if entry is not None:
+            entry[0].cancel()
+            await asyncio.wait([entry[0]])
+
+    async def cancel_all(self) -> None:
+        """The server stopping: every background response cancelled (each stores itself so)."""
+        tasks = [task for task, _ in self._running.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
 
 def as_stored(items: list[dict[str, Any]], new_id: Any) -> list[dict[str, Any]]:

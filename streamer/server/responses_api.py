@@ -12,8 +12,9 @@ before any byte of a stream).
 
 The output, items and the stream's events, is responses_output.py's (ResponseBuilder).
 
-Responses are stored (store, on unless false) and continued (previous_response_id) as
-response_store.py says; background, conversation and item_reference are refused (fields.RESPONSES_REFUSED).
+Responses are stored (store, on unless false), continued (previous_response_id) and run in the
+background (background: true, then polled and cancelled) as response_store.py says; conversation
+and item_reference are refused (fields.RESPONSES_REFUSED).
 Logprobs (include "message.output_text.logprobs", or top_logprobs) are those of the
 output_text's tokens: with tools or a reasoning parser, tokens are not the message's alone,
 and they are refused.
@@ -21,8 +22,9 @@ and they are refused.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -30,6 +32,7 @@ from msgspec import Meta, Struct, field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from streamer.messages import GenerateRequest
 from streamer.server import protocol as p
 from streamer.server import responses as r
 from streamer.server.fields import RESPONSES_REFUSED, check_refused
@@ -37,10 +40,10 @@ from streamer.server.guard import KEY_ID
 from streamer.server.openai_api import chat_requests, json_response, server
 from streamer.server.openai_output import Formatter
 from streamer.server.protocol import ApiError
-from streamer.server.response_store import Turn, as_stored, page
+from streamer.server.response_store import Turn, as_stored
 from streamer.server.responses_output import ResponseBuilder, new_id
 from streamer.server.sse_response import EventStream
-from streamer.server.state import answer_events, feed_answer, until_disconnect
+from streamer.server.state import ServerState, answer_events, feed_answer, one_answer, until_disconnect
 
 # ---- the request -------------------------------------------------------------------
 
@@ -121,6 +124,7 @@ class ResponsesRequest(p.SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    background: bool = False
 
 
 LOGPROBS = "message.output_text.logprobs"
@@ -287,6 +291,11 @@ async def responses(request: Request) -> Response:
     if body.store and not store.enabled:
         raise ApiError("store: this server stores no responses (streamer serve --responses-store-mb 0)", param="store")
     keep = store.enabled and body.store is not False
+    if body.background and not keep:
+        raise ApiError("background needs the response stored (store: true, and a server with --responses-store-mb "
+                       "> 0): it is read back with GET /v1/responses/{id}", param="background")
+    if body.background and body.stream:
+        raise ApiError("stream is not supported with background: poll GET /v1/responses/{id}", param="stream")
     earlier = store.history(owner, body.previous_response_id) if body.previous_response_id is not None else []
     messages = input_messages(body, earlier)
     st.limits.messages(messages, "input")
@@ -300,14 +309,22 @@ async def responses(request: Request) -> Response:
         rid, int(time.time()), "in_progress", st.model_name, [], body.instructions, body.max_output_tokens,
         body.parallel_tool_calls, params.temperature, params.top_p, body.top_logprobs or 0,
         given(body.tool_choice) if body.tool_choice is not None else "auto", [given(t) for t in body.tools or []], given(body.text or ResponseText()),
-        body.metadata or {}, body.user, store=keep, previous_response_id=body.previous_response_id)
-    gen, buffered = await st.start(reqs)  # (admitted here, once: a refused request is still a 400)
-    builder = ResponseBuilder(head, setup, Formatter(st), logprobs, streaming=body.stream)
+        body.metadata or {}, body.user, store=keep, previous_response_id=body.previous_response_id,
+        background=body.background)
     inputs = as_stored([given(item) for item in own_items(body)], new_id) if keep else []
 
     def kept() -> None:  # (the response as its client got it, once it ended)
         if keep:
-            store.put(owner, Turn.of(msgspec.to_builtins(builder.response), inputs, body.previous_response_id))
+            store.put(owner, Turn.of(msgspec.to_builtins(head), inputs, body.previous_response_id))
+
+    if body.background:
+        head.status = "queued"
+        kept()
+        store.run(owner, rid, in_background(st, reqs, ResponseBuilder(head, setup, Formatter(st), logprobs), kept),
+                  lambda: head)
+        return json_response(head)
+    gen, buffered = await st.start(reqs)  # (admitted here, once: a refused request is still a 400)
+    builder = ResponseBuilder(head, setup, Formatter(st), logprobs, streaming=body.stream)
 
     if body.stream:
         async def events() -> AsyncGenerator[bytes, None]:
@@ -323,36 +340,30 @@ async def responses(request: Request) -> Response:
     return json_response(builder.response)
 
 
-def query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    """The request's query parameters, any but `allowed` refused by name."""
-    for name in request.query_params:
-        if name not in allowed:
-            raise ApiError(f"query parameter {name!r} is not supported here"
-                           + (f" (only {', '.join(allowed)})" if allowed else ""), param=name)
-    return dict(request.query_params)
-
-
-async def stored_response(request: Request) -> Response:
-    """GET /v1/responses/{id}: a stored response; DELETE: forget it."""
-    store, owner, rid = server(request).responses, request.scope.get(KEY_ID, ""), request.path_params["response_id"]
-    query(request, ())
-    if request.method == "DELETE":
-        store.delete(owner, rid)
-        return json_response({"id": rid, "object": "response.deleted", "deleted": True})
-    return json_response(store.get(owner, rid).response)
-
-
-async def input_items(request: Request) -> Response:
-    """GET /v1/responses/{id}/input_items: what the response ran with, instructions apart (order asc
-    or desc, the default; limit 1-100, default 20; after: an item id)."""
-    store, owner, rid = server(request).responses, request.scope.get(KEY_ID, ""), request.path_params["response_id"]
-    q = query(request, ("order", "limit", "after"))
-    order, limit = q.get("order", "desc"), q.get("limit", "20")
-    if order not in ("asc", "desc"):
-        raise ApiError(f"order must be asc or desc, not {order!r}", param="order")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise ApiError(f"limit must be an integer from 1 to 100, not {limit!r}", param="limit")
-    return json_response(page(store.input_items(owner, rid), order, int(limit), q.get("after")))
+async def in_background(st: ServerState, reqs: list[GenerateRequest], builder: ResponseBuilder,
+                        kept: Callable[[], None]) -> None:
+    """A background response's run: what a whole response's request does, its errors (a refusal
+    included) the response's status and error rather than an HTTP status; stored when it ends."""
+    head = builder.response
+    try:
+        gen, buffered = await st.start(reqs)
+        head.status = "in_progress"
+        answer = one_answer(gen, buffered)
+        try:
+            async for out in answer:
+                if out.error:
+                    builder.fail(out)
+                    break
+                builder.feed(out)
+        finally:
+            await answer.aclose()
+    except ApiError as e:
+        head.status, head.error = "failed", r.ResponseError(e.code or e.type, e.message)
+    except asyncio.CancelledError:  # (POST /v1/responses/{id}/cancel, or the server stopping)
+        builder.close("incomplete")
+        head.status = "cancelled"
+    finally:
+        kept()
 
 
 def given(value: Any) -> Any:

@@ -1,17 +1,21 @@
 """Stored responses (server/response_store.py): /v1/responses keeps each turn unless its body says
 store false; previous_response_id runs the chain's items before the new input (instructions not
 carried over); GET, DELETE and input_items read them back; memory is bounded, least recently used
-dropped first; a response belongs to the API key that made it."""
+dropped first; a response belongs to the API key that made it. A background response answers at
+once (queued), runs on, reads live, and ends completed, failed or cancelled."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
 from streamer.config import ConfigError, ServerConfig
+from streamer.messages import GenerateRequest, RequestOutput
 from streamer.server.app import create_app
 from streamer.server.protocol import ApiError
 from streamer.server.response_store import ResponseStore, Turn, as_stored, page
@@ -138,6 +142,111 @@ def test_another_api_key_cannot_see_or_continue_a_response():
         assert client.delete(f"{PATH}/{rid}", headers=b).status_code == 404
         assert client.post(PATH, json={"input": "x", "previous_response_id": rid}, headers=b).status_code == 404
         assert client.get(f"{PATH}/{rid}").status_code == 401
+
+
+# ---- background responses -----------------------------------------------------------------
+
+
+class Gated(RecordingEngine):
+    """Answers "Sun" at once, then " and rain." once `gate` is set (or the first output is an
+    error, with `refuse`); records requests whose outputs stopped being read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.refuse: str | None = None
+        self.closed: list[str] = []
+
+    async def submit(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        import asyncio
+
+        self.sent.append(request)
+        rid = request.request_id
+        if self.refuse:
+            yield RequestOutput(rid, [], "", finished=True, finish_reason="error", error=self.refuse)
+            return
+        try:
+            yield RequestOutput(rid, [5], "Sun", prompt_tokens=3, completion_tokens=1)
+            while not self.gate.is_set():  # (the test's thread opens it; cancellable here)
+                await asyncio.sleep(0.002)
+            yield RequestOutput(rid, [6], " and rain.", finished=True, finish_reason="stop", prompt_tokens=3,
+                                completion_tokens=2)
+        finally:
+            self.closed.append(rid)
+
+
+@pytest.fixture
+def gated() -> Iterator[tuple[Gated, TestClient]]:
+    engine = Gated()
+    with TestClient(create_app(engine, ServerConfig(allowed_hosts=("testserver",)))) as client:
+        yield engine, client
+
+
+def settled(client: TestClient, rid: str, statuses: tuple[str, ...]) -> dict[str, Any]:
+    """GET the response until its status is one of statuses (a client polling; 2 s at most)."""
+    for _ in range(400):
+        out = client.get(f"{PATH}/{rid}").json()
+        if out["status"] in statuses:
+            return out
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} stayed {out['status']}")
+
+
+def test_a_background_response_answers_at_once_reads_live_and_is_stored_when_it_ends(gated):
+    engine, client = gated
+    queued = post(client, input="Weather?", background=True)
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    running = settled(client, queued["id"], ("in_progress",))
+    assert running["output"] == []  # (the message is still open)
+    r = client.post(PATH, json={"input": "And?", "previous_response_id": queued["id"]})
+    assert r.status_code == 400 and "still running" in r.json()["error"]["message"]
+    engine.gate.set()
+    done = settled(client, queued["id"], ("completed",))
+    assert done["output"][0]["content"][0]["text"] == "Sun and rain." and done["usage"]["output_tokens"] == 2
+    assert client.post(f"{PATH}/{queued['id']}/cancel").json() == done  # (ended: returned as it is)
+
+
+def test_cancelling_a_background_response_stops_its_request_and_keeps_what_it_wrote(gated):
+    engine, client = gated
+    rid = post(client, input="Weather?", background=True)["id"]
+    settled(client, rid, ("in_progress",))
+    r = client.post(f"{PATH}/{rid}/cancel")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "cancelled" and engine.closed == [engine.sent[0].request_id]
+    (item,) = out["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Sun"
+    assert client.get(f"{PATH}/{rid}").json() == out
+    engine.gate.set()
+    plain = post(client, input="Hi", store=True)
+    r = client.post(f"{PATH}/{plain['id']}/cancel")
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+
+
+def test_a_refused_background_request_fails_in_its_response(gated):
+    engine, client = gated
+    engine.refuse = "the grammar cannot be compiled"
+    rid = post(client, input="Weather?", background=True)["id"]
+    out = settled(client, rid, ("failed",))
+    assert out["error"]["message"] == "the grammar cannot be compiled"
+
+
+def test_the_server_stopping_cancels_background_responses():
+    engine = Gated()
+    with TestClient(create_app(engine, ServerConfig(allowed_hosts=("testserver",)))) as client:
+        rid = post(client, input="Weather?", background=True)["id"]
+        settled(client, rid, ("in_progress",))
+        store = client.app.state.server.responses
+    engine.gate.set()
+    assert store.get("", rid).response["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(("body", "param"), [({"background": True, "store": False}, "background"),
+                                             ({"background": True, "stream": True}, "stream")])
+def test_background_needs_storage_and_no_stream(fake, body, param):
+    engine, client = fake
+    r = client.post(PATH, json={"input": "Hi", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and not engine.sent
 
 
 # ---- the store itself -----------------------------------------------------------------------

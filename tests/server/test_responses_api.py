@@ -1,8 +1,8 @@
 """/v1/responses: OpenAI's Responses API, run as a chat completion (server/responses_api.py).
 
 A body's instructions, input items, function tools and text.format reach the engine as the
-chat request that says the same; what is not supported (background, hosted tools, images) is a
-400 naming it (storage and previous_response_id: test_response_store.py). The output is the chat output's split as items (reasoning, message, calls), and
+chat request that says the same; what is not supported (conversation, hosted tools, images) is
+a 400 naming it (storage, previous_response_id and background: test_response_store.py). The output is the chat output's split as items (reasoning, message, calls), and
 a stream's events rebuild exactly the whole response. Against the live default model, through
 the official client: the text is chat's for the same conversation, required calls validate,
 and a call's result goes back in as input.
@@ -118,7 +118,6 @@ def test_text_format_constrains_as_response_format_does(fake):
 REFUSED = [
     # (the body's fields besides input, the param named, a word of the message)
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
-    ({"background": True}, "background", "background"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning"),
     ({"truncation": "auto"}, "truncation", "truncation"),
@@ -341,3 +340,16 @@ def test_a_stored_response_is_continued_fetched_listed_and_deleted(client):
         client.responses.retrieve(second.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(sent_whole.id)  # (store false)
+
+
+def test_a_background_response_is_polled_to_the_same_answer(client):
+    kwargs: dict[str, Any] = {"model": "smol", "input": "Name a fruit.", "max_output_tokens": 8, "temperature": 0}
+    queued = client.responses.create(background=True, **kwargs)
+    assert queued.status == "queued" and queued.background
+    for _ in range(2000):  # (a client polling; the answer takes well under a second)
+        polled = client.responses.retrieve(queued.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+    assert polled.status in ("completed", "incomplete")
+    assert polled.output_text == client.responses.create(**kwargs).output_text
+    assert client.responses.cancel(queued.id).status == polled.status  # (ended: as it is)
