@@ -318,7 +318,8 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
         chunks = ChatChunks(fmt, rid, created, st.model_name, chat) if chat is not None else \
             CompletionChunks(fmt, rid, created, st.model_name, echo)
         usage_wanted = bool(options and options.include_usage)
-        stream_events: AsyncIterator[bytes] = events(gen, buffered, chunks, n, len(reqs), usage_wanted)
+        continuous = bool(options and options.continuous_usage_stats)
+        stream_events: AsyncIterator[bytes] = events(gen, buffered, chunks, n, len(reqs), usage_wanted, continuous)
         return EventStream(stream_events, sep="\n", shutdown_grace_period=20)
     choices = await until_disconnect(request, collect(gen, buffered, len(reqs)))
     if choices is None:

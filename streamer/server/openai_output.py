@@ -10,7 +10,7 @@ predicts it) and the rest the engine's prompt logprobs (SamplingParams.prompt_lo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from streamer.messages import RequestOutput, SampledToken
@@ -153,12 +153,16 @@ async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count:
 
 
 class CompletionChunks:
+    running: Callable[[], r.Usage] | None = None
+    """With stream_options.continuous_usage_stats: the usage so far, which every chunk carries (events sets it)."""
+
     def __init__(self, fmt: Formatter, rid: str, created: int, model: str, echo: list[str] | None = None) -> None:
         self.fmt, self.head = fmt, (rid, "text_completion", created, model)
         self.echo = echo
         """With echo: each choice's prompt text, sent as its first chunk."""
 
     def encode(self, *choices: r.CompletionChoice, use: r.Usage | None = None) -> bytes:
+        use = use if use is not None or self.running is None else self.running()
         return data_event(r.CompletionResponse(*self.head, choices=list(choices), usage=use))
 
     def opening(self, choices: dict[int, Choice]) -> list[bytes]:
@@ -180,6 +184,9 @@ class ChatChunks:
     """With tools or reasoning, each choice's text goes through its ChatOutput: markup held
     back until decided, reasoning and calls in their own delta fields."""
 
+    running: Callable[[], r.Usage] | None = None
+    """As CompletionChunks.running."""
+
     def __init__(self, fmt: Formatter, rid: str, created: int, model: str, setup: ChatSetup) -> None:
         self.fmt, self.head = fmt, (rid, "chat.completion.chunk", created, model)
         self.plain = setup.tools is None and setup.reasoning is None
@@ -198,6 +205,7 @@ class ChatChunks:
         return r.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
     def encode(self, *choices: r.ChatChunkChoice, use: r.Usage | None = None) -> bytes:
+        use = use if use is not None or self.running is None else self.running()
         return data_event(r.ChatCompletionChunk(*self.head, choices=list(choices), usage=use))
 
     def opening(self, choices: dict[int, Choice]) -> list[bytes]:
@@ -245,8 +253,9 @@ def chat_choice(i: int, c: Choice, setup: ChatSetup, fmt: Formatter) -> r.ChatCh
 
 
 async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks: CompletionChunks | ChatChunks,
-                 n: int, count: int, usage_wanted: bool) -> AsyncIterator[bytes]:
+                 n: int, count: int, usage_wanted: bool, continuous: bool = False) -> AsyncIterator[bytes]:
     """OpenAI's chunk order: [role | echo], content deltas, a finish chunk per choice, [usage], [DONE].
+    With continuous (vLLM's continuous_usage_stats) every chunk carries the usage so far.
 
     A failure after the stream began cannot change the status any more: it is
     sent as an {"error": ...} event before [DONE].
@@ -256,8 +265,12 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
     [DONE].
     """
     choices = {i: Choice() for i in range(count)}
+    chat = isinstance(chunks, ChatChunks)
+    if continuous:
+        chunks.running = lambda: usage(choices, n, chat)
     for i, out in buffered:  # (the first output of every choice: ServerState.start waited for them)
         choices[i].take_prompt(out)
+        choices[i].prompt_tokens = out.prompt_tokens  # (known before the opening chunks)
     pending: list[bytes] = chunks.opening(choices)
     left = count
     failed = False
@@ -306,7 +319,7 @@ async def events(gen: Merged, buffered: list[tuple[int, RequestOutput]], chunks:
                         if data := flush():
                             yield data
         if not failed and usage_wanted:
-            pending.append(chunks.encode(use=usage(choices, n, chat=isinstance(chunks, ChatChunks))))
+            pending.append(chunks.encode(use=usage(choices, n, chat)))
         pending.append(DONE_EVENT)
         yield b"".join(pending)
     finally:

@@ -88,6 +88,8 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far (its completion_tokens those generated yet)."""
 
 
 class JsonSchemaFormat(Struct):

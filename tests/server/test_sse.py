@@ -37,6 +37,21 @@ def test_chat_chunk_sequence(http):
     assert all("usage" not in c for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens sent up to it."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Hello"})):
+        body = {**body, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with http.stream("POST", path, json=body) as r:
+            chunks = [json.loads(d) for d in events(r)[:-1]]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[-2] == 5, (path, counts)
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n for c, n in zip(chunks, counts))
+        assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1 and chunks[0]["usage"]["prompt_tokens"] > 0
+        assert chunks[-1]["choices"] == []  # (include_usage's own chunk still ends the stream)
+
+
 def test_completion_chunks_without_usage(http):
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True, "logprobs": 1}
     with http.stream("POST", "/v1/completions", json=body) as r:
