@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamer.engine_stats import EngineStats
@@ -192,13 +193,21 @@ class RequestCounter:
 
     def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: set[str]) -> None:
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
+        # a route with parameters (/v1/responses/{response_id}) is labelled by its template: the
+        # ids in its paths are unbounded
+        self.templates = [(compile_path(e)[0], e) for e in sorted(endpoints) if "{" in e]
+
+    def label(self, path: str) -> str:
+        """The endpoint a path counts under: itself, its route's template, or "other"."""
+        if path in self.endpoints:
+            return path
+        return next((e for pattern, e in self.templates if pattern.match(path)), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        endpoint = path if path in self.endpoints else "other"
+        endpoint = self.label(scope["path"])
         status = {"code": 500}
 
         async def send_wrapper(message: Message) -> None:

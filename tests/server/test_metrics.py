@@ -61,6 +61,18 @@ def test_chat_page_is_served(http):
     assert http.get("/static/app.js").status_code == 200
 
 
+def test_requests_count_under_their_routes_template_and_unknown_paths_under_other(http):
+    http.get("/v1/models/smol")
+    http.get("/v1/responses/resp_nope")
+    http.get("/no/such/path")
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['streamer_http_requests_total{endpoint="/v1/models/{model:path}",status="200"}'] >= 1
+    assert values['streamer_http_requests_total{endpoint="/v1/responses/{response_id}",status="404"}'] >= 1
+    assert values['streamer_http_requests_total{endpoint="other",status="404"}'] >= 1
+    assert not any("resp_nope" in k or "/no/such" in k for k in values)
+
+
 def test_the_event_loop_histogram_renders_as_prometheus_client_does():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
