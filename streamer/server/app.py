@@ -3,7 +3,7 @@
   create_app(engine, server_config) -> Starlette   (`streamer serve` runs it: serve.py)
 
 The routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
-(openai_api.py), /v1/responses (responses_api.py; stored ones: response_store_api.py), /v1/embeddings (embeddings_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
+(openai_api.py), /v1/responses (responses_api.py; stored ones: response_store_api.py), /v1/embeddings (embeddings_api.py), /v1/score and /v1/rerank (score_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
 /tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health, /metrics,
 /openapi.json (openapi.py) and the chat page. Their handlers meet the
 engine through one ServerState (state.py), at app.state.server. Every request passes
@@ -34,6 +34,7 @@ from streamer.server import (
     openai_api,
     response_store_api,
     responses_api,
+    score_api,
     websocket,
 )
 from streamer.server.guard import ApiKeyCheck, HostCheck, JsonBody, error_response
@@ -107,6 +108,8 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/v1/responses/{response_id}/input_items", response_store_api.input_items),
         Route("/v1/responses/{response_id}/cancel", response_store_api.cancel, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
+        Route("/v1/score", score_api.score, methods=["POST"]),
+        *[Route(path, score_api.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")],
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", websocket.chat_session),

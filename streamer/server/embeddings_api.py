@@ -27,7 +27,7 @@ from streamer.messages import MAX_CACHE_SALT, GenerateRequest, RequestOutput, Sa
 from streamer.server.fields import OTHER_SERVERS_REFUSED, check_refused
 from streamer.server.openai_api import json_response, prompts_of, server
 from streamer.server.protocol import ApiError, decode_body
-from streamer.server.state import Merged, failure, until_disconnect
+from streamer.server.state import Merged, ServerState, failure, until_disconnect
 
 ENCODINGS = ("float", "base64")
 
@@ -89,15 +89,37 @@ async def gather(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: 
     return done
 
 
+def check_pooling(st: ServerState) -> None:
+    if st.info.pooling.unsupported is not None:
+        raise ApiError(f"{st.info.pooling.unsupported}: this model's embeddings cannot be served", param="model",
+                       code="unsupported_model")
+
+
+async def embed(request: Request, st: ServerState, prompts: list[str | list[int]], prefix: str,
+                params: SamplingParams) -> list[RequestOutput] | None:
+    """Each prompt's final output (its embedding), in order, as one HTTP request's engine
+    requests; None when the client left first."""
+    rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    reqs = [GenerateRequest(request_id=f"{rid}-{i}", prompt=prompt, params=params) if isinstance(prompt, str) else
+            GenerateRequest(request_id=f"{rid}-{i}", prompt_token_ids=prompt, params=params)
+            for i, prompt in enumerate(prompts)]
+    gen, buffered = await st.start(reqs)
+    return await until_disconnect(request, gather(gen, buffered, len(reqs)))
+
+
+def embed_params(st: ServerState, request: Request, cache_salt: str | None, timeout: float | None,
+                 truncate: int | None) -> SamplingParams:
+    return st.apply_policy(SamplingParams(max_tokens=1, temperature=0, embed=True, cache_salt=cache_salt,
+                                          timeout=timeout, truncate_prompt_tokens=truncate), request.scope)
+
+
 async def embeddings(request: Request) -> Response:
     st = server(request)
     data = await request.body()
     body: EmbeddingRequest = decode_body(data, EmbeddingRequest)
     check_refused(data, OTHER_SERVERS_REFUSED)
     st.check_model(body.model)
-    if st.info.pooling.unsupported is not None:
-        raise ApiError(f"{st.info.pooling.unsupported}: this model's embeddings cannot be served", param="model",
-                       code="unsupported_model")
+    check_pooling(st)
     if body.encoding_format not in ENCODINGS:
         raise ApiError(f"encoding_format must be one of {', '.join(ENCODINGS)}, not {body.encoding_format!r}",
                        param="encoding_format")
@@ -107,15 +129,8 @@ async def embeddings(request: Request) -> Response:
         raise ApiError(e.message.replace("prompt", "input"), param="input") from None
     st.limits.batch(len(prompts), "input", "inputs")
     st.limits.prompts(prompts, "input")
-    rid = f"embd-{uuid.uuid4().hex[:24]}"
-    params = st.apply_policy(SamplingParams(max_tokens=1, temperature=0, embed=True, cache_salt=body.cache_salt,
-                                            timeout=body.timeout, truncate_prompt_tokens=body.truncate_prompt_tokens),
-                             request.scope)
-    reqs = [GenerateRequest(request_id=f"{rid}-{i}", prompt=prompt, params=params) if isinstance(prompt, str) else
-            GenerateRequest(request_id=f"{rid}-{i}", prompt_token_ids=prompt, params=params)
-            for i, prompt in enumerate(prompts)]
-    gen, buffered = await st.start(reqs)
-    outs = await until_disconnect(request, gather(gen, buffered, len(reqs)))
+    params = embed_params(st, request, body.cache_salt, body.timeout, body.truncate_prompt_tokens)
+    outs = await embed(request, st, prompts, "embd", params)
     if outs is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     size = len(outs[0].embedding or ())

@@ -22,14 +22,16 @@ from streamer.server.responses import (
     ResponseObject,
 )
 from streamer.server.responses_api import ResponsesRequest
+from streamer.server.score_api import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
              ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse,
-             ResponsesRequest, ResponseObject, EmbeddingRequest, EmbeddingResponse, MessagesRequest, CountTokensRequest]
+             ResponsesRequest, ResponseObject, EmbeddingRequest, EmbeddingResponse, MessagesRequest, CountTokensRequest,
+             ScoreRequest, ScoreResponse, RerankRequest, RerankResponse]
     (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver, req_r, res_r, req_e, res_e, req_m,
-     req_ct), comps = \
+     req_ct, req_s, res_s, req_rr, res_rr), comps = \
         msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
 
     def error(status: int, why: str) -> dict:
@@ -73,6 +75,9 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/responses/{response_id}/input_items": get(
                 "The items a stored response ran with, instructions apart (order, limit, after)", parameters=resp_param),
             "/v1/embeddings": post(req_e, res_e, "Embeddings (last-token pooling)", stream=False),
+            "/v1/score": post(req_s, res_s, "Cosine similarity of text pairs' embeddings (vLLM's)", stream=False),
+            "/v1/rerank": post(req_rr, res_rr, "Documents ordered by their embeddings' cosine similarity to the query "
+                               "(vLLM's; also /rerank and /v2/rerank)", stream=False),
             "/v1/messages": post(req_m, {"type": "object"}, "Anthropic's Messages API (errors in Anthropic's shape)"),
             "/v1/messages/count_tokens": post(req_ct, {"type": "object"}, "The prompt's tokens, as the engine runs it",
                                               stream=False),
