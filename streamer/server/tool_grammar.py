@@ -122,6 +122,13 @@ class _Tagged:
         return self.open
 
 
+XML_WHITESPACE = 2
+"""Whitespace characters in a row that an XML style's markup may hold (between parameters, around a
+value: the templates write one newline): a small model must not wander into whitespace there until
+max_tokens, as JSON's fixed format keeps it from doing (sampling/grammar.py). A string value's own
+whitespace (code's indentation) is not bounded."""
+
+
 _TAGGED = {
     "deepseek_v3": _Tagged(_CALL_BEGIN + "function" + _SEP, "\n```json\n", "\n```" + _CALL_END, "\n"),
     "deepseek_v31": _Tagged(_CALL_BEGIN, _SEP, _CALL_END, ""),
@@ -182,7 +189,7 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
 def _calls(m: _Markup | _Tagged, functions: dict[str, dict | bool], many: bool) -> dict:
     """The tag matching a block of calls: one call, or one or more when many."""
     if isinstance(m, _Tagged):
-        style = {"style": m.style} if m.style != "json" else {}
+        style = {"style": m.style, "max_whitespace_cnt": XML_WHITESPACE} if m.style != "json" else {}
         tags = [{"type": "tag", "begin": m.call_head + name + m.call_mid,
                  "content": {"type": "json_schema", "json_schema": params, **style}, "end": m.call_end}
                 for name, params in functions.items()]

@@ -191,6 +191,23 @@ def random_walk(compiler: GrammarCompiler, s: GrammarState, g: torch.Generator, 
 
 # ---- what each tool_choice accepts -----------------------------------------------------
 
+
+@pytest.mark.parametrize("fmt", XML)
+def test_xml_markup_takes_little_whitespace_and_string_values_any(compiler, fmt):
+    """tool_grammar.XML_WHITESPACE: a run of whitespace between parameters or before a number is
+    refused; a string value's own (indented code) is not."""
+    spec = tool_call_grammar(TOOLS, "required", False, fmt)
+    call = render(fmt, [ALARM_CALL])
+    assert accepts(compiler, spec, call)
+    number = str(ALARM_CALL[1]["hour"])
+    gap = ("</parameter>\n", "</parameter>\n\n\n\n\n") if fmt == "qwen3_coder" else ("</arg_value>\n", "</arg_value>\n\n\n\n\n")
+    assert not accepts(compiler, spec, call.replace(gap[0], gap[1], 1))
+    opened = "<parameter=hour>\n" if fmt == "qwen3_coder" else "<arg_key>hour</arg_key>\n<arg_value>"
+    assert not accepts(compiler, spec, call.replace(opened + number, opened + "      " + number))
+    indented = ("get_weather", {"city": "  Nice    x"})
+    assert accepts(compiler, spec, render(fmt, [indented])) and parse(fmt, render(fmt, [indented])) == [indented]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_required_is_one_call_of_any_tool_and_nothing_else(compiler, fmt):
     spec = tool_call_grammar(TOOLS, "required", False, fmt)
