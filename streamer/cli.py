@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served beside the base model: a request whose model is "
+                        "NAME runs with that adapter")
     g.add_argument("--cuda-graph-max-bs", type=int, default=512,
                    help="largest decode batch replayed from a CUDA graph, capped at --max-num-seqs "
                    "(larger ones run eagerly)")

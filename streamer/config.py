@@ -206,6 +206,10 @@ class EngineConfig:
     """Hosts the tensor_parallel_size ranks span (MASTER_ADDR/MASTER_PORT: node 0)."""
     node_rank: int = 0
     """This host's index among nnodes; 0 runs the engine, the others only their ranks."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served beside the base model, each "NAME=PATH" (a PEFT adapter folder:
+    adapter_config.json and adapter_model.safetensors; model/lora.py): a request naming NAME as
+    its model (SamplingParams.lora) runs with it. Every adapter is loaded at start."""
     speculative_config: Any = None
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
@@ -257,6 +261,25 @@ class EngineConfig:
         if self.tensor_parallel_size % self.nnodes:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
                               f"nnodes={self.nnodes} (each node runs as many ranks)")
+        self.lora_modules = tuple(self.lora_modules)
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora_modules: each adapter needs a name of its own, not {', '.join(names)}")
+        if names and self.tensor_parallel_size > 1:
+            raise ConfigError("lora_modules are not supported with tensor_parallel_size > 1")
+        if names and self.speculative_config is not None:
+            raise ConfigError("lora_modules are not supported with speculative decoding (speculative_config)")
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """lora_modules as (name, path), in the order given (adapter k is the (k+1)-th)."""
+        out = []
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"lora_modules: {entry!r} is not NAME=PATH")
+            out.append((name.strip(), path.strip()))
+        return out
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -92,6 +92,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """The request's answer is its prompt's embedding (RequestOutput.embedding: the model's
     final hidden state at the prompt's last token, as last-token pooling takes it), not text:
     it runs with max_tokens 1 and the token sampled is dropped (/v1/embeddings, LLM.embed)."""
+    lora: str | None = None
+    """The LoRA adapter to run with (EngineConfig.lora_modules: its name; None: the base model).
+    Its requests share cached prefixes only with each other (the tokenizer folds it into the
+    prefix cache's namespace)."""
     prediction: str | list[int] | None = None
     """Text (or token ids) the output is expected to repeat, as OpenAI's Predicted Outputs:
     with ngram speculation, the proposals follow it where the output does (spec/ngram.py:
@@ -231,6 +235,8 @@ class SeqChunk(msgspec.Struct):
     embed: bool = False
     """The chunk ends its embedding request's prompt: the final hidden state at its last
     position is wanted (StepOutput.embeddings)."""
+    lora: str | None = None
+    """SamplingParams.lora: the adapter its tokens run with."""
 
 
 class Batch(msgspec.Struct):

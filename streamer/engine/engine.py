@@ -155,7 +155,9 @@ class AsyncEngine:
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
                               self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),
-                              pooling=pooling_config(self.model_path))
+                              pooling=pooling_config(self.model_path),
+                              loras=tuple(name for name, _ in self.config.lora_adapters))
+        self.tokenizer.loras = self.info.loras
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics, kv_window=kv_window(hf))
         self._attach_grammar()

@@ -52,6 +52,8 @@ class ModelInfo:
     a reasoning model thinks before its constrained answer)."""
     pooling: Pooling = field(default_factory=Pooling)
     """How its embeddings are made (engine/pooling.py: normalized or not, or why none)."""
+    loras: tuple[str, ...] = ()
+    """The LoRA adapters served beside it (EngineConfig.lora_modules): names a request's model may give."""
 
 
 class Engine(Protocol):

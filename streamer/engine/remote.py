@@ -129,7 +129,8 @@ class EngineProcess:
         self._info = ModelInfo(first.model_name, first.max_model_len, first.vocab_size, first.eos_token_ids, hf,
                                generation_defaults=generation_defaults(Path(first.model_path)),
                                chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),
-                               pooling=pooling_config(Path(first.model_path)))
+                               pooling=pooling_config(Path(first.model_path)),
+                               loras=tuple(name for name, _ in self.config.lora_adapters))
 
     @property
     def info(self) -> ModelInfo:

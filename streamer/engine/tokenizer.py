@@ -82,6 +82,8 @@ class Tokenizer:
         self.predictions = False
         """The engine speculates with ngram: a request's prediction is tokenized for its
         proposals (SamplingParams.prediction); otherwise it has no use and is not."""
+        self.loras: tuple[str, ...] = ()
+        """The LoRA adapters' names (EngineConfig.lora_modules), which SamplingParams.lora may name."""
 
     def encode_prompt(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -110,6 +112,14 @@ class Tokenizer:
         already (grammar_state does the rest, in a thread of its own)."""
         params = req.params
         params.validate()
+        if params.lora is not None:
+            if params.lora not in self.loras:
+                raise RequestError(f"no LoRA adapter is named {params.lora!r}"
+                                   + (f" (this engine has {', '.join(self.loras)})" if self.loras else
+                                      " (this engine serves none: --lora-modules)"))
+            # (its KV is the adapter's: a namespace of its own in the prefix cache)
+            salt = f"lora:{params.lora}" + ("" if params.cache_salt is None else f":{params.cache_salt}")
+            params = msgspec.structs.replace(params, cache_salt=salt)
         ids = self.encode_prompt(req)
         if params.truncate_prompt_tokens is not None:  # (the last tokens: where the question is)
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens

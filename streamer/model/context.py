@@ -36,6 +36,9 @@ class ForwardContext:
     num_decodes: int = 0
     """Eager mixed steps: the first num_decodes sequences have one query token each, and
     attention runs them through the decode kernel (kernels.ops.paged_attention)."""
+    lora_ids: torch.Tensor | None = None
+    """[T] int64: each token's LoRA adapter (1..n, 0: the base model), or None when no token of
+    the step has one (model/lora.py)."""
 
 
 _current: ForwardContext | None = None
@@ -65,6 +68,11 @@ def set_context(ctx: ForwardContext | None) -> None:
     _current = ctx
 
 
+def lora_ids() -> torch.Tensor | None:
+    """The step's ForwardContext.lora_ids (None also outside a model call: an LM head's)."""
+    return None if _current is None else _current.lora_ids
+
+
 def get_context() -> ForwardContext:
     assert _current is not None, "model called outside ModelRunner.forward"
     return _current
@@ -85,6 +93,7 @@ def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: tor
         k_cache=k_cache,
         v_cache=v_cache,
         num_decodes=num_decodes,
+        lora_ids=x.get("lora_ids"),
     )
     set_context(ctx)
     try:

@@ -14,7 +14,7 @@ from kernels import ops
 from kernels.gemv import gemv, gemv_glu, use_gemv
 from streamer.errors import ModelLoadError
 from streamer.model import quant
-from streamer.model.context import get_context, rows_as_decode
+from streamer.model.context import get_context, lora_ids, rows_as_decode
 from streamer.model.tp_group import TPGroup
 from streamer.model.tp_group import current as tensor_parallel
 
@@ -64,6 +64,9 @@ class Linear(nn.Linear):
     act = "token"
     block: tuple[int, int] | None = None
     cublas_scale: torch.Tensor | None = None
+    lora: Any = None
+    """LoRA adapters of this layer (model/lora.py LoraWeights), added to the output of the rows
+    whose step context names one (ForwardContext.lora_ids)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **({**kwargs, "device": "meta"} if _deferred else kwargs))
@@ -113,6 +116,14 @@ class Linear(nn.Linear):
         return self.weight_scale is not None and self.block is None and self.act == "token"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        if self.lora is not None and (ids := lora_ids()) is not None:
+            from streamer.model.lora import delta
+
+            y = y + delta(x, self.lora, ids)
+        return y
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return quant.block_fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.cublas_scale)
         per_row = rows_as_decode()
@@ -253,7 +264,7 @@ class MLP(nn.Module):
         # (the fused GEMV epilogue is SiLU only and has no bias: GeGLU and biased layers take the
         # gate_up GEMV, then the activation's kernel; block-scaled float8 layers have no GEMV path)
         if (self.act == "silu" and gate_up.decode_gemv and gate_up.block is None and gate_up.bias is None
-                and use_gemv(x, gate_up.weight, rows_as_decode())):
+                and use_gemv(x, gate_up.weight, rows_as_decode()) and lora_ids() is None):
             # one token (or a verify step's rows, each as one): the activation runs in the gate_up
             # GEMV's epilogue (one launch and one round trip through memory fewer per layer)
             if gate_up.weight_scale is not None:

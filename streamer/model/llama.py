@@ -273,16 +273,26 @@ class LlamaForCausalLM(nn.Module):
         perm = self.rotary_permutation()
         if perm is None:
             return
-        perm = perm.cpu()
         for layer in self.layers:
             attn = layer.self_attn
-            qkv = attn.qkv_proj
-            n_qk, hd = attn.heads + attn.kv_heads, self.head_dim
-            heads = (torch.arange(n_qk)[:, None] * hd + perm[None, :]).view(-1)  # (v's rows stay)
-            qkv.permute_rows(torch.cat([heads, torch.arange(n_qk * hd, qkv.out_features)]))
+            order = self.qkv_rows_permutation(attn.qkv_proj)
+            assert order is not None
+            attn.qkv_proj.permute_rows(order)
             for norm in (attn.q_norm, attn.k_norm):  # per-head q/k norms: their weights follow the dims
                 if norm is not None:  # ([head_dim], or [heads, head_dim]: cohere.py's)
                     norm.weight.data.copy_(norm.weight.data[..., perm.to(norm.weight.device)].clone())
+
+    def qkv_rows_permutation(self, qkv: nn.Module) -> torch.Tensor | None:
+        """New row -> old row of a qkv_proj under rotary_permutation (each q/k head's rows
+        reordered, v's kept), or None where the model does not reorder (LoRA's B rows follow it:
+        model/lora.py)."""
+        perm = self.rotary_permutation()
+        if perm is None:
+            return None
+        attn = self.layers[0].self_attn
+        n_qk, hd = attn.heads + attn.kv_heads, self.head_dim
+        heads = (torch.arange(n_qk)[:, None] * hd + perm.cpu()[None, :]).view(-1)  # (v's rows stay)
+        return torch.cat([heads, torch.arange(n_qk * hd, qkv.out_features)])
 
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))

@@ -35,11 +35,14 @@ def prepare(
     split_decode_tokens: int,
     last_tokens: torch.Tensor,
     last_rows: dict[str, int],
+    loras: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Host lists -> the tensors of one forward (numpy on the host, one copy each).
 
     last_tokens, last_rows: the tokens the previous step sampled, still on the device, and
-    each sampling request's row in them (PLACEHOLDER ids are read from there)."""
+    each sampling request's row in them (PLACEHOLDER ids are read from there). loras: each LoRA
+    adapter's index (ModelRunner.loras); a step with an adapter's token runs eagerly, its
+    tokens' adapters in lora_ids (model/lora.py)."""
     ps = page_size
     seqs = batch.seqs
     lens = [len(s.token_ids) for s in seqs]
@@ -79,6 +82,11 @@ def prepare(
     # graphs end in the LM head)
     embed_rows = [(s.request_id, int(cu[i + 1]) - 1) for i, s in enumerate(seqs) if s.embed]
     decode = max(lens) == 1 and all(s.sample for s in seqs) and not embed_rows
+    lora_tok = None
+    if any(s.lora is not None for s in seqs):
+        index = loras or {}
+        lora_tok = np.repeat(np.array([index[s.lora] if s.lora is not None else 0 for s in seqs], np.int64), lens)
+        graphs = extend_graphs = None  # (the graphs hold the base model's layers alone)
     graph: DecodeGraphs | ExtendGraphs | None = None
     if decode and graphs is not None and graphs.fits(len(seqs), width):
         graph = graphs
@@ -108,9 +116,11 @@ def prepare(
     # staging each of nine small pageable copies.
     parts = [ids, positions, slots, seq_lens, cu, np.array(last, dtype=np.int64), pending, pending_rows,
              table.ravel(), tiles]
+    if lora_tok is not None:
+        parts.append(lora_tok)
     dev_buf, offsets = upload(parts, device, staging)
     views = [dev_buf[at : at + a.size] for at, a in zip(offsets, parts)]
-    input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views
+    input_ids, pos_t, slots_t, seq_lens_t, cu_t, last_t, pend_t, rows_t, table_t, tiles_t = views[:10]
     if len(pending):
         input_ids[pend_t] = last_tokens[rows_t]
     return dict(
@@ -130,6 +140,7 @@ def prepare(
         lp_targets=lp_targets,
         lp_owner=lp_owner,
         embed_rows=embed_rows,
+        lora_ids=views[10] if lora_tok is not None else None,
     )
 
 

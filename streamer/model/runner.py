@@ -69,6 +69,13 @@ class ModelRunner:
                     m.decode_gemv = True
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.loras = {name: k + 1 for k, (name, _) in enumerate(config.lora_adapters)}
+        """LoRA adapter name -> its index in the adapted layers (model/lora.py); before the graphs are
+        captured, which serve the base model's steps alone."""
+        if self.loras:
+            from streamer.model import lora
+
+            lora.attach(self.model, [lora.read_adapter(n, p) for n, p in config.lora_adapters], self.dtype)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
         """speculative_config's draft_model (model/draft.py) or EAGLE head (model/eagle_draft.py):
@@ -150,7 +157,7 @@ class ModelRunner:
             return prepare(
                 rows, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging,
                 graphs=g, extend_graphs=None, split_decode_tokens=self.split_decode_tokens,
-                last_tokens=self.last_tokens, last_rows=self.last_rows,
+                last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.loras,
             )
         return prepare(
             batch,
@@ -162,6 +169,7 @@ class ModelRunner:
             split_decode_tokens=self.split_decode_tokens,
             last_tokens=self.last_tokens,
             last_rows=self.last_rows,
+            loras=self.loras,
         )
 
     def before_forward(self, batch: Batch) -> None:

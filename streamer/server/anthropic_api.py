@@ -289,7 +289,7 @@ async def messages(request: Request) -> Response:
     data = await request.body()
     body: MessagesRequest = p.decode_body(data, MessagesRequest)
     check_refused(data, REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     chat = chat_body(body)
     st.limits.sampling(chat)
     msgs = chat_messages(body)
@@ -298,7 +298,7 @@ async def messages(request: Request) -> Response:
     reqs, setup = chat_requests(chat, msgs, mid, st, lambda sp: st.apply_policy(sp, request.scope))
     gen, buffered = await st.start(reqs)  # (a request the engine refuses is still a 400 here)
     shown = body.thinking is None or body.thinking.display != "omitted"
-    builder = MessageBuilder(mid, st.model_name, setup, show_thinking=shown, streaming=body.stream)
+    builder = MessageBuilder(mid, st.answering(request.scope), setup, show_thinking=shown, streaming=body.stream)
     if body.stream:
         return EventStream(answer_events(builder, gen, buffered), sep="\n", shutdown_grace_period=20)
     done = await until_disconnect(request, feed_answer(gen, buffered, builder.feed))
@@ -312,7 +312,7 @@ async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as the engine would render them (the chat template, tools included)."""
     st = server(request)
     body: CountTokensRequest = p.decode_body(await request.body(), CountTokensRequest)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     msgs = chat_messages(body)
     st.limits.messages(msgs)
     tools = chat_tools(body.tools)

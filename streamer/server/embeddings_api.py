@@ -118,7 +118,7 @@ async def embeddings(request: Request) -> Response:
     data = await request.body()
     body: EmbeddingRequest = decode_body(data, EmbeddingRequest)
     check_refused(data, OTHER_SERVERS_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     check_pooling(st)
     if body.encoding_format not in ENCODINGS:
         raise ApiError(f"encoding_format must be one of {', '.join(ENCODINGS)}, not {body.encoding_format!r}",
@@ -140,4 +140,4 @@ async def embeddings(request: Request) -> Response:
     vectors = [(o.embedding or [])[: body.dimensions] for o in outs]
     data_out = [Embedding(i, encode(unit(v) if normalize else v, body.encoding_format)) for i, v in enumerate(vectors)]
     tokens = sum(o.prompt_tokens for o in outs)
-    return json_response(EmbeddingResponse(data_out, st.model_name, EmbeddingUsage(tokens, tokens)))
+    return json_response(EmbeddingResponse(data_out, st.answering(request.scope), EmbeddingUsage(tokens, tokens)))

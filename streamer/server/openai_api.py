@@ -54,7 +54,7 @@ from streamer.server.openai_output import (
 )
 from streamer.server.protocol import ApiError
 from streamer.server.sse_response import EventStream
-from streamer.server.state import Merged, ServerState, until_disconnect
+from streamer.server.state import LORA, Merged, ServerState, until_disconnect
 
 Policy = Callable[[SamplingParams], SamplingParams]
 """ServerState.apply_policy for one request's scope."""
@@ -68,20 +68,24 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
-def card(st: ServerState) -> r.ModelCard:
+def card(st: ServerState, lora: str | None = None) -> r.ModelCard:
+    """The served model's card, or a LoRA adapter's (its parent: the served model)."""
+    if lora is not None:
+        return r.ModelCard(lora, "model", st.started, "streamer", st.info.max_model_len, st.model_name)
     return r.ModelCard(st.model_name, "model", st.started, "streamer", st.info.max_model_len)
 
 
 async def models(request: Request) -> Response:
-    return json_response(r.ModelList("list", [card(server(request))]))
+    st = server(request)
+    return json_response(r.ModelList("list", [card(st), *(card(st, name) for name in st.info.loras)]))
 
 
 async def model(request: Request) -> Response:
     """One model's card; its folder's name is an alias of the served name (ServerState.serves)."""
     st = server(request)
     name = request.path_params["model"]
-    st.check_model(name)
-    return json_response(card(st))
+    st.check_model(name, request.scope)
+    return json_response(card(st, request.scope.get(LORA)))
 
 
 # ---- checks of fields that go together ---------------------------------------------
@@ -274,7 +278,7 @@ async def completions(request: Request) -> Response:
     data = await request.body()
     body: p.CompletionRequest = p.decode_body(data, p.CompletionRequest)
     check_refused(data, COMPLETION_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     check_completion(body)
     st.limits.sampling(body)
     prompts = prompts_of(body.prompt)
@@ -293,7 +297,7 @@ async def chat_completions(request: Request) -> Response:
     data = await request.body()
     body: p.ChatCompletionRequest = p.decode_body(data, p.ChatCompletionRequest)
     check_refused(data, CHAT_REFUSED, MESSAGE_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     check_chat(body)
     st.limits.sampling(body)
     messages = chat_messages(body.messages)
@@ -315,8 +319,8 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     fmt = Formatter(st)
     created = int(time.time())
     if stream:
-        chunks = ChatChunks(fmt, rid, created, st.model_name, chat) if chat is not None else \
-            CompletionChunks(fmt, rid, created, st.model_name, echo)
+        chunks = ChatChunks(fmt, rid, created, st.answering(request.scope), chat) if chat is not None else \
+            CompletionChunks(fmt, rid, created, st.answering(request.scope), echo)
         usage_wanted = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
         stream_events: AsyncIterator[bytes] = events(gen, buffered, chunks, n, len(reqs), usage_wanted, continuous)
@@ -328,12 +332,12 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     if chat is not None:
         answers = [chat_choice(i, c, chat, fmt) for i, c in ordered]  # (first: they count reasoning tokens)
         return json_response(r.ChatCompletionResponse(
-            rid, "chat.completion", created, st.model_name, usage=usage(choices, n, chat=True), choices=answers))
+            rid, "chat.completion", created, st.answering(request.scope), usage=usage(choices, n, chat=True), choices=answers))
     out = []
     for i, c in ordered:
         prefix = echo[i] if echo is not None else ""
         lps = fmt.prompt_logprobs(c) if echo is not None else None  # (first: the offsets start with the prompt)
         lps = joined(lps, fmt.completion_logprobs(c.logprobs, c))
         out.append(r.CompletionChoice(i, prefix + "".join(c.text), lps, c.finish_reason))
-    return json_response(r.CompletionResponse(rid, "text_completion", created, st.model_name,
+    return json_response(r.CompletionResponse(rid, "text_completion", created, st.answering(request.scope),
                                               usage=usage(choices, n), choices=out))

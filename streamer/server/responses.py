@@ -134,12 +134,14 @@ class ChatCompletionChunk(Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ModelCard(Struct):
+class ModelCard(Struct, omit_defaults=True):
     id: str
     object: str
     created: int
     owned_by: str
     max_model_len: int
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field)."""
 
 
 class ModelList(Struct):

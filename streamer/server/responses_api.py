@@ -283,7 +283,7 @@ async def responses(request: Request) -> Response:
     data = await request.body()
     body: ResponsesRequest = p.decode_body(data, ResponsesRequest)
     check_refused(data, RESPONSES_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     logprobs = wants_logprobs(body)
     chat = chat_body(body, logprobs)
     st.limits.sampling(chat)
@@ -306,7 +306,7 @@ async def responses(request: Request) -> Response:
                        "message's alone", param="include" if body.include else "top_logprobs")
     params = reqs[0].params
     head = r.ResponseObject(
-        rid, int(time.time()), "in_progress", st.model_name, [], body.instructions, body.max_output_tokens,
+        rid, int(time.time()), "in_progress", st.answering(request.scope), [], body.instructions, body.max_output_tokens,
         body.parallel_tool_calls, params.temperature, params.top_p, body.top_logprobs or 0,
         given(body.tool_choice) if body.tool_choice is not None else "auto", [given(t) for t in body.tools or []], given(body.text or ResponseText()),
         body.metadata or {}, body.user, store=keep, previous_response_id=body.previous_response_id,

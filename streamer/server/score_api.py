@@ -126,13 +126,13 @@ async def score(request: Request) -> Response:
     data = await request.body()
     body = decode_body(data, ScoreRequest)
     check_refused(data, OTHER_SERVERS_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     asked = pairs(body.text_1, body.text_2)
     got = await similarities(request, st, asked, "score", "text_1 and text_2", body)
     if got is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     scores, tokens = got
-    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex[:24]}", int(time.time()), st.model_name,
+    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex[:24]}", int(time.time()), st.answering(request.scope),
                                        [Score(i, s) for i, s in enumerate(scores)], Usage(tokens, tokens)))
 
 
@@ -141,7 +141,7 @@ async def rerank(request: Request) -> Response:
     data = await request.body()
     body = decode_body(data, RerankRequest)
     check_refused(data, OTHER_SERVERS_REFUSED)
-    st.check_model(body.model)
+    st.check_model(body.model, request.scope)
     if not body.documents:
         raise ApiError("documents must not be empty", param="documents")
     got = await similarities(request, st, [(body.query, d) for d in body.documents], "rerank", "documents", body)
@@ -151,5 +151,5 @@ async def rerank(request: Request) -> Response:
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n or None]
     results = [RerankResult(i, scores[i], Document(body.documents[i]) if body.return_documents else None)
                for i in order]
-    return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex[:24]}", st.model_name, results,
+    return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex[:24]}", st.answering(request.scope), results,
                                         Usage(tokens, tokens)))

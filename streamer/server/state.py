@@ -44,6 +44,10 @@ class OpenSession(Protocol):
     async def engine_down(self, reason: str | None) -> None: ...
 
 
+LORA = "streamer.lora"
+"""Scope entry: the LoRA adapter a request's model names (ServerState.check_model), or None."""
+
+
 class ServerState:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
@@ -98,10 +102,19 @@ class ServerState:
         """The served name, or the model's own (its folder's) name, which stays an alias."""
         return name in (self.model_name, self.info.name)
 
-    def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve, in OpenAI's words (an omitted model is this one)."""
-        if name is not None and not self.serves(name):
+    def answering(self, scope: Scope) -> str:
+        """The model an answer names: the LoRA adapter the request's model named, else the served one."""
+        return scope.get(LORA) or self.model_name
+
+    def check_model(self, name: str | None, scope: Scope | None = None) -> None:
+        """404 for a model this server does not serve, in OpenAI's words (an omitted model is this
+        one). A LoRA adapter's name (ModelInfo.loras) is served too: the request's scope records
+        it (apply_policy then runs the request with it)."""
+        lora = name if name is not None and name in self.info.loras and not self.serves(name) else None
+        if name is not None and lora is None and not self.serves(name):
             raise ApiError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+        if scope is not None:
+            scope[LORA] = lora
 
     def admit(self, n: int) -> None:
         """Refuse (503) while draining, when the engine is down, or when the queue is full.
@@ -127,8 +140,11 @@ class ServerState:
     def apply_policy(self, params: SamplingParams, scope: Scope) -> SamplingParams:
         """The server's part of a request's parameters: its prefix-cache namespace (with
         --cache-isolation per-key, the salt is prefixed with its API key's hash) and its
-        deadline (--request-timeout is the default and the cap of the request's timeout)."""
+        deadline (--request-timeout is the default and the cap of the request's timeout); the
+        LoRA adapter its model names (check_model)."""
         salt, timeout, cap = params.cache_salt, params.timeout, self.config.request_timeout
+        if (lora := scope.get(LORA)) is not None:  # (check_model: the request's model is an adapter)
+            params = msgspec.structs.replace(params, lora=lora)
         if self.config.cache_isolation == "per-key":
             key = scope.get(KEY_ID, "")
             salt = f"key:{key}" if salt is None else f"key:{key}:{salt}"  # (the hash has a fixed length)

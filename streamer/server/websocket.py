@@ -225,7 +225,7 @@ class Session:
         self.st.limits.sampling(msg)
         # the turn's prompt is the whole conversation: its limits apply to the history with this message
         self.st.limits.messages([*self.messages, entry], "content")
-        self.st.check_model(msg.model)
+        self.st.check_model(msg.model, self.ws.scope)
         req, setup = self.turn_request(msg, entry, session_request_id(self.id, self.turns + 1))
         self.turns += 1
         self.turn_rid = req.request_id

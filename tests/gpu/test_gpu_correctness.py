@@ -185,3 +185,30 @@ def test_bf16_embeddings_follow_transformers_beside_graphed_decodes(tiny_models)
             got = torch.tensor(o.embedding)
             assert torch.nn.functional.cosine_similarity(got, w, dim=0) > 0.999, o.request_id
     assert all(o.cached_tokens > 0 for o in again if o.prompt_tokens > 16)
+
+
+def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
+    """LoRA on the GPU (model/lora.py): a batch with an adapter's tokens runs eagerly, the base
+    model's alone from the graphs. The adapter's greedy tokens batched with base requests are
+    those it gives alone, and the base requests' those of an engine without adapters; the
+    adapter's logits follow the merged model's (transformers, bf16) up to a near-tie."""
+    from tests.model.lora_files import make_adapter, merged
+
+    base = tiny_models["qwen3"]
+    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
+                           std=0.05)
+    batch = prompts(4)
+    lora = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, lora="one")
+    with LLM(str(base), dtype="bfloat16", num_pages=4096) as llm:
+        plain = [o.token_ids for o in llm.generate(batch, PARAMS)]
+    with LLM(str(base), dtype="bfloat16", num_pages=4096, lora_modules=(f"one={adapter}",)) as llm:
+        alone = [o.token_ids for o in llm.generate(batch, lora)]
+        mixed = llm.generate(batch + batch, [PARAMS] * len(batch) + [lora] * len(batch))
+        base_again = [o.token_ids for o in llm.generate(batch, PARAMS)]  # (graphed: no adapter in the batch)
+    assert [o.token_ids for o in mixed[: len(batch)]] == plain == base_again
+    assert [o.token_ids for o in mixed[len(batch):]] == alone
+    assert alone != plain
+    want, logps = hf_steps(merged(tmp_path / "merged", base, adapter), batch[0], 24)
+    part = next((i for i, (a, b) in enumerate(zip(alone[0], want)) if a != b), None)
+    if part is not None:  # (bf16: only a near-tie may part the two)
+        assert abs(logps[part][alone[0][part]] - logps[part][want[part]]) <= 5e-2, (part, alone[0], want)

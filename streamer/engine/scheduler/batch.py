@@ -81,6 +81,7 @@ class BatchBuilder:
                 req.pages[: self.pool.pages_for(start + n)],
                 sample,
                 embed=sample and req.params.embed,
+                lora=req.params.lora,
             )
             want = req.params.prompt_logprobs_from
             if want is not None and req.num_output == 0:

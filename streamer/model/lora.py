@@ -1,0 +1,163 @@
+"""LoRA adapters (EngineConfig.lora_modules), served beside the base model and batched with it.
+
+An adapter is a PEFT folder: adapter_config.json (r, lora_alpha, target_modules, use_rslora) and
+adapter_model.safetensors (or .bin is refused) with, for each adapted layer L, L.lora_A.weight
+[r, in] and L.lora_B.weight [out, r]. Adapter k changes L's output by
+scale_k * (x A_k^T) B_k^T, scale_k = lora_alpha / r (/ sqrt(r) with use_rslora).
+
+Every adapter is loaded at start into the layers it targets (`attach`): a Linear whose adapters
+are A = [A_1; ...; A_n] ([n R, in], each padded to the largest rank R with zero rows) and
+B = [s_1 B_1, ..., s_n B_n] ([out, n R], each scale folded in). A fused layer (qkv_proj,
+gate_up_proj) takes its parts' adapters side by side: q's B rows at q's rows, k's at k's, with
+their own A rows, as the checkpoint's q/k/v load (model/llama.py STACKED). Then each token t of a
+step, with adapter a_t (0: the base model), adds ((x A^T) * M) B^T, M[t, j] = 1 where column j is
+adapter a_t's: one pair of small GEMMs for every adapter at once, the same shapes whatever the
+batch's mix (`delta`). A batch with an adapter's token runs eagerly (model/packing.py); the CUDA
+graphs serve the base model's batches.
+
+Refused by name (ModelLoadError): DoRA, biases, modules_to_save, fan_in_fan_out, a rank or alpha
+pattern per layer, targets that are not this model's linear layers (embeddings, the LM head,
+experts, quantized int4 layers, MLA's latent projections: what is not in TARGETS). A float8 base
+layer is fine: the delta is added to its output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamer.errors import ModelLoadError
+
+PREFIX = "base_model.model."
+"""PEFT's prefix of the base model's names."""
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+"""The layers an adapter may change: attention's and the dense MLP's projections (Phi-3's come fused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    name: str
+    rank: int
+    scale: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Checkpoint layer name (model.layers.0.self_attn.q_proj) -> (A [r, in], B [out, r])."""
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """A Linear's adapters (the module's docstring says how they are laid out)."""
+
+    a: torch.Tensor
+    """[n R, in]"""
+    b: torch.Tensor
+    """[out, n R]"""
+    owner: torch.Tensor
+    """[n R] int: the adapter (1..n) of each column."""
+
+
+REFUSED_CONFIG = {"use_dora": "DoRA adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) weights",
+                  "modules_to_save": "modules_to_save (fully trained layers)", "rank_pattern": "a rank per layer",
+                  "alpha_pattern": "an alpha per layer", "layers_to_transform": "layers_to_transform"}
+
+
+def read_adapter(name: str, path: str) -> Adapter:
+    """One PEFT adapter folder, checked (ModelLoadError naming what it cannot take)."""
+    folder = Path(path)
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ModelLoadError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
+                             "adapter_model.safetensors (a PEFT adapter folder)")
+    cfg: dict[str, Any] = json.loads(config_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ModelLoadError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, what in REFUSED_CONFIG.items():
+        if cfg.get(key):
+            raise ModelLoadError(f"LoRA adapter {name!r}: {what} ({key}) are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ModelLoadError(f"LoRA adapter {name!r}: bias {cfg['bias']!r} is not supported (only none)")
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(weights_file))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        layer, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise ModelLoadError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A or lora_B weight")
+        pairs.setdefault(layer, {})[kind[0]] = tensor
+    weights = {}
+    for layer, ab in pairs.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != rank or ab["B"].shape[1] != rank:
+            raise ModelLoadError(f"LoRA adapter {name!r}: layer {layer!r} needs lora_A [{rank}, in] and "
+                                 f"lora_B [out, {rank}]")
+        weights[layer] = (ab["A"], ab["B"])
+    return Adapter(name, rank, scale, weights)
+
+
+def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> None:
+    """Give each Linear the adapters that target it (LoraWeights, in dtype: the activations');
+    ModelLoadError for a target that is not one of the model's linear layers."""
+    from streamer.model.layers import Linear
+
+    targets: dict[str, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
+    for k, adapter in enumerate(adapters):
+        for layer, (a, b) in adapter.weights.items():
+            name = layer.removeprefix("model.")
+            fused = model.fused_module(name) if hasattr(model, "fused_module") else name
+            targets.setdefault(fused, []).append((k, name, a, b.float() * adapter.scale))
+    for fused, parts in targets.items():
+        module = model.get_submodule(fused) if _has(model, fused) else None
+        if not isinstance(module, Linear) or parts[0][1].rsplit(".", 1)[-1] not in TARGETS:
+            raise ModelLoadError(f"LoRA adapter {adapters[parts[0][0]].name!r}: {parts[0][1]!r} is not a linear "
+                                 f"layer this model can adapt ({type(module).__name__ if module else 'none'})")
+        # each adapter's columns: its parts' ranks side by side (q, k, v of a fused qkv_proj)
+        width = max(sum(a.shape[0] for j, _, a, _ in parts if j == k) for k in range(len(adapters)))
+        a_all = torch.zeros(len(adapters) * width, module.in_features)
+        b_all = torch.zeros(module.out_features, len(adapters) * width)
+        used = [0] * len(adapters)
+        for k, name, a, b in parts:
+            rows = (0, module.out_features) if fused == name else model._shard_rows(fused + ".weight", shard_index(name))
+            if a.shape[1] != module.in_features or b.shape[0] != rows[1]:
+                raise ModelLoadError(f"LoRA adapter {adapters[k].name!r}: {name!r} has A {tuple(a.shape)} and B "
+                                     f"{tuple(b.shape)}, the layer takes [r, {module.in_features}] and [{rows[1]}, r]")
+            col, r = k * width + used[k], a.shape[0]
+            a_all[col:col + r] = a.float()
+            b_all[rows[0]:rows[0] + rows[1], col:col + r] = b
+            used[k] += r
+        if fused.endswith("qkv_proj") and hasattr(model, "qkv_rows_permutation"):
+            perm = model.qkv_rows_permutation(module)  # (the rotary reordering the weights' rows took)
+            if perm is not None:
+                b_all = b_all[perm]
+        owner = torch.arange(1, len(adapters) + 1).repeat_interleave(width)
+        device = module.weight.device
+        module.lora = LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), owner.to(device))
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def shard_index(name: str) -> int:
+    from streamer.model.llama import STACKED
+
+    return STACKED[name.rsplit(".", 1)[1]][1]
+
+
+def delta(x: torch.Tensor, lora: LoraWeights, ids: torch.Tensor) -> torch.Tensor:
+    """What the adapters add to a layer's output: each row x[t] through adapter ids[t]'s (0:
+    nothing)."""
+    h = x.to(lora.a.dtype) @ lora.a.t()
+    h = h * (ids[:, None] == lora.owner[None, :]).to(h.dtype)
+    return (h @ lora.b.t()).to(x.dtype)

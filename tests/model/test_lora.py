@@ -1,0 +1,112 @@
+"""LoRA adapters (model/lora.py): requests of the base model and of two adapters batched in one
+engine give, each, transformers' greedy output of the model with that adapter merged into its
+weights (float32, CPU), also chunked; an adapter's prefixes are cached apart from the base
+model's; what an adapter folder or a config cannot be is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamer import LLM, SamplingParams
+from streamer.config import ConfigError, EngineConfig
+from streamer.errors import ModelLoadError
+from tests.conftest import make_tiny_model
+from tests.model.lora_files import make_adapter, merged
+from tests.model.test_greedy_vs_transformers import prompts
+from tests.oracle import Comparison, compare
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "cohere"])
+def family(request, tiny_models, default_model, tmp_path_factory) -> tuple[Path, dict[str, Path], dict[str, Path]]:
+    """(base folder, adapter folders, merged folders) of "one" (every layer, rank 4) and "two"
+    (q and v only, rank 2, rsLoRA's scale). Cohere's interleaved rotary reorders q/k rows after
+    loading (model/llama.py rotary_permutation): the adapters' B rows must follow."""
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = tiny_models.get(request.param) or make_tiny_model(
+        root / "base", "CohereForCausalLM", default_model, logit_scale=0.25, pad_token_id=None)
+    adapters = {"one": make_adapter(root / "one", base, ALL, rank=4, alpha=8, seed=1),
+                "two": make_adapter(root / "two", base, ["q_proj", "v_proj"], rank=2, alpha=4, seed=2, rslora=True)}
+    return base, adapters, {name: merged(root / f"{name}-merged", base, path) for name, path in adapters.items()}
+
+
+def modules(adapters: dict[str, Path]) -> tuple[str, ...]:
+    return tuple(f"{name}={path}" for name, path in adapters.items())
+
+
+@pytest.mark.parametrize("chunk", [2048, 16], ids=["whole", "chunked"])
+def test_base_and_adapters_batched_give_each_ones_merged_model_output(family, chunk):
+    base, adapters, oracles = family
+    params = {name: SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=name)
+              for name in (None, "one", "two")}
+    with LLM(str(base), lora_modules=modules(adapters), max_num_batched_tokens=chunk) as llm:
+        batch = prompts(llm.tokenizer, 3, 5, 40)
+        asked = [(p, name) for p in batch for name in params]
+        outs = llm.generate([p for p, _ in asked], [params[name] for _, name in asked])
+        llm.check()
+    cmp = Comparison()
+    for (p, name), out in zip(asked, outs):
+        assert out.error is None, out.error
+        compare(base if name is None else oracles[name], p, out.token_ids, cmp)
+    assert not cmp.failures, "\n".join(cmp.failures)
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1, "the adapters change the output"
+
+
+def test_an_adapters_prefixes_are_cached_apart_from_the_base_models(family):
+    base, adapters, _ = family
+    with LLM(str(base), lora_modules=modules(adapters)) as llm:
+        prompt = prompts(llm.tokenizer, 1, 40, 40)[0]
+        one = SamplingParams(max_tokens=2, temperature=0, lora="one")
+        first = llm.generate([prompt], one)[0]
+        assert llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0].cached_tokens == 0
+        assert llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, lora="two"))[0].cached_tokens == 0
+        again = llm.generate([prompt], one)[0]
+        assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+        unknown = llm.generate([prompt], SamplingParams(max_tokens=2, lora="three"))[0]
+        assert unknown.error is not None and "three" in unknown.error and "one, two" in unknown.error
+
+
+def test_a_server_without_adapters_refuses_a_requests_adapter(tiny_models):
+    with LLM(str(tiny_models["qwen3"])) as llm:
+        out = llm.generate(["Hi"], SamplingParams(max_tokens=2, lora="one"))[0]
+        assert out.error is not None and "--lora-modules" in out.error
+
+
+@pytest.mark.parametrize(("extra", "targets", "word"), [
+    ({"use_dora": True}, ["q_proj"], "DoRA"),
+    ({"bias": "all"}, ["q_proj"], "bias"),
+    ({"modules_to_save": ["lm_head"]}, ["q_proj"], "modules_to_save"),
+    ({"peft_type": "IA3"}, ["q_proj"], "IA3"),
+])
+def test_what_an_adapter_cannot_be_is_refused_by_name(tiny_models, tmp_path, extra, targets, word):
+    base = tiny_models["qwen3"]
+    bad = make_adapter(tmp_path / "bad", base, targets, rank=2, alpha=2, seed=3, extra=extra)
+    with pytest.raises(ModelLoadError, match=word):
+        LLM(str(base), lora_modules=(f"bad={bad}",))
+
+
+def test_an_adapter_of_a_layer_that_is_not_linear_is_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_models["qwen3"]
+    bad = make_adapter(tmp_path / "bad", base, ["q_proj"], rank=2, alpha=2, seed=3)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    tensors = {k.replace("layers.0.self_attn.q_proj", "layers.0.self_attn.q_norm"): v for k, v in tensors.items()}
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match="q_norm"):
+        LLM(str(base), lora_modules=(f"bad={bad}",))
+
+
+@pytest.mark.parametrize(("kw", "word"), [
+    ({"lora_modules": ("nopath",)}, "NAME=PATH"),
+    ({"lora_modules": ("a=/x", "a=/y")}, "name of its own"),
+    ({"lora_modules": ("a=/x",), "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"lora_modules": ("a=/x",), "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "speculative"),
+])
+def test_config_errors_name_the_option(kw, word):
+    with pytest.raises(ConfigError, match=word):
+        EngineConfig(**kw)
