@@ -1,13 +1,13 @@
 """LoRA adapters (EngineConfig.lora_modules), served beside the base model and batched with it.
 
 An adapter is a PEFT folder: adapter_config.json (r, lora_alpha, target_modules, use_rslora) and
-adapter_model.safetensors (or .bin is refused) with, for each adapted layer L, L.lora_A.weight
+adapter_model.safetensors (an adapter_model.bin alone is refused) with, for each adapted layer L, L.lora_A.weight
 [r, in] and L.lora_B.weight [out, r]. Adapter k changes L's output by
 scale_k * (x A_k^T) B_k^T, scale_k = lora_alpha / r (/ sqrt(r) with use_rslora).
 
 Every adapter is loaded at start into the layers it targets (`attach`): a Linear whose adapters
-are A = [A_1; ...; A_n] ([n R, in], each padded to the largest rank R with zero rows) and
-B = [s_1 B_1, ..., s_n B_n] ([out, n R], each scale folded in). A fused layer (qkv_proj,
+are A = [A_1; ...; A_n] ([n R, in]; R: the most rows an adapter has in that layer, the others
+padded with zeros) and B = [s_1 B_1, ..., s_n B_n] ([out, n R], each scale folded in). A fused layer (qkv_proj,
 gate_up_proj) takes its parts' adapters side by side: q's B rows at q's rows, k's at k's, with
 their own A rows, as the checkpoint's q/k/v load (model/llama.py STACKED). Then each token t of a
 step, with adapter a_t (0: the base model), adds ((x A^T) * M) B^T, M[t, j] = 1 where column j is

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import numpy as np
 from msgspec import Meta, Struct
@@ -51,6 +51,9 @@ class RerankRequest(Struct, kw_only=True):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     timeout: Annotated[float, Meta(gt=0.0)] | None = None
+
+
+Body = TypeVar("Body", ScoreRequest, RerankRequest)
 
 
 class Usage(Struct):
@@ -121,12 +124,18 @@ async def similarities(request: Request, st: ServerState, texts: list[tuple[str,
     return [float(units[a] @ units[b]) for a, b in texts], sum(o.prompt_tokens for o in outs)
 
 
+async def read_body(request: Request, kind: type[Body]) -> Body:
+    """The request's body, decoded and checked (its refused fields, its model)."""
+    data = await request.body()
+    body = decode_body(data, kind)
+    check_refused(data, OTHER_SERVERS_REFUSED)
+    server(request).check_model(body.model, request.scope)
+    return body
+
+
 async def score(request: Request) -> Response:
     st = server(request)
-    data = await request.body()
-    body = decode_body(data, ScoreRequest)
-    check_refused(data, OTHER_SERVERS_REFUSED)
-    st.check_model(body.model, request.scope)
+    body = await read_body(request, ScoreRequest)
     asked = pairs(body.text_1, body.text_2)
     got = await similarities(request, st, asked, "score", "text_1 and text_2", body)
     if got is None:
@@ -138,10 +147,7 @@ async def score(request: Request) -> Response:
 
 async def rerank(request: Request) -> Response:
     st = server(request)
-    data = await request.body()
-    body = decode_body(data, RerankRequest)
-    check_refused(data, OTHER_SERVERS_REFUSED)
-    st.check_model(body.model, request.scope)
+    body = await read_body(request, RerankRequest)
     if not body.documents:
         raise ApiError("documents must not be empty", param="documents")
     got = await similarities(request, st, [(body.query, d) for d in body.documents], "rerank", "documents", body)
