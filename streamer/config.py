@@ -207,9 +207,8 @@ class EngineConfig:
     node_rank: int = 0
     """This host's index among nnodes; 0 runs the engine, the others only their ranks."""
     lora_modules: tuple[str, ...] = ()
-    """LoRA adapters served beside the base model, each "NAME=PATH" (a PEFT adapter folder:
-    adapter_config.json and adapter_model.safetensors; model/lora.py): a request naming NAME as
-    its model (SamplingParams.lora) runs with it. Every adapter is loaded at start."""
+    """LoRA adapters, each "NAME=PATH" (a PEFT folder, model/lora.py), loaded at start: a request
+    naming NAME as its model (SamplingParams.lora) runs with it."""
     speculative_config: Any = None
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
@@ -265,14 +264,12 @@ class EngineConfig:
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ConfigError(f"lora_modules: each adapter needs a name of its own, not {', '.join(names)}")
-        if names and self.tensor_parallel_size > 1:
-            raise ConfigError("lora_modules are not supported with tensor_parallel_size > 1")
-        if names and self.speculative_config is not None:
-            raise ConfigError("lora_modules are not supported with speculative decoding (speculative_config)")
+        if names and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
+            raise ConfigError("lora_modules are not supported with tensor_parallel_size > 1 or speculative "
+                              "decoding (speculative_config)")
 
     @property
-    def lora_adapters(self) -> list[tuple[str, str]]:
-        """lora_modules as (name, path), in the order given (adapter k is the (k+1)-th)."""
+    def lora_adapters(self) -> list[tuple[str, str]]:  # (in the order given: adapter k is the k-th)
         out = []
         for entry in self.lora_modules:
             name, sep, path = entry.partition("=")
@@ -301,8 +298,7 @@ class ServerConfig:
     """Waiting requests beyond this are answered 503 with Retry-After."""
     session_idle_timeout: float = 600.0
     responses_store_mb: int = 256
-    """Memory for stored /v1/responses turns (server/response_store.py), least recently used dropped
-    first; 0: none stored (a body's store: true is refused)."""
+    """Memory for stored /v1/responses (server/response_store.py); 0: none (store: true refused)."""
     cache_isolation: str = "none"
     """none: one prefix cache for everyone; a request's cache_salt alone namespaces it.
     per-key: every request is also salted by (a hash of) the API key it authenticated with,

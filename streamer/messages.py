@@ -89,18 +89,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """vLLM's: keep only the last this-many tokens of the prompt (-1: the context's length), cut
     after the chat template and before the context checks; None: a prompt too long is refused."""
     embed: bool = False
-    """The request's answer is its prompt's embedding (RequestOutput.embedding: the model's
-    final hidden state at the prompt's last token, as last-token pooling takes it), not text:
-    it runs with max_tokens 1 and the token sampled is dropped (/v1/embeddings, LLM.embed)."""
+    """The answer is the prompt's embedding (RequestOutput.embedding: the final hidden state at its
+    last token), not text: max_tokens 1, the token sampled dropped (/v1/embeddings, LLM.embed)."""
     lora: str | None = None
-    """The LoRA adapter to run with (EngineConfig.lora_modules: its name; None: the base model).
-    Its requests share cached prefixes only with each other (the tokenizer folds it into the
-    prefix cache's namespace)."""
+    """The LoRA adapter to run with (EngineConfig.lora_modules; None: the base model); the
+    tokenizer folds it into cache_salt (an adapter's KV is its own)."""
     prediction: str | list[int] | None = None
-    """Text (or token ids) the output is expected to repeat, as OpenAI's Predicted Outputs:
-    with ngram speculation, the proposals follow it where the output does (spec/ngram.py:
-    from_prediction), and verification keeps what the model itself would have written, so the
-    output is the same without it. Without ngram speculation it has no effect."""
+    """Text (or token ids) the output is expected to repeat (OpenAI's Predicted Outputs): ngram
+    speculation's proposals follow it (spec/ngram.py from_prediction); verification keeps what
+    the model itself writes, so the output is the same without it (or without ngram)."""
 
     def validate(self) -> None:
         if self.max_tokens < 1 and not self.fill_context:
@@ -235,8 +232,7 @@ class SeqChunk(msgspec.Struct):
     embed: bool = False
     """The chunk ends its embedding request's prompt: the final hidden state at its last
     position is wanted (StepOutput.embeddings)."""
-    lora: str | None = None
-    """SamplingParams.lora: the adapter its tokens run with."""
+    lora: str | None = None  # (SamplingParams.lora)
 
 
 class Batch(msgspec.Struct):

@@ -70,8 +70,7 @@ class ModelRunner:
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
         self.loras = {name: k + 1 for k, (name, _) in enumerate(config.lora_adapters)}
-        """LoRA adapter name -> its index in the adapted layers (model/lora.py); before the graphs are
-        captured, which serve the base model's steps alone."""
+        """LoRA adapter name -> its index in the layers (model/lora.py; attached before the graphs)."""
         if self.loras:
             from streamer.model import lora
 
