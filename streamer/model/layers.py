@@ -118,9 +118,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         if self.lora is not None and (ids := lora_ids()) is not None:
-            from streamer.model.lora import delta
-
-            y = y + delta(x, self.lora, ids)
+            y = y + self.lora.delta(x, ids)
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:

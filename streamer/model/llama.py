@@ -294,6 +294,11 @@ class LlamaForCausalLM(nn.Module):
         heads = (torch.arange(n_qk)[:, None] * hd + perm.cpu()[None, :]).view(-1)  # (v's rows stay)
         return torch.cat([heads, torch.arange(n_qk * hd, qkv.out_features)])
 
+    def part_rows(self, name: str) -> tuple[int, int]:
+        """(first row, rows) of checkpoint layer `name` (a q/k/v or gate/up projection) in the
+        fused layer it loads into (fused_module)."""
+        return self._shard_rows(self.fused_module(name) + ".weight", STACKED[name.rsplit(".", 1)[1]][1])
+
     def _shard(self, param: nn.Parameter, name: str, idx: int) -> torch.Tensor:
         return param.data.narrow(0, *self._shard_rows(name, idx))
 

@@ -12,7 +12,7 @@ gate_up_proj) takes its parts' adapters side by side: q's B rows at q's rows, k'
 their own A rows, as the checkpoint's q/k/v load (model/llama.py STACKED). Then each token t of a
 step, with adapter a_t (0: the base model), adds ((x A^T) * M) B^T, M[t, j] = 1 where column j is
 adapter a_t's: one pair of small GEMMs for every adapter at once, the same shapes whatever the
-batch's mix (`delta`). A batch with an adapter's token runs eagerly (model/packing.py); the CUDA
+batch's mix (LoraWeights.delta). A batch with an adapter's token runs eagerly (model/packing.py); the CUDA
 graphs serve the base model's batches.
 
 Refused by name (ModelLoadError): DoRA, biases, modules_to_save, fan_in_fan_out, a rank or alpha
@@ -61,6 +61,13 @@ class LoraWeights:
     owner: torch.Tensor
     """[n R] int: the adapter (1..n) of each column."""
 
+    def delta(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What the adapters add to the layer's output: each row x[t] through adapter ids[t]'s
+        (0: nothing)."""
+        h = x.to(self.a.dtype) @ self.a.t()
+        h = h * (ids[:, None] == self.owner[None, :]).to(h.dtype)
+        return (h @ self.b.t()).to(x.dtype)
+
 
 REFUSED_CONFIG = {"use_dora": "DoRA adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) weights",
                   "modules_to_save": "modules_to_save (fully trained layers)", "rank_pattern": "a rank per layer",
@@ -105,8 +112,6 @@ def read_adapter(name: str, path: str) -> Adapter:
 def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> None:
     """Give each Linear the adapters that target it (LoraWeights, in dtype: the activations');
     ModelLoadError for a target that is not one of the model's linear layers."""
-    from streamer.model.layers import Linear
-
     targets: dict[str, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
     for k, adapter in enumerate(adapters):
         for layer, (a, b) in adapter.weights.items():
@@ -115,7 +120,9 @@ def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> Non
             targets.setdefault(fused, []).append((k, name, a, b.float() * adapter.scale))
     for fused, parts in targets.items():
         module = model.get_submodule(fused) if _has(model, fused) else None
-        if not isinstance(module, Linear) or parts[0][1].rsplit(".", 1)[-1] not in TARGETS:
+        # (model/layers.py's Linear holds `lora` and adds the delta; this module imports no model code)
+        adaptable = isinstance(module, nn.Linear) and hasattr(module, "lora")
+        if not adaptable or parts[0][1].rsplit(".", 1)[-1] not in TARGETS:
             raise ModelLoadError(f"LoRA adapter {adapters[parts[0][0]].name!r}: {parts[0][1]!r} is not a linear "
                                  f"layer this model can adapt ({type(module).__name__ if module else 'none'})")
         # each adapter's columns: its parts' ranks side by side (q, k, v of a fused qkv_proj)
@@ -124,7 +131,7 @@ def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> Non
         b_all = torch.zeros(module.out_features, len(adapters) * width)
         used = [0] * len(adapters)
         for k, name, a, b in parts:
-            rows = (0, module.out_features) if fused == name else model._shard_rows(fused + ".weight", shard_index(name))
+            rows = (0, module.out_features) if fused == name else model.part_rows(name)
             if a.shape[1] != module.in_features or b.shape[0] != rows[1]:
                 raise ModelLoadError(f"LoRA adapter {adapters[k].name!r}: {name!r} has A {tuple(a.shape)} and B "
                                      f"{tuple(b.shape)}, the layer takes [r, {module.in_features}] and [{rows[1]}, r]")
@@ -147,17 +154,3 @@ def _has(model: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def shard_index(name: str) -> int:
-    from streamer.model.llama import STACKED
-
-    return STACKED[name.rsplit(".", 1)[1]][1]
-
-
-def delta(x: torch.Tensor, lora: LoraWeights, ids: torch.Tensor) -> torch.Tensor:
-    """What the adapters add to a layer's output: each row x[t] through adapter ids[t]'s (0:
-    nothing)."""
-    h = x.to(lora.a.dtype) @ lora.a.t()
-    h = h * (ids[:, None] == lora.owner[None, :]).to(h.dtype)
-    return (h @ lora.b.t()).to(x.dtype)
