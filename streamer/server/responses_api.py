@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -158,7 +158,7 @@ def own_items(body: ResponsesRequest) -> list[ResponseInputItem]:
     return items
 
 
-def input_messages(body: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+def input_messages(body: ResponsesRequest, earlier: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """instructions, the earlier turns' items (previous_response_id: response_store.history) and
     input as chat messages (the module's docstring says how)."""
     msgs: list[dict[str, Any]] = []
