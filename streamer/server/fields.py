@@ -66,7 +66,8 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     "kv_transfer_params": unsupported("kv_transfer_params (disaggregated prefill) is not supported"),
     "mm_processor_kwargs": unsupported("mm_processor_kwargs: this server serves text models"),
     # SGLang's
-    "lora_path": unsupported("lora_path: LoRA adapters are not supported"),
+    "lora_path": unsupported("lora_path is not supported: name a LoRA adapter (--lora-modules NAME=PATH) as the "
+                             "request's model"),
     "no_stop_trim": only((False,), "no_stop_trim is not supported: use include_stop_str_in_output"),
     "regex": unsupported("regex (SGLang's) is not supported here: use guided_regex"),
     "ebnf": unsupported("ebnf (SGLang's) is not supported here: use guided_grammar"),
