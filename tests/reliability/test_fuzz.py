@@ -170,11 +170,12 @@ MALFORMED: list[bytes] = [
 
 
 def schema_properties(doc: dict[str, Any]) -> dict[str, list[str]]:
-    """POST path -> the property names of its request body schema."""
+    """POST path -> the property names of its request body schema (POSTs without a body, such as
+    /v1/responses/{response_id}/cancel, left out)."""
     comps = doc["components"]["schemas"]
     out = {}
     for path, item in doc["paths"].items():
-        if "post" in item:
+        if "requestBody" in item.get("post", {}):
             ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             out[path] = sorted(comps[ref.rsplit("/", 1)[1]]["properties"])
     return out
