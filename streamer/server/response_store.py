@@ -66,10 +66,12 @@ class ResponseStore:
 
     def put(self, owner: str, turn: Turn) -> None:
         """Keep a turn, then drop the least recently used until the store fits its budget (a turn
-        larger than the whole budget is not kept)."""
+        larger than the whole budget is not kept, and drops nothing)."""
         key = (owner, turn.response["id"])
         if (old := self._turns.pop(key, None)) is not None:
             self.bytes -= old.size
+        if turn.size > self.max_bytes:
+            return
         self._turns[key] = turn
         self.bytes += turn.size
         while self.bytes > self.max_bytes and self._turns:

@@ -267,8 +267,10 @@ def test_the_least_recently_used_turns_go_first_when_over_budget():
     assert len(store) == 3 and store.bytes == 3 * one.size
     with pytest.raises(ApiError):
         store.get("", "r2")
-    store.put("", turn("big", "y" * 4 * one.size))  # (larger than the budget: not kept, nor anything else)
-    assert len(store) == 0 and store.bytes == 0
+    store.put("", turn("big", "y" * 4 * one.size))  # (larger than the budget: not kept, the others stay)
+    assert len(store) == 3 and store.bytes == 3 * one.size
+    with pytest.raises(ApiError):
+        store.get("", "big")
 
 
 def test_continuing_a_chain_marks_every_turn_of_it_used_and_needs_all_of_them():
