@@ -121,11 +121,15 @@ wait_up() {
 # W5's online points against the server on port $1 (results $OUT/$2_serve*.json), extra options after
 w5serve() {
   local port=$1 name=$2; shift 2
+  # (fixed seeds, the same for every server: the same prompts and Poisson arrivals, so that engines compare like for
+  # like; the saturation run's differs from the rates' (seed + point), whose prompts the prefix cache still holds)
+  local seed=${W5_SEED:-0}
   serve() { python3 -m streamer bench serve --base-url "http://127.0.0.1:$port" --workload random --input-len 512 \
       --output-len 128 "$@"; }
-  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --json "$OUT/${name}_serve.json" "$@" 2>&1 | grep -v "^rate "
+  serve --num-prompts "${W5_N:-64}" --request-rate 2,8,32 --seed "$seed" --json "$OUT/${name}_serve.json" "$@" 2>&1 \
+      | grep -v "^rate "
   # saturation: enough requests that the ramp (all prefills at once) does not dominate
-  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --json "$OUT/${name}_serve_sat.json" "$@" 2>&1 \
+  serve --num-prompts "${W5_SAT_N:-256}" --request-rate inf --seed $((seed + 100)) --json "$OUT/${name}_serve_sat.json" "$@" 2>&1 \
       | grep -v "^rate "
 }
 part=${1:-check}

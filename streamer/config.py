@@ -10,6 +10,7 @@ the typed accessors below (env_str, env_flag, env_ints):
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
   STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
+  STREAMER_DUMMY_INIT      dummy_init(): the values of load_format="dummy" weights (normal, or uniform as vLLM's)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
                            (torch.distributed's standard names, unprefixed)
 
@@ -89,6 +90,23 @@ def use_l2_prefetch() -> bool:
     on an H100, 5.50 ms/token with it against 5.45 without on the 8B shape, 3.12 against 3.09 on
     the Qwen3-30B-A3B shape (benchmarks/RESULTS.md, thirty-seventh session)."""
     return env_flag("L2_PREFETCH", False)
+
+
+DUMMY_INITS = ("normal", "uniform")
+
+
+def dummy_init() -> str:
+    """STREAMER_DUMMY_INIT: how load_format="dummy" fills the weights. "normal" (the default):
+    N(0, 0.02) with the norms at their neutral weight, so that greedy decoding wanders over the
+    vocabulary and a mixture of experts routes its tokens over all its experts, as a trained
+    model's do. "uniform": every floating weight, the norms' too, U(-1e-3, 1e-3), as vLLM's dummy
+    loader fills them, to measure both engines on the same values. (With those, too, the
+    Qwen3-30B-A3B shape's tokens route over all 128 experts a step at batch 128, and its float8 W8
+    runs as fast: benchmarks/dummy_routing.py, benchmarks/RESULTS.md thirty-eighth session.)"""
+    value = env_str("DUMMY_INIT", "normal").lower()
+    if value not in DUMMY_INITS:
+        raise ConfigError(f"STREAMER_DUMMY_INIT must be one of {', '.join(DUMMY_INITS)}, got {value!r}")
+    return value
 
 
 def rendezvous_env() -> tuple[str | None, int | None]:

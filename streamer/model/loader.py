@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from streamer.config import QUANTIZATIONS
+from streamer.config import QUANTIZATIONS, dummy_init
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
@@ -208,8 +208,13 @@ def load_model(
     with torch.no_grad():
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
+            uniform = dummy_init() == "uniform"
             norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
             for name, p in model.named_parameters():
+                if uniform and p.is_floating_point() and p.dtype != torch.float8_e4m3fn \
+                        and not name.endswith("weight_scale"):
+                    p.uniform_(-1e-3, 1e-3, generator=gen)  # (vLLM's dummy values: config.dummy_init)
+                    continue
                 if name in norms or not p.is_floating_point():
                     continue  # (norms keep their neutral weight: 1, or 0 with an offset; int4 layers below)
                 if p.dtype == torch.float8_e4m3fn:  # a float8 checkpoint's layer: W ~ N(0, 0.02) with the scale below

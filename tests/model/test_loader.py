@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from streamer.errors import ModelLoadError
+from streamer.errors import ConfigError, ModelLoadError
 from streamer.model.loader import load_model
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -87,6 +87,21 @@ def test_dummy_weights_need_no_weight_file(tmp_path):
     shutil.copy(BENCH / "smollm2-135m" / "config.json", tmp_path / "config.json")
     model, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
     assert model.layers[0].mlp.gate_up_proj.weight.std() > 0
+
+
+def test_dummy_weights_can_take_vllms_values(tmp_path, monkeypatch):
+    """STREAMER_DUMMY_INIT=uniform: every floating weight, the norms' too, U(-1e-3, 1e-3), as
+    vLLM's dummy loader fills them (config.dummy_init); normal keeps the norms at 1."""
+    shutil.copy(BENCH / "smollm2-135m" / "config.json", tmp_path / "config.json")
+    normal, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
+    assert torch.equal(normal.norm.weight, torch.ones_like(normal.norm.weight))
+    monkeypatch.setenv("STREAMER_DUMMY_INIT", "uniform")
+    model, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
+    for name, p in model.named_parameters():
+        assert 0 < p.abs().max() <= 1e-3 and p.std() > 4e-4, name  # (U(-a, a) has std a / sqrt(3))
+    monkeypatch.setenv("STREAMER_DUMMY_INIT", "kaiming")
+    with pytest.raises(ConfigError, match="STREAMER_DUMMY_INIT must be one of normal, uniform, got 'kaiming'"):
+        load_model(tmp_path, load_format="dummy", max_positions=64)
 
 
 def expect_error(path, *fragments):
