@@ -7,8 +7,10 @@ the routing is spread as a trained model's is; every byte floor in benchmarks/RE
 that. If the dummy values make greedy decoding fall into a few token cycles, the tokens of a
 step route alike and a step reads far fewer experts: a throughput figure measured that way
 moves fewer bytes than the workload it names. Measured on an H100 (thirty-eighth session, the
-Qwen3-30B-A3B shape, 128 requests, 128 steps): 127.9 and 128.0 distinct experts a step under
-the two inits, 122-128 distinct tokens a step: neither collapses.
+Qwen3-30B-A3B shape, 128 requests, 128 steps), before "uniform" drew each weight from the seed
+anew: 127.9 and 128.0 distinct experts a step under the two inits, 122-128 distinct tokens a
+step. With the reseeding (vLLM's every-weight-of-a-shape-alike), on the CPU only so far (2
+layers, bf16): ~112 of 128 at batch 32, as spread routing gives.
 
     python3 benchmarks/dummy_routing.py [--model-dir benchmarks/configs/qwen3-30b-a3b]
         [--layers 48] [--intermediate N] [--requests 128] [--steps 64] [--device cuda]

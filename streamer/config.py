@@ -99,10 +99,11 @@ def dummy_init() -> str:
     """STREAMER_DUMMY_INIT: how load_format="dummy" fills the weights. "normal" (the default):
     N(0, 0.02) with the norms at their neutral weight, so that greedy decoding wanders over the
     vocabulary and a mixture of experts routes its tokens over all its experts, as a trained
-    model's do. "uniform": every floating weight, the norms' too, U(-1e-3, 1e-3), as vLLM's dummy
-    loader fills them, to measure both engines on the same values. (With those, too, the
-    Qwen3-30B-A3B shape's tokens route over all 128 experts a step at batch 128, and its float8 W8
-    runs as fast: benchmarks/dummy_routing.py, benchmarks/RESULTS.md thirty-eighth session.)"""
+    model's do. "uniform": as vLLM's dummy loader (0.26.0) fills them, to measure both engines on
+    the same kind of values: every floating weight, the norms' too, U(-1e-3, 1e-3), each drawn
+    from the seed anew, so that weights of one shape hold the same values (every layer alike, and
+    an untied LM head equal to the embedding). benchmarks/dummy_routing.py counts what that does
+    to a mixture of experts' routing (benchmarks/RESULTS.md, thirty-eighth session)."""
     value = env_str("DUMMY_INIT", "normal").lower()
     if value not in DUMMY_INITS:
         raise ConfigError(f"STREAMER_DUMMY_INIT must be one of {', '.join(DUMMY_INITS)}, got {value!r}")

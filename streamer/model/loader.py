@@ -213,7 +213,9 @@ def load_model(
             for name, p in model.named_parameters():
                 if uniform and p.is_floating_point() and p.dtype != torch.float8_e4m3fn \
                         and not name.endswith("weight_scale"):
-                    p.uniform_(-1e-3, 1e-3, generator=gen)  # (vLLM's dummy values: config.dummy_init)
+                    # (vLLM's dummy values, config.dummy_init: each parameter drawn from the seed anew, so that
+                    # parameters of one shape hold the same values, an embedding and an untied LM head included)
+                    p.uniform_(-1e-3, 1e-3, generator=gen.manual_seed(seed))
                     continue
                 if name in norms or not p.is_floating_point():
                     continue  # (norms keep their neutral weight: 1, or 0 with an offset; int4 layers below)

@@ -91,7 +91,9 @@ def test_dummy_weights_need_no_weight_file(tmp_path):
 
 def test_dummy_weights_can_take_vllms_values(tmp_path, monkeypatch):
     """STREAMER_DUMMY_INIT=uniform: every floating weight, the norms' too, U(-1e-3, 1e-3), as
-    vLLM's dummy loader fills them (config.dummy_init); normal keeps the norms at 1."""
+    vLLM's dummy loader fills them (config.dummy_init): each drawn from the seed anew, so that
+    weights of one shape are equal (every layer's); normal keeps the norms at 1 and draws one
+    stream."""
     shutil.copy(BENCH / "smollm2-135m" / "config.json", tmp_path / "config.json")
     normal, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
     assert torch.equal(normal.norm.weight, torch.ones_like(normal.norm.weight))
@@ -99,6 +101,9 @@ def test_dummy_weights_can_take_vllms_values(tmp_path, monkeypatch):
     model, _ = load_model(tmp_path, load_format="dummy", max_positions=64)
     for name, p in model.named_parameters():
         assert 0 < p.abs().max() <= 1e-3 and p.std() > 4e-4, name  # (U(-a, a) has std a / sqrt(3))
+    first, second = (layer.mlp.gate_up_proj.weight for layer in model.layers[:2])
+    assert torch.equal(first, second)
+    assert not torch.equal(*(layer.mlp.gate_up_proj.weight for layer in normal.layers[:2]))
     monkeypatch.setenv("STREAMER_DUMMY_INIT", "kaiming")
     with pytest.raises(ConfigError, match="STREAMER_DUMMY_INIT must be one of normal, uniform, got 'kaiming'"):
         load_model(tmp_path, load_format="dummy", max_positions=64)
