@@ -85,10 +85,8 @@ def use_pdl() -> bool:
 
 def use_l2_prefetch() -> bool:
     """STREAMER_L2_PREFETCH (default off): 1 makes the decode GEMVs, the float8 GEMM and the MoE
-    router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES;
-    the model runner sets it to 0 when off). Off because it gained nothing measured: W2 at batch 1
-    on an H100, 5.50 ms/token with it against 5.45 without on the 8B shape, 3.12 against 3.09 on
-    the Qwen3-30B-A3B shape (benchmarks/RESULTS.md, thirty-seventh session)."""
+    router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES).
+    Off: it gained nothing measured (benchmarks/RESULTS.md, thirty-seventh session)."""
     return env_flag("L2_PREFETCH", False)
 
 
@@ -96,14 +94,9 @@ DUMMY_INITS = ("normal", "uniform")
 
 
 def dummy_init() -> str:
-    """STREAMER_DUMMY_INIT: how load_format="dummy" fills the weights. "normal" (the default):
-    N(0, 0.02) with the norms at their neutral weight, so that greedy decoding wanders over the
-    vocabulary and a mixture of experts routes its tokens over all its experts, as a trained
-    model's do. "uniform": as vLLM's dummy loader (0.26.0) fills them, to measure both engines on
-    the same kind of values: every floating weight, the norms' too, U(-1e-3, 1e-3), each drawn
-    from the seed anew, so that weights of one shape hold the same values (every layer alike, and
-    an untied LM head equal to the embedding). benchmarks/dummy_routing.py counts what that does
-    to a mixture of experts' routing (benchmarks/RESULTS.md, thirty-eighth session)."""
+    """STREAMER_DUMMY_INIT: the values of load_format="dummy" weights. normal (default): N(0, 0.02),
+    norms at their neutral weight. uniform: vLLM 0.26.0's, to compare on its values: every floating
+    weight U(-1e-3, 1e-3), each drawn from the seed anew (weights of one shape are equal)."""
     value = env_str("DUMMY_INIT", "normal").lower()
     if value not in DUMMY_INITS:
         raise ConfigError(f"STREAMER_DUMMY_INIT must be one of {', '.join(DUMMY_INITS)}, got {value!r}")
