@@ -63,16 +63,46 @@ def template_text(hf_tokenizer: Any) -> str:
     return t or ""
 
 
-@functools.lru_cache(maxsize=8)
-def renders_tools(template: str) -> bool:
-    """True if the template reads the `tools` variable."""
+@functools.lru_cache(maxsize=16)
+def reads(template: str, variable: str) -> bool:
+    """True if the template reads `variable` (a template that does not parse: if it names it)."""
     import jinja2
     import jinja2.meta
 
     try:
-        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        return variable in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateError:
-        return "tools" in template
+        return variable in template
+
+
+def renders_tools(template: str) -> bool:
+    """True if the template reads the `tools` variable."""
+    return reads(template, "tools")
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+"""reasoning_effort's values (vLLM's, the harmony format's: gpt-oss)."""
+
+
+def with_reasoning_effort(template: str, effort: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's own template variables (its chat_template_kwargs) with its reasoning_effort
+    (OpenAI's field), which the template reads as the variable of that name (gpt-oss's:
+    "Reasoning: high" in its system message; over the server's default variables); RequestError
+    where the value is not one of REASONING_EFFORTS, where the template has no such variable
+    (the field would change nothing), or where the request's chat_template_kwargs set another."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise RequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    if not reads(template, "reasoning_effort"):
+        hint = (' (its reasoning is turned off with chat_template_kwargs {"enable_thinking": false})'
+                if reads(template, "enable_thinking") else "")
+        raise RequestError("reasoning_effort is not supported by this model: its chat template reads no "
+                           f"reasoning_effort{hint}")
+    if kwargs.get("reasoning_effort", effort) != effort:
+        raise RequestError(f"reasoning_effort {effort!r} and chat_template_kwargs' reasoning_effort "
+                           f"{kwargs['reasoning_effort']!r} disagree")
+    return {**kwargs, "reasoning_effort": effort}
 
 
 def markup_format(text: str) -> str | None:

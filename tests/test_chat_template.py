@@ -8,7 +8,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from streamer.chat_template import check_kwargs, hermes_messages, render, renders_tools, tool_format
+from streamer.chat_template import (
+    check_kwargs,
+    hermes_messages,
+    render,
+    renders_tools,
+    tool_format,
+    with_reasoning_effort,
+)
 from streamer.errors import RequestError
 
 TOOLS = [{"type": "function", "function": {
@@ -53,6 +60,31 @@ def test_chat_template_kwargs_reach_the_template(qwen3_tok):
     on = qwen3_tok.decode(render(qwen3_tok, HISTORY[:2]))
     off = qwen3_tok.decode(render(qwen3_tok, HISTORY[:2], kwargs={"enable_thinking": False}))
     assert off == on + "<think>\n\n</think>\n\n"
+
+
+EFFORT_TEMPLATE = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+                   "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_reasoning_effort_is_the_template_variable_of_that_name(smol_tok, monkeypatch):
+    """OpenAI's reasoning_effort reaches a template that reads it (gpt-oss's) as its variable;
+    it is refused where the template has none (naming Qwen3's switch where it has that), where
+    its value is not low, medium or high, and where chat_template_kwargs say otherwise."""
+    kwargs = with_reasoning_effort(EFFORT_TEMPLATE, "high", {"x": 1})
+    assert kwargs == {"x": 1, "reasoning_effort": "high"}
+    assert with_reasoning_effort(EFFORT_TEMPLATE, None, {"x": 1}) == {"x": 1}
+    assert with_reasoning_effort(EFFORT_TEMPLATE, "low", {"reasoning_effort": "low"}) == {"reasoning_effort": "low"}
+    monkeypatch.setattr(smol_tok, "chat_template", EFFORT_TEMPLATE)
+    assert smol_tok.decode(render(smol_tok, HISTORY[:2], kwargs=kwargs)).startswith("Reasoning: high\nsystem: ")
+    with pytest.raises(RequestError, match="must be one of low, medium, high, got 'minimal'"):
+        with_reasoning_effort(EFFORT_TEMPLATE, "minimal", {})
+    with pytest.raises(RequestError, match="'high' and chat_template_kwargs' reasoning_effort 'low' disagree"):
+        with_reasoning_effort(EFFORT_TEMPLATE, "high", {"reasoning_effort": "low"})
+    with pytest.raises(RequestError, match="reads no reasoning_effort$"):
+        with_reasoning_effort("{{ messages }}", "low", {})
+    qwen3_like = "{%- if enable_thinking is defined and not enable_thinking %}<think></think>{%- endif %}"
+    with pytest.raises(RequestError, match='chat_template_kwargs {"enable_thinking": false}'):
+        with_reasoning_effort(qwen3_like, "low", {})
 
 
 def test_a_template_without_tools_gets_them_in_the_hermes_format(smol_tok):

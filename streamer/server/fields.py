@@ -95,7 +95,6 @@ CHAT_REFUSED: dict[str, Rule] = {
     "service_tier": only(("auto", "default"), "this server has one service tier: service_tier may be "
                                               "auto or default"),
     "web_search_options": unsupported("web_search_options (web search) is not supported"),
-    "reasoning_effort": unsupported("reasoning_effort is not supported by this server"),
     "verbosity": only(("medium",), "verbosity is not supported: it may only be medium (the default)"),
     "functions": unsupported(f"functions {DEPRECATED_FUNCTIONS}"),
     "function_call": unsupported(f"function_call {DEPRECATED_FUNCTIONS}"),
@@ -111,8 +110,6 @@ RESPONSES_REFUSED: dict[str, Rule] = {
     "conversation": unsupported("conversation (a stored Conversations object) is not supported: continue a "
                                 "response with previous_response_id, or send the whole conversation in input"),
     "prompt": unsupported("prompt (a stored prompt template) is not supported: send input and instructions"),
-    "reasoning": unsupported("reasoning (effort, summary) is not supported by this server: a reasoning model's "
-                             "reasoning comes whole in a reasoning item (--reasoning-parser)"),
     "truncation": only(("disabled",), "truncation may only be disabled: an input longer than the context is "
                                       "refused, never cut"),
     "max_tool_calls": unsupported("max_tool_calls is not supported: parallel_tool_calls false allows one call"),

@@ -35,7 +35,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.chat_template import check_kwargs
+from streamer.chat_template import check_kwargs, template_text, with_reasoning_effort
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server import protocol as p
@@ -181,18 +181,26 @@ def prediction_text(prediction: p.Prediction | None) -> str | None:
     return "".join(part.text or "" for part in content)
 
 
-def chat_setup(st: ServerState, body: p.ChatFields, grammar: GrammarSpec | None) -> ChatSetup:
-    """Tools, reasoning and the grammar of a chat body, against the server's parsers."""
+def chat_setup(st: ServerState, body: p.ChatFields,
+               grammar: GrammarSpec | None) -> tuple[ChatSetup, dict[str, Any] | None]:
+    """Tools, reasoning and the grammar of a chat body, against the server's parsers; and the
+    request's own template variables (its chat_template_kwargs and reasoning_effort: the
+    engine's tokenizer applies the server's defaults under them)."""
     try:
         mine = check_kwargs(body.chat_template_kwargs)
     except RequestError as e:
         raise ApiError(str(e), param="chat_template_kwargs") from None
-    return ChatSetup.of(
+    try:
+        mine = with_reasoning_effort(template_text(st.info.hf_tokenizer), body.reasoning_effort, mine)
+    except RequestError as e:
+        raise ApiError(str(e), param="reasoning_effort") from None
+    setup = ChatSetup.of(
         tools=msgspec.to_builtins(body.tools) if body.tools else None,
         tool_choice=msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else None,
         parallel=body.parallel_tool_calls, grammar=grammar,
         template_kwargs={**st.info.chat_template_kwargs, **mine}, hf_tokenizer=st.info.hf_tokenizer,
         tool_parser=st.config.tool_call_parser, reasoning_parser=st.config.reasoning_parser)
+    return setup, mine or None
 
 
 def fan_out(base: GenerateRequest, rid: str, first_index: int, n: int) -> list[GenerateRequest]:
@@ -232,14 +240,14 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
                                   vocab_size=st.info.vocab_size, fill_context=True, defaults=st.sampling_defaults)
-    setup = chat_setup(st, body, params.grammar)
+    setup, kwargs = chat_setup(st, body, params.grammar)
     params = policy(msgspec.structs.replace(params, grammar=setup.grammar, prediction=prediction_text(body.prediction),
                                             keep_special_tokens=list(setup.keep_special)))
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            tools=msgspec.to_builtins(body.tools) if body.tools else None,
-                           chat_template_kwargs=body.chat_template_kwargs)
+                           chat_template_kwargs=kwargs)
     return fan_out(base, rid, 0, body.n), setup
 
 

@@ -220,6 +220,8 @@ class ChatFields(SamplingFields, kw_only=True):
     """none | auto | required | {"type": "function", "function": {"name"}}; default auto with tools."""
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    """low | medium | high, for a template that reads it (chat_template.with_reasoning_effort)."""
 
 
 class Prediction(Struct):

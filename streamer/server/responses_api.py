@@ -99,6 +99,13 @@ class ResponseText(Struct, kw_only=True):
     verbosity: str | None = None
 
 
+class ResponseReasoning(Struct, kw_only=True):
+    effort: str | None = None
+    """chat's reasoning_effort (chat_template.with_reasoning_effort)."""
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponseStreamOptions(Struct):
     include_obfuscation: bool = True
     """Accepted without effect (fields.ACCEPTED)."""
@@ -122,6 +129,7 @@ class ResponsesRequest(p.SamplingFields, kw_only=True):
     stream_options: ResponseStreamOptions | None = None
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: ResponseReasoning | None = None
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool = False
@@ -260,11 +268,16 @@ def chat_body(body: ResponsesRequest, logprobs: bool) -> p.ChatCompletionRequest
     """The chat request that runs this one (its messages apart: input_messages)."""
     shared = {f: getattr(body, f) for f in p.SamplingFields.__struct_fields__
               if f not in ("n", "max_tokens", "response_format")}  # (refused: fields.RESPONSES_REFUSED)
+    reasoning = body.reasoning or ResponseReasoning()
+    for name in ("summary", "generate_summary"):
+        if getattr(reasoning, name) is not None:
+            raise ApiError(f"reasoning.{name} is not supported: a reasoning model's reasoning comes whole in a "
+                           "reasoning item (--reasoning-parser), never summarized", param=f"reasoning.{name}")
     return p.ChatCompletionRequest(
         messages=[], max_completion_tokens=body.max_output_tokens, logprobs=logprobs, top_logprobs=body.top_logprobs,
         tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.chat_template_kwargs,
-        response_format=chat_format(body.text), **shared)
+        reasoning_effort=reasoning.effort, response_format=chat_format(body.text), **shared)
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:
@@ -300,7 +313,12 @@ async def responses(request: Request) -> Response:
     messages = input_messages(body, earlier)
     st.limits.messages(messages, "input")
     rid = new_id("resp")
-    reqs, setup = chat_requests(chat, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
+    try:
+        reqs, setup = chat_requests(chat, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
+    except ApiError as e:
+        if e.param == "reasoning_effort":  # (chat's name for it)
+            e.param = "reasoning.effort"
+        raise
     if logprobs and not (setup.tools is None and setup.reasoning is None):
         raise ApiError("logprobs are not supported with tools or a reasoning parser: the tokens are not the "
                        "message's alone", param="include" if body.include else "top_logprobs")
@@ -311,6 +329,8 @@ async def responses(request: Request) -> Response:
         given(body.tool_choice) if body.tool_choice is not None else "auto", [given(t) for t in body.tools or []], given(body.text or ResponseText()),
         body.metadata or {}, body.user, store=keep, previous_response_id=body.previous_response_id,
         background=body.background)
+    if body.reasoning is not None:
+        head.reasoning = {"effort": body.reasoning.effort, "summary": None}
     inputs = as_stored([given(item) for item in own_items(body)], new_id) if keep else []
 
     def kept() -> None:  # (the response as its client got it, once it ended)

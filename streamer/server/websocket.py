@@ -10,7 +10,7 @@ Protocol (JSON text frames):
              "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}   ends the turn
              (on "timeout", also "error": the deadline; the reply so far stays in the history)
   client -> {"type": "user", ..., "tools": [...], "tool_choice", "parallel_tool_calls",
-             "chat_template_kwargs"}   a turn that may call tools (as in chat completions)
+             "chat_template_kwargs", "reasoning_effort"}   a turn that may call tools (as in chat completions)
   server -> {"type": "reasoning", "text": "..."}  the model's <think> text (--reasoning-parser)
   server -> {"type": "tool_calls", "tool_calls": [{"id", "type", "function": {"name",
              "arguments"}}]}   before done (finish_reason "tool_calls"): the turn waits for results
@@ -246,7 +246,7 @@ class Session:
         params = p.to_sampling_params(msg, max_tokens=msg.max_tokens, logprobs=None,
                                       vocab_size=self.st.info.vocab_size, fill_context=True,
                                       defaults=self.st.sampling_defaults)
-        setup = chat_setup(self.st, msg, params.grammar)
+        setup, kwargs = chat_setup(self.st, msg, params.grammar)
         # the history stays in the prefix cache (device or host tier) while the session is open
         params = msgspec.structs.replace(params, grammar=setup.grammar, keep_special_tokens=list(setup.keep_special),
                                          keep_prefix=self.keep_key,
@@ -254,7 +254,7 @@ class Session:
         params = self.st.apply_policy(params, self.ws.scope)
         tools = msgspec.to_builtins(msg.tools) if msg.tools else None
         return GenerateRequest(request_id=rid, messages=[*self.messages, entry], params=params, tools=tools,
-                               chat_template_kwargs=msg.chat_template_kwargs), setup
+                               chat_template_kwargs=kwargs), setup
 
     async def run_turn(self, req: GenerateRequest, setup: ChatSetup, msg: ClientMessage) -> None:
         reply: list[str] = []

@@ -324,3 +324,30 @@ def test_without_the_parsers_the_markers_are_skipped_as_before(harmony_tok):
     assert engine.sent[-1].params.keep_special_tokens == []
     assert r.json()["choices"][0]["message"]["content"] == harmony_tok.decode(
         harmony_tok(SAMPLE)["input_ids"], skip_special_tokens=True)
+
+
+EFFORT = "{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{%- endif %}" + HARMONY_TEMPLATE
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(default_model):
+    """gpt-oss's template reads reasoning_effort (its system message's "Reasoning: high"): chat's
+    reasoning_effort and the Responses API's reasoning.effort become that template variable,
+    and a response echoes its effort; a template without the variable refuses both by name."""
+    tok = marker_tokenizer(default_model, HARMONY_MARKERS, EFFORT)
+    engine = Detokenizing(tok, SAMPLE)
+    config = ServerConfig(allowed_hosts=("testserver",), reasoning_parser="openai_gptoss")
+    with TestClient(create_app(engine, config)) as client:
+        r = client.post("/v1/chat/completions", json={**ASK, "reasoning_effort": "high"})
+        assert r.status_code == 200, r.text
+        assert engine.sent[-1].chat_template_kwargs == {"reasoning_effort": "high"}
+        r = client.post("/v1/responses", json={"input": "Weather in Paris?", "reasoning": {"effort": "low"}})
+        assert r.status_code == 200, r.text
+        assert engine.sent[-1].chat_template_kwargs == {"reasoning_effort": "low"}
+        assert r.json()["reasoning"] == {"effort": "low", "summary": None}
+        r = client.post("/v1/chat/completions", json={**ASK, "reasoning_effort": "extreme"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    plain = Detokenizing(marker_tokenizer(default_model, HARMONY_MARKERS, HARMONY_TEMPLATE), SAMPLE)
+    with TestClient(create_app(plain, config)) as client:
+        r = client.post("/v1/chat/completions", json={**ASK, "reasoning_effort": "high"})
+        assert r.status_code == 400 and "reads no reasoning_effort" in r.json()["error"]["message"]
+        assert not plain.sent

@@ -119,7 +119,9 @@ REFUSED = [
     # (the body's fields besides input, the param named, a word of the message)
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
-    ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort", "reads no reasoning_effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "never summarized"),
+    ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary", "never summarized"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
     ({"service_tier": "flex"}, "service_tier", "service_tier"),
