@@ -188,7 +188,8 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     arrival: float = 0.0
     """As Tokenize.arrival (the scheduler's deadline starts here; 0: at the scheduler)."""
     prediction: list[int] | None = None
-    """params.prediction as token ids (only where the engine speculates with ngram)."""
+    """params.prediction as token ids: ngram speculation's proposals follow it, and usage counts
+    how much of it the output kept (RequestOutput.prediction_token_ids)."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -335,6 +336,8 @@ class TokenDelta(msgspec.Struct):
     """Of cached_tokens, those loaded back from the host tier (first delta)."""
     embedding: list[float] | None = None
     """SamplingParams.embed: the prompt's embedding (with its last delta, which has no tokens)."""
+    prediction_token_ids: list[int] | None = None
+    """With SamplingParams.prediction (first delta): RequestOutput.prediction_token_ids."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -379,6 +382,9 @@ class RequestOutput(msgspec.Struct):
     """SamplingParams.embed: the prompt's embedding (the final output; no tokens, no text)."""
     stop: str | None = None
     """The stop string (of SamplingParams.stop) that ended the request, with finish_reason "stop"."""
+    prediction_token_ids: list[int] | None = None
+    """With SamplingParams.prediction (first output): the prediction as the engine tokenized it,
+    which usage compares with the output (Predicted Outputs' accepted and rejected tokens)."""
 
 
 ENGINE_DOWN = "engine_down"

@@ -148,6 +148,7 @@ class Stream:
             end, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
             logprobs=logprobs, prompt_logprobs=first.prompt_logprobs, queue_time=first.queue_time,
             prompt_token_ids=first.prompt_token_ids, prompt_top_logprobs=first.prompt_top_logprobs,
+            prediction_token_ids=first.prediction_token_ids,
         ), stopped
 
     def _update_one(self, d: TokenDelta) -> tuple[RequestOutput, bool]:
@@ -194,6 +195,7 @@ class Stream:
             prompt_token_ids=d.prompt_token_ids,
             prompt_top_logprobs=d.prompt_top_logprobs,
             embedding=d.embedding,
+            prediction_token_ids=d.prediction_token_ids,
         )
 
 

@@ -150,8 +150,6 @@ class AsyncEngine:
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
                                              pool_tokens=pool.capacity * pool.page_size)
         self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
-        spec = self.config.speculative_config
-        self.tokenizer.predictions = spec is not None and not spec.drafted  # (ngram: proposals may follow one)
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
                               self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),

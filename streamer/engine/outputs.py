@@ -80,6 +80,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
         embedding=b.embedding if b.embedding is not None else a.embedding,
         stop=b.stop,
+        prediction_token_ids=a.prediction_token_ids if a.prediction_token_ids is not None else b.prediction_token_ids,
     )
 
 
@@ -114,7 +115,7 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
     ids: list[int] = []
     text: list[str] = []
     logprobs: list = []
-    prompt_logprobs = prompt_ids = prompt_tops = None
+    prompt_logprobs = prompt_ids = prompt_tops = prediction = None
     queue_time = None
     last = None
     async for out in outputs:
@@ -122,6 +123,8 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
             prompt_logprobs, prompt_ids, prompt_tops = out.prompt_logprobs, out.prompt_token_ids, out.prompt_top_logprobs
         if out.queue_time is not None:
             queue_time = out.queue_time
+        if out.prediction_token_ids is not None:
+            prediction = out.prediction_token_ids
         ids.extend(out.token_ids)
         text.append(out.text)
         if out.logprobs:
@@ -147,4 +150,5 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         prompt_top_logprobs=prompt_tops,
         embedding=last.embedding,
         stop=last.stop,
+        prediction_token_ids=prediction,
     )

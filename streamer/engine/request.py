@@ -77,7 +77,8 @@ class Request:
     """Of those, how many of its next steps may still be scheduled ahead without proposals
     before it waits for its tokens to try again (spec/rollback.py: ahead_budget)."""
     prediction: np.ndarray | None = None
-    """SamplingParams.prediction's token ids (with ngram speculation), int64: its proposals' source."""
+    """SamplingParams.prediction's token ids, int64: ngram speculation's proposals' source; sent back
+    with the first delta (RequestOutput.prediction_token_ids)."""
     prediction_at: int = 0
     """Where in prediction the output was last aligned (spec/ngram.py: from_prediction)."""
 

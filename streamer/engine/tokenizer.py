@@ -79,9 +79,6 @@ class Tokenizer:
         self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
         self.chat_template_kwargs: dict[str, Any] = {}
         """The server's defaults (--default-chat-template-kwargs); a request's own win."""
-        self.predictions = False
-        """The engine speculates with ngram: a request's prediction is tokenized for its
-        proposals (SamplingParams.prediction); otherwise it has no use and is not."""
         self.loras: tuple[str, ...] = ()
         """The LoRA adapters' names (EngineConfig.lora_modules), which SamplingParams.lora may name."""
 
@@ -146,7 +143,7 @@ class Tokenizer:
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
             arrival=arrival,
-            prediction=self.encode_prediction(params.prediction) if self.predictions else None,
+            prediction=self.encode_prediction(params.prediction),
         )
 
     def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:

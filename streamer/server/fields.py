@@ -16,8 +16,8 @@ at all, so that the usual body costs one substring search per name.
 
 tools, tool_choice, parallel_tool_calls, chat_template_kwargs and the messages' tool_calls,
 tool_call_id and reasoning_content are implemented (protocol.py, chat_output.py); so is
-prediction (Predicted Outputs: the proposals of ngram speculation follow it, spec/ngram.py;
-a server without ngram speculation has no use for it, and the answer is the same either way).
+prediction (Predicted Outputs: the proposals of ngram speculation follow it, spec/ngram.py,
+and the usage counts its tokens the answer kept; the answer is the same either way).
 """
 
 from __future__ import annotations

@@ -41,10 +41,16 @@ class Choice:
     tokens at each position after the first (from the first output)."""
     pieces: list[int] = field(default_factory=list)
     """Tokens of each output, beside its text (text[k]: pieces[k] tokens)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The choice's tokens so far (with a prediction: what usage compares it with)."""
+    prediction: list[int] | None = None
+    """The request's prediction as the engine tokenized it (RequestOutput.prediction_token_ids)."""
     reasoning_tokens: int = 0
     """Chat: tokens of outputs fed while the reasoning had not ended (ChatChunks.content, chat_choice)."""
 
     def take_prompt(self, out: RequestOutput) -> None:
+        if out.prediction_token_ids is not None:
+            self.prediction = out.prediction_token_ids
         if out.prompt_token_ids is not None:
             self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
             self.prompt_top_logprobs = out.prompt_top_logprobs
@@ -52,6 +58,7 @@ class Choice:
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         self.pieces.append(len(out.token_ids))
+        self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs or [])
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.cached_host_tokens = out.cached_host_tokens
@@ -64,14 +71,31 @@ class Choice:
 
 def usage(choices: dict[int, Choice], n: int, chat: bool = False) -> r.Usage:
     """Prompt tokens count once per prompt (choice index // n), completions for every choice
-    (chat: and of them, the reasoning's)."""
+    (chat: and of them, the reasoning's, and with a prediction, its tokens each choice has and
+    has not: `predicted`)."""
     firsts = [c for i, c in choices.items() if i % n == 0]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices.values())
-    details = r.CompletionTokensDetails(sum(c.reasoning_tokens for c in choices.values())) if chat else None
+    details = None
+    if chat:
+        guessed = [c for c in choices.values() if c.prediction is not None]
+        kept = sum(predicted(c.prediction, c.token_ids) for c in guessed if c.prediction is not None)
+        details = r.CompletionTokensDetails(sum(c.reasoning_tokens for c in choices.values()), kept,
+                                            sum(len(c.prediction or ()) for c in guessed) - kept)
     return r.Usage(prompt, completion, prompt + completion,
                    r.PromptTokensDetails(sum(c.cached_tokens for c in firsts),
                                          sum(c.cached_host_tokens for c in firsts)), details)
+
+
+def predicted(prediction: list[int], tokens: list[int]) -> int:
+    """How many of the prediction's tokens appear in the completion's, in order (OpenAI's
+    accepted_prediction_tokens; the rest are its rejected ones): the matched blocks of the two
+    sequences' alignment (difflib, without its junk heuristic), so text the answer kept counts
+    wherever it moved to, and text it rewrote does not."""
+    import difflib
+
+    blocks = difflib.SequenceMatcher(None, prediction, tokens, autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks)
 
 
 def joined(a: r.CompletionLogprobs | None, b: r.CompletionLogprobs | None) -> r.CompletionLogprobs | None:

@@ -21,6 +21,10 @@ class PromptTokensDetails(Struct):
 class CompletionTokensDetails(Struct):
     reasoning_tokens: int = 0
     """Of completion_tokens, those of the reasoning (--reasoning-parser; chat only)."""
+    accepted_prediction_tokens: int = 0
+    """With a prediction (Predicted Outputs): its tokens the completion has (openai_output.predicted)."""
+    rejected_prediction_tokens: int = 0
+    """...and those it has not (0 without a prediction, as OpenAI reports them)."""
 
 
 class Usage(Struct, omit_defaults=True):

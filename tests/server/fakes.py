@@ -71,9 +71,12 @@ class Detokenizing(RecordingEngine):
         self.sent.append(request)
         ids = self.tok(self.text, add_special_tokens=False)["input_ids"]
         stream = Stream(self.tok, request.params, asyncio.Queue())
+        guess = request.params.prediction  # (tokenized as the engine's tokenizer does: encode_prediction)
+        guess = self.tok(guess, add_special_tokens=False)["input_ids"] if isinstance(guess, str) else guess
         for k, t in enumerate(ids):
             out, _ = stream.update(TokenDelta(request.request_id, [t], finish_reason="stop" if k == len(ids) - 1
-                                              else None, prompt_tokens=3))
+                                              else None, prompt_tokens=3,
+                                              prediction_token_ids=guess if k == 0 else None))
             yield out
 
 

@@ -181,6 +181,28 @@ def test_a_prediction_reaches_the_engine_as_text(fake):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+def test_usage_counts_the_prediction_tokens_the_answer_kept_and_dropped(parsing):
+    """Predicted Outputs' usage: accepted_prediction_tokens are the prediction's tokens that
+    appear in the answer, in order; rejected_prediction_tokens the others (OpenAI's fields), in
+    the response and in a stream's usage chunk; both 0 without a prediction."""
+    engine, client = parsing
+    tok = engine.tok
+    prediction = "alpha beta gamma delta epsilon"
+    engine.text = "alpha beta zeta delta epsilon"
+    dropped = len(tok(" gamma", add_special_tokens=False)["input_ids"])
+    total = len(tok(prediction, add_special_tokens=False)["input_ids"])
+    body = {"messages": MSGS, "prediction": {"type": "content", "content": prediction}}
+    r = client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"]["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (total - dropped, dropped)
+    stream = client.post(CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}).text
+    usage = [json.loads(line[6:]).get("usage") for line in stream.splitlines() if line.startswith("data: {")][-1]
+    assert usage["completion_tokens_details"] == details
+    plain = client.post(CHAT, json={"messages": MSGS}).json()["usage"]["completion_tokens_details"]
+    assert (plain["accepted_prediction_tokens"], plain["rejected_prediction_tokens"]) == (0, 0)
+
+
 def test_an_assistant_refusal_in_the_history_is_its_content(fake):
     engine, client = fake
     messages = [*MSGS, {"role": "assistant", "content": None, "refusal": "I cannot help."}, *MSGS]

@@ -262,6 +262,8 @@ def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
         d.prompt_tokens, d.cached_tokens = req.prompt_len, req.cached_tokens
         d.queue_time = req.queue_time
         d.cached_host_tokens = req.cached_host_tokens
+        if req.prediction is not None:
+            d.prediction_token_ids = req.prediction.tolist()
         if req.params.prompt_logprobs_from is not None:
             d.prompt_logprobs = req.prompt_logprobs
             d.prompt_token_ids = req.tokens[: req.prompt_len]

@@ -273,8 +273,13 @@ def test_a_prediction_is_followed_and_the_output_stays_the_plain_output(plain, s
                        "Completely different words about the sea.", want[5:], [0]):
         got = gen(spec, [story], msgspec.structs.replace(GREEDY, prediction=prediction))[0]
         assert got.token_ids == want, prediction
-    # without ngram speculation a prediction changes nothing either
-    assert gen(plain, [story], exact)[0].token_ids == want
+    # without ngram speculation a prediction changes nothing either; either way the output
+    # carries it as tokens, for usage's accepted and rejected prediction tokens
+    for llm in (plain, spec):
+        out = gen(llm, [story], exact)[0]
+        assert out.token_ids == want
+        assert out.prediction_token_ids == list(tok(text, add_special_tokens=False)["input_ids"])
+    assert gen(plain, [story], GREEDY)[0].prediction_token_ids is None
     settle(spec)
 
 
