@@ -331,6 +331,10 @@ fi
 if [ "$part" = moepeer ]; then
   [ -d .peer/site/vllm ] || PEER_PROJ=. bash .peer/vllm/run.sh install | tail -1
   cp /tmp/moeso/*.so .peer/site/vllm/ || { echo "no /tmp/moeso: run the moeso part first, on this machine"; exit 3; }
+  # VLLM_ROUTING=uniform_random: vLLM routes each token to k experts drawn at random (its routing simulator), as
+  # a trained model spreads them and as streamer's dummy weights do (benchmarks/dummy_routing.py); vLLM's own dummy
+  # values may route otherwise (RESULTS.md, thirty-eighth session: its W8 fp8 ran below the bytes floor)
+  [ -n "${VLLM_ROUTING:-}" ] && export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$VLLM_ROUTING
   q=${MOE_QUANT:+--quantization $MOE_QUANT}
   w=${MOE_WORKLOADS:-W2 W8}; tag=${MOE_QUANT:+_$MOE_QUANT}
   [[ $w == *W2* ]] && bench --workload W2 --model-dir benchmarks/configs/qwen3-30b-a3b $q --peer vllm \
