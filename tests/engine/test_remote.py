@@ -45,14 +45,16 @@ class Served:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def wait_idle(self, timeout: float = 10.0) -> Any:
-        """The first snapshot received from now on that shows the engine idle. (The snapshot
-        at hand may predate outputs already read, or even the admission of their request.)"""
+        """The first snapshot received from now on that shows the engine idle: nothing running
+        or waiting, and no step in flight (an aborted request's last step may still be on the
+        device, and count its tokens, after the request left running). (The snapshot at hand
+        may predate outputs already read, or even the admission of their request.)"""
         since = time.monotonic()
         deadline = since + timeout
         while True:
             s = self.engine.stats()
             fresh = self.engine.stats_received_at > since
-            if fresh and s.running == 0 and s.waiting == 0 and s.pages_used == s.pages_cached:
+            if fresh and s.running == 0 and s.waiting == 0 and s.step_age_s == 0 and s.pages_used == s.pages_cached:
                 return s
             assert time.monotonic() < deadline, f"not idle after {timeout} s: {s}"
             time.sleep(0.05)
