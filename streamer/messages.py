@@ -50,6 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be sampled (every other logit -inf, after bias and penalties)."""
     seed: int | None = None
     n: int = 1
     stop: list[str] = msgspec.field(default_factory=list)
@@ -188,8 +190,7 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     arrival: float = 0.0
     """As Tokenize.arrival (the scheduler's deadline starts here; 0: at the scheduler)."""
     prediction: list[int] | None = None
-    """params.prediction as token ids: ngram speculation's proposals follow it, and usage counts
-    how much of it the output kept (RequestOutput.prediction_token_ids)."""
+    """params.prediction as token ids (ngram's proposals follow it; RequestOutput.prediction_token_ids)."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -337,7 +338,7 @@ class TokenDelta(msgspec.Struct):
     embedding: list[float] | None = None
     """SamplingParams.embed: the prompt's embedding (with its last delta, which has no tokens)."""
     prediction_token_ids: list[int] | None = None
-    """With SamplingParams.prediction (first delta): RequestOutput.prediction_token_ids."""
+    """First delta: RequestOutput.prediction_token_ids."""
 
 
 class TokenBatch(msgspec.Struct):
@@ -383,8 +384,7 @@ class RequestOutput(msgspec.Struct):
     stop: str | None = None
     """The stop string (of SamplingParams.stop) that ended the request, with finish_reason "stop"."""
     prediction_token_ids: list[int] | None = None
-    """With SamplingParams.prediction (first output): the prediction as the engine tokenized it,
-    which usage compares with the output (Predicted Outputs' accepted and rejected tokens)."""
+    """First output: SamplingParams.prediction as tokens (usage's accepted/rejected prediction tokens)."""
 
 
 ENGINE_DOWN = "engine_down"

@@ -109,6 +109,8 @@ class Tokenizer:
         already (grammar_state does the rest, in a thread of its own)."""
         params = req.params
         params.validate()
+        if params.allowed_token_ids is not None:
+            self.check_allowed(params)
         if params.lora is not None:
             if params.lora not in self.loras:
                 raise RequestError(f"no LoRA adapter is named {params.lora!r}"
@@ -145,6 +147,19 @@ class Tokenizer:
             arrival=arrival,
             prediction=self.encode_prediction(params.prediction),
         )
+
+    def check_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids: some, within the vocabulary, without a grammar, and not all of them
+        tokens that min_tokens bans (EOS and stop_token_ids): a row could otherwise allow none."""
+        ids = params.allowed_token_ids or []
+        if not ids or params.grammar is not None:
+            raise RequestError("allowed_token_ids must name at least one token, and cannot be combined with a grammar "
+                               "(response_format, guided_*: the two could allow no token)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if params.min_tokens and set(ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
+            raise RequestError("allowed_token_ids holds only end-of-sequence and stop tokens, which min_tokens bans")
 
     def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:
         """A prediction's token ids (text tokenized without special tokens, as an output's)."""

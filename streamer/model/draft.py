@@ -47,7 +47,7 @@ from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.windows import kv_window, layer_windows
 from streamer.sampling.draw import package
-from streamer.sampling.processing import BiasCache, has_penalty
+from streamer.sampling.processing import BiasCache, edits_logits
 from streamer.sampling.rejection import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
@@ -196,7 +196,7 @@ class DraftModel:
                         staging=self.staging, graphs=self.graphs, extend_graphs=None, split_decode_tokens=1 << 62,
                         last_tokens=prev, last_rows=prev_rows)
             logits = self._step_logits(x, j, [prev_live.index(n) for n in live] if j else [])
-            if all(p.greedy and not p.logit_bias and not has_penalty(p) for p in params) and not any(banned):
+            if all(p.greedy and not edits_logits(p) for p in params) and not any(banned):
                 toks = logits.argmax(-1)
             else:
                 q = processed_probs(logits, params, hist, banned, self.biases)

@@ -36,6 +36,7 @@ from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.tp_group import current as tensor_parallel
 from streamer.model.tp_group import unsharded
+from streamer.sampling.processing import edits_logits
 from streamer.sampling.sampler import Plan, SampleInputs, Sampler
 from streamer.staging import PinnedRing
 
@@ -392,9 +393,6 @@ def _plain_greedy(batch: Batch) -> bool:
     return batch.masks is None and not any(batch.banned) and all(
         p.greedy
         and p.logprobs is None
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
+        and not edits_logits(p)
         for p in batch.params
     )

@@ -24,15 +24,16 @@ LOGIT_MAX = 1e30
 BIAS_CACHE = 1024
 """logit_bias dicts kept as tensors (the running requests' biases, and some)."""
 
-BiasCache = OrderedDict[int, tuple[dict, torch.Tensor, torch.Tensor]]
-"""id(params.logit_bias) -> (that dict, kept so the id stays its own; token ids; biases)."""
+BiasCache = OrderedDict[int, tuple[dict | list, torch.Tensor, torch.Tensor]]
+"""id(params.logit_bias) -> (that dict, kept so the id stays its own; token ids; biases), and
+id(params.allowed_token_ids) -> (that list; token ids; the same)."""
 
 
 def bias_and_penalties(
     logits: torch.Tensor, params: list[SamplingParams], hist: list[list[int]], biases: BiasCache
 ) -> None:
-    """Apply logit_bias and the penalties to logits in place (biases: the tensors of the
-    requests' logit_bias dicts, `bias_tensors`)."""
+    """Apply logit_bias, the penalties and allowed_token_ids to logits in place (biases: the
+    tensors of the requests' logit_bias dicts, `bias_tensors`)."""
     n, v = logits.shape
     dev = logits.device
     # logit_bias: one scatter-add over all (row, token) pairs
@@ -63,6 +64,14 @@ def bias_and_penalties(
         x = logits[rr, tt]
         x = torch.where(x > 0, x / rep, x * rep) - freq * count - pres
         logits[rr, tt] = x
+    # allowed_token_ids: every other logit of the row -inf (one masked_fill over those rows)
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if rows:
+        keep = torch.zeros(len(rows), v, dtype=torch.bool)
+        for k, i in enumerate(rows):
+            keep[k, allowed_tensor(biases, params[i].allowed_token_ids or [], v)] = True
+        at = torch.tensor(rows).to(dev, non_blocking=True)
+        logits[at] = logits[at].masked_fill_(~keep.to(dev, non_blocking=True), float("-inf"))
 
 
 def bias_tensors(biases: BiasCache, bias: dict[int, float], v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +88,20 @@ def bias_tensors(biases: BiasCache, bias: dict[int, float], v: int) -> tuple[tor
     while len(biases) > BIAS_CACHE:
         biases.popitem(last=False)
     return toks, vals
+
+
+def allowed_tensor(biases: BiasCache, allowed: list[int], v: int) -> torch.Tensor:
+    """One request's allowed_token_ids within the vocabulary as a tensor, cached in `biases`
+    beside the logit_bias tensors (a list's id, as a dict's there)."""
+    hit = biases.get(id(allowed))
+    if hit is not None and hit[0] is allowed:
+        biases.move_to_end(id(allowed))
+        return hit[1]
+    toks = torch.tensor([t for t in allowed if 0 <= t < v], dtype=torch.long)
+    biases[id(allowed)] = (allowed, toks, toks)
+    while len(biases) > BIAS_CACHE:
+        biases.popitem(last=False)
+    return toks
 
 
 def mask_and_ban(
@@ -132,6 +155,11 @@ def upload(x: list, dev: torch.device, dtype: torch.dtype = torch.float32) -> to
 
 def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def edits_logits(p: SamplingParams) -> bool:
+    """Whether bias_and_penalties changes p's row: a penalty, logit_bias or allowed_token_ids."""
+    return has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

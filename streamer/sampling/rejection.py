@@ -24,7 +24,7 @@ import torch
 
 from streamer.messages import SamplingParams
 from streamer.sampling.draw import MIN_TEMPERATURE, draw_uniform, filtered_probs, inverse_cdf
-from streamer.sampling.processing import LOGIT_MAX, BiasCache, bias_and_penalties, has_penalty, mask_and_ban
+from streamer.sampling.processing import LOGIT_MAX, BiasCache, bias_and_penalties, edits_logits, mask_and_ban
 
 DRAFT_STREAM = 0x5DEECE66D
 """Seed offsets of the draft's draws and of the acceptance tests (the redraw and the
@@ -39,7 +39,7 @@ def processed_logits(
     """float32 [rows, V]: logit_bias, penalties, the grammar bitmask (a row each, or None) and
     bans applied (what reported logprobs are the log_softmax of)."""
     logits = logits.float().clone()
-    if any(has_penalty(p) or p.logit_bias for p in params):
+    if any(edits_logits(p) for p in params):
         bias_and_penalties(logits, params, hist, biases)
         logits.nan_to_num_(nan=float("-inf"), posinf=LOGIT_MAX, neginf=float("-inf")).clamp_(max=LOGIT_MAX)
     mask_and_ban(logits, banned, bitmask, None)

@@ -66,7 +66,7 @@ from streamer.sampling.processing import (
     BiasCache,
     apply_bitmask,
     bias_and_penalties,
-    has_penalty,
+    edits_logits,
     mask_and_ban,
     upload_bitmask,
 )
@@ -136,7 +136,7 @@ class Sampler:
         is left to queue on the device once the masks are in."""
         params = inp.params
         logits = logits[:, : self.vocab_size]
-        arithmetic = any(has_penalty(p) or p.logit_bias for p in params)
+        arithmetic = any(edits_logits(p) for p in params)
         edits = masked or arithmetic or any(inp.banned)
         if not edits and all(p.greedy and p.logprobs is None for p in params):
             return Plan(logits, inp, done=logits.argmax(-1))

@@ -50,7 +50,6 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     # vLLM's extensions
     "use_beam_search": only((False,), "use_beam_search: beam search is not supported"),
     "length_penalty": only((1.0, 1), "length_penalty (a beam-search setting) is not supported"),
-    "allowed_token_ids": unsupported("allowed_token_ids is not supported: use logit_bias or guided_choice"),
     "bad_words": only(([],), "bad_words is not supported: use logit_bias"),
     "prompt_logprobs": unsupported("prompt_logprobs is not supported: use echo with logprobs (completions)"),
     "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),

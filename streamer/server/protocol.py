@@ -24,7 +24,7 @@ What is ignored, exactly:
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
+allowed_token_ids, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
 guided_json / regex / grammar / choice, cache_salt, timeout, and for chat
 add_generation_prompt and continue_final_message.
 
@@ -126,6 +126,8 @@ class SamplingFields(Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[int] | None = None
+    """vLLM's extension: only these tokens may be sampled."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -329,6 +331,10 @@ def to_sampling_params(
     bias = body.logit_bias or None
     if bias and any(not 0 <= t < vocab_size for t in bias):
         raise ApiError(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
+    allowed = body.allowed_token_ids
+    if allowed is not None and (len(allowed) > vocab_size or any(not 0 <= t < vocab_size for t in allowed)):
+        raise ApiError(f"allowed_token_ids must be at most {vocab_size} token ids in [0, {vocab_size})",
+                       param="allowed_token_ids")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     grammar = grammar_of([
         response_format_spec(body.response_format),
@@ -349,6 +355,7 @@ def to_sampling_params(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=pick("repetition_penalty", 1.0),
         logit_bias=bias,
+        allowed_token_ids=allowed,
         seed=body.seed,
         stop=stop,
         include_stop=body.include_stop_str_in_output,

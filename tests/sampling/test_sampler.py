@@ -138,6 +138,24 @@ def test_logit_bias():
     assert draw(SamplingParams(temperature=1.0, logit_bias={7: 100.0}), n=200)[7] == 1.0
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    """vLLM's allowed_token_ids: the other tokens' logits are -inf, after bias and penalties, so
+    the distribution is the processed one renormalized over the allowed tokens; greedy takes the
+    best of them, draws never leave them, and rows without it are untouched."""
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[3, 5, 6], logit_bias={6: 4.0})
+    got = full_logprobs(allowed, [])
+    z = torch.full_like(LOGITS, float("-inf"))
+    z[[3, 5, 6]] = LOGITS[[3, 5, 6]] + torch.tensor([0.0, 0.0, 4.0])
+    torch.testing.assert_close(got, z.log_softmax(-1))
+    freq = draw(SamplingParams(temperature=1.0, allowed_token_ids=[1, 4]))
+    assert freq[[1, 4]].sum() == 1.0
+    assert_close(freq, torch.zeros(V).index_copy_(0, torch.tensor([1, 4]), LOGITS[[1, 4]].softmax(-1)))
+    rows = LOGITS[None, :].repeat(2, 1)
+    toks = sampler()(rows, SampleInputs([SamplingParams(temperature=0.0, allowed_token_ids=[7]),
+                                         SamplingParams(temperature=0.0)], [[], []]))
+    assert (toks.tolist() if isinstance(toks, torch.Tensor) else [t.token_id for t in toks]) == [7, 0]
+
+
 def test_penalties_match_definition():
     hist = [0, 0, 0, 3, 6, 6]
     p = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)

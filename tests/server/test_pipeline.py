@@ -122,6 +122,28 @@ def test_the_engine_gives_a_chat_without_max_tokens_the_room_left(small):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_allowed_token_ids_hold_the_answer_to_those_tokens(small, default_model):
+    """vLLM's allowed_token_ids, through the API to the real sampler: every token drawn (at
+    temperature 1) is one of them; ids outside the vocabulary, a grammar beside them and a set
+    that min_tokens would empty (EOS alone) are 400s naming them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    words = [" yes", " no", " maybe"]
+    ids = [tok(w, add_special_tokens=False)["input_ids"][0] for w in words]
+    body = {"prompt": "Answer:", "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "allowed_token_ids": ids, "logprobs": 0}
+    r = httpx.post(small + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 12 and set(tokens) <= set(words), tokens
+    for extra, word in (({"allowed_token_ids": [10**6]}, "allowed_token_ids must be at most 49152 token ids in [0, "),
+                        ({"guided_choice": ["a"]}, "cannot be combined with a grammar"),
+                        ({"allowed_token_ids": [2], "min_tokens": 1, "ignore_eos": False}, "which min_tokens bans")):
+        r = httpx.post(small + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+
+
 def test_a_prompt_that_leaves_no_room_and_max_tokens_past_the_context_are_refused(small):
     long = [{"role": "user", "content": "hello " * 80}]
     r = httpx.post(small + "/v1/chat/completions", json={"messages": long}, timeout=60)
