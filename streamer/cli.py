@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of host memory under the prefix cache: evicted KV pages go there, not away (0: off)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="cap on running requests")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: waiting requests by their priority (lower first), then arrival; preemption "
+                        "takes the last of that order (default fcfs: first come, first served)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix cache off")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")

@@ -164,6 +164,9 @@ class EngineConfig:
     cpu_kv_bytes: int = 512 << 20
     max_num_seqs: int = 256
     """Cap on requests running at once."""
+    scheduling_policy: str = "fcfs"
+    """fcfs: first come, first served. priority (vLLM's): waiting requests by SamplingParams.priority
+    (lower first), then arrival; preemption takes the running request last in that order."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks + decodes)."""
     max_model_len: int | None = None
@@ -252,6 +255,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
         if self.hold_ahead_ms < 0:
             raise ConfigError(f"hold_ahead_ms must be >= 0, not {self.hold_ahead_ms}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.default_chat_template_kwargs is not None:

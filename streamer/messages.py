@@ -50,6 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    priority: int = 0
+    """With EngineConfig.scheduling_policy priority: lower is scheduled first (vLLM's)."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these tokens may be sampled (every other logit -inf, after bias and penalties)."""
     seed: int | None = None

@@ -156,6 +156,7 @@ class AsyncEngine:
                               pooling=pooling_config(self.model_path),
                               loras=tuple(name for name, _ in self.config.lora_adapters))
         self.tokenizer.loras = self.info.loras
+        self.tokenizer.priorities = self.config.scheduling_policy == "priority"
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics, kv_window=kv_window(hf))
         self._attach_grammar()

@@ -81,6 +81,8 @@ class Tokenizer:
         """The server's defaults (--default-chat-template-kwargs); a request's own win."""
         self.loras: tuple[str, ...] = ()
         """The LoRA adapters' names (EngineConfig.lora_modules), which SamplingParams.lora may name."""
+        self.priorities = False
+        """EngineConfig.scheduling_policy is priority: SamplingParams.priority may be other than 0."""
 
     def encode_prompt(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -111,6 +113,9 @@ class Tokenizer:
         params.validate()
         if params.allowed_token_ids is not None:
             self.check_allowed(params)
+        if params.priority and not self.priorities:
+            raise RequestError(f"priority {params.priority} needs the priority scheduling policy (streamer serve "
+                               "--scheduling-policy priority); this engine serves first come, first served")
         if params.lora is not None:
             if params.lora not in self.loras:
                 raise RequestError(f"no LoRA adapter is named {params.lora!r}"

@@ -59,7 +59,6 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     "spaces_between_special_tokens": only((True,), "spaces_between_special_tokens may only be true (the "
                                                    "tokenizer's own decoding)"),
     "return_tokens_as_token_ids": only((False,), "return_tokens_as_token_ids is not supported"),
-    "priority": only((0,), "priority is not supported: requests are served first come, first served"),
     "prompt_embeds": unsupported("prompt_embeds is not supported: send text or token ids"),
     "vllm_xargs": unsupported("vllm_xargs is not supported"),
     "kv_transfer_params": unsupported("kv_transfer_params (disaggregated prefill) is not supported"),

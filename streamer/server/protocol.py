@@ -24,7 +24,7 @@ What is ignored, exactly:
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
-allowed_token_ids, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
+allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
 guided_json / regex / grammar / choice, cache_salt, timeout, and for chat
 add_generation_prompt and continue_final_message.
 
@@ -128,6 +128,8 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: dict[int, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     allowed_token_ids: list[int] | None = None
     """vLLM's extension: only these tokens may be sampled."""
+    priority: int = 0
+    """vLLM's extension: with --scheduling-policy priority, lower is served first."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -356,6 +358,7 @@ def to_sampling_params(
         repetition_penalty=pick("repetition_penalty", 1.0),
         logit_bias=bias,
         allowed_token_ids=allowed,
+        priority=body.priority,
         seed=body.seed,
         stop=stop,
         include_stop=body.include_stop_str_in_output,

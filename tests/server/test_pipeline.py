@@ -144,6 +144,23 @@ def test_allowed_token_ids_hold_the_answer_to_those_tokens(small, default_model)
         assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
 
 
+def test_a_priority_needs_the_priority_policy(small):
+    """vLLM's priority: a first-come-first-served engine (the default) refuses any but 0, naming
+    the flag that turns priorities on (tests/engine/scheduler/test_policy.py: what they do)."""
+    body = {"prompt": "Hi", "max_tokens": 2, "priority": 0}
+    assert httpx.post(small + "/v1/completions", json=body, timeout=60).status_code == 200
+    r = httpx.post(small + "/v1/completions", json={**body, "priority": -3}, timeout=60)
+    assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"], r.text
+
+
+def test_an_engine_with_the_priority_policy_takes_priorities(default_model):
+    from streamer.engine.llm import LLM
+
+    with LLM(str(default_model), scheduling_policy="priority", max_model_len=64) as llm:
+        outs = llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=3, priority=p, ignore_eos=True) for p in (3, -1)])
+    assert [(o.error, o.completion_tokens) for o in outs] == [(None, 3), (None, 3)]
+
+
 def test_a_prompt_that_leaves_no_room_and_max_tokens_past_the_context_are_refused(small):
     long = [{"role": "user", "content": "hello " * 80}]
     r = httpx.post(small + "/v1/chat/completions", json={"messages": long}, timeout=60)

@@ -6,6 +6,9 @@ the token budget allows (a decode is one token); a request that cannot grow pree
 the newest running one (pages.py). Then waiting requests are admitted under what is
 left of the budget, in cache-aware order: the longest cached prefix first (stable, so
 FCFS among equals), plain FCFS once the queue is longer than fcfs_queue_threshold.
+With scheduling_policy priority, lower SamplingParams.priority goes first in both (the
+orders above among equals), and preemption takes the running request last by
+(priority, arrival).
 
 Invariants:
   - prefixes are matched and claimed within the request's cache_salt only; a request
@@ -193,7 +196,7 @@ class Scheduler:
                     return self.batches.build(chunks, ahead)
         off = self.spec is not None and self.spec.disable_by_batch_size is not None \
             and len(self.running) >= self.spec.disable_by_batch_size
-        for req in [suspect] if suspect is not None else list(self.running):
+        for req in [suspect] if suspect is not None else self._in_order(self.running):
             if req.status != Status.RUNNING or budget == 0 or self._awaiting_last_token(req):
                 continue
             n = min(req.remaining, budget)
@@ -215,7 +218,7 @@ class Scheduler:
             while not self.pages.grow(req, req.num_computed + n):
                 if ahead:
                     break
-                victim = self.running[-1]
+                victim = self._in_order(self.running)[-1]  # (the last of this loop's order: not yet scheduled)
                 self.pages.preempt(victim)
                 self.counters.preemptions += 1
                 preempted = True
@@ -241,6 +244,13 @@ class Scheduler:
         chunks.sort(key=lambda c: (c[1] != 1, -c[0].num_computed))
         self.counters.steps_ahead += ahead
         return self.batches.build(chunks, ahead)
+
+    def _in_order(self, reqs: list[Request]) -> list[Request]:
+        """Running requests in the order they are served and kept: as they were admitted, or
+        with scheduling_policy priority by (priority, arrival)."""
+        if self.config.scheduling_policy != "priority":
+            return list(reqs)
+        return sorted(reqs, key=lambda r: (r.params.priority, r.arrival))
 
     def _awaiting_last_token(self, req: Request) -> bool:
         """Its final token is already being sampled by a batch in flight."""
@@ -272,6 +282,8 @@ class Scheduler:
             for r in order:
                 matches[r.request_id] = self.tree.peek(r.tokens[: self.pages.cacheable(r)], r.params.cache_salt)
             order.sort(key=lambda r: -len(matches[r.request_id][0]))
+        if self.config.scheduling_policy == "priority":  # (stable: the order above among equal priorities)
+            order.sort(key=lambda r: r.params.priority)
         claimed = {r.claim for r in self.running if r.claim is not None}
         for req in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:

@@ -144,3 +144,58 @@ def test_requests_of_other_salts_do_not_wait_for_a_shared_prefix_to_be_computed(
     finish_step(s, first)
     run_to_end(s)
     s.check()
+
+
+def prioritized(s, rid: str, prompt: list[int], priority: int, max_tokens: int = 4) -> None:
+    from streamer.messages import SamplingParams, TokenizedRequest
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, priority=priority)
+    assert s.add(TokenizedRequest(request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[2])) is None
+
+
+def test_the_priority_policy_admits_lower_priority_values_first_and_preempts_the_last():
+    """scheduling_policy priority (vLLM's): waiting requests are admitted by priority (lower
+    first), arrival breaking ties; a request that cannot grow preempts the running request last
+    by (priority, arrival), not the newest; fcfs keeps arrival order."""
+    s = scheduler(max_num_seqs=2, scheduling_policy="priority", enable_prefix_caching=False)
+    for rid, prio in (("late-low", 5), ("urgent", -1), ("mid-a", 1), ("mid-b", 1)):
+        prioritized(s, rid, [10 + len(rid)] * 8, prio)
+    first = s.schedule()
+    assert [c.request_id for c in first.seqs] == ["urgent", "mid-a"]
+    finish_step(s, first)
+    fcfs = scheduler(max_num_seqs=2, enable_prefix_caching=False)
+    for rid in ("late-low", "urgent", "mid-a"):
+        prioritized(fcfs, rid, [10 + len(rid)] * 8, 0)
+    assert [c.request_id for c in fcfs.schedule().seqs] == ["late-low", "urgent"]
+    # 11 usable pages: the high-priority request, admitted after the low one (the newest), grows
+    # until the running low-priority one goes (fcfs would preempt the newest: "high")
+    tight = scheduler(num_pages=12, max_num_seqs=4, scheduling_policy="priority", enable_prefix_caching=False)
+    prioritized(tight, "low", [20] * 40, 9, max_tokens=100)
+    finish_step(tight, tight.schedule())
+    prioritized(tight, "high", [21] * 40, 0, max_tokens=100)
+    batch = tight.schedule()
+    assert [r.request_id for r in tight.running] == ["low", "high"]
+    while batch is not None and tight.counters.preemptions == 0:
+        finish_step(tight, batch)
+        batch = tight.schedule()
+    assert tight.counters.preemptions == 1
+    assert [r.request_id for r in tight.running] == ["high"] and [r.request_id for r in tight.waiting] == ["low"]
+    run_to_end(tight)
+    tight.check()
+
+
+def test_the_policy_is_named_by_the_flag_and_checked():
+    import argparse
+
+    import pytest
+
+    from streamer.cli import add_engine_args, engine_config
+    from streamer.config import EngineConfig
+    from streamer.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--scheduling-policy", "priority"])).scheduling_policy == "priority"
+    assert engine_config(p.parse_args([])).scheduling_policy == "fcfs"
+    with pytest.raises(ConfigError, match="scheduling_policy must be fcfs or priority, not 'lifo'"):
+        EngineConfig(scheduling_policy="lifo")
