@@ -35,8 +35,9 @@ from typing import Any
 import msgspec
 import torch.distributed as dist
 
-from streamer.config import EngineConfig, rendezvous_env
+from streamer.config import EngineConfig
 from streamer.distributed.checks import check_devices, check_model, rank_device
+from streamer.env import rendezvous_env
 from streamer.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger("streamer.distributed")

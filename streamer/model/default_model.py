@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from streamer.config import cache_dir
+from streamer.env import cache_dir
 from streamer.errors import ModelLoadError
 from streamer.model.gguf import convert_gguf
 

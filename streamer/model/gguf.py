@@ -34,7 +34,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any, cast
 
-from streamer.config import cache_dir
+from streamer.env import cache_dir
 from streamer.errors import ModelLoadError
 
 MAGIC = b"GGUF"

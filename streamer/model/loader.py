@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from streamer.config import QUANTIZATIONS, dummy_init
+from streamer.config import QUANTIZATIONS
+from streamer.env import dummy_init
 from streamer.errors import ModelLoadError
 from streamer.model import fp8_checkpoint, fp8_config, int4_checkpoint
 from streamer.model.config_check import check_config
@@ -213,7 +214,7 @@ def load_model(
             for name, p in model.named_parameters():
                 if uniform and p.is_floating_point() and p.dtype != torch.float8_e4m3fn \
                         and not name.endswith("weight_scale"):
-                    # (vLLM's dummy values, config.dummy_init: each parameter drawn from the seed anew, so that
+                    # (vLLM's dummy values, env.dummy_init: each parameter drawn from the seed anew, so that
                     # parameters of one shape hold the same values, an embedding and an untied LM head included)
                     p.uniform_(-1e-3, 1e-3, generator=gen.manual_seed(seed))
                     continue

@@ -20,8 +20,9 @@ import msgspec
 import torch
 
 import kernels.common
-from streamer.config import EngineConfig, use_l2_prefetch, use_pdl
+from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
+from streamer.env import use_l2_prefetch, use_pdl
 from streamer.errors import ConfigError
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager

@@ -117,7 +117,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
     monkeypatch.setattr(kernels.common, "PREFETCH_BYTES", kernels.common.PREFETCH_BYTES)
 
     def run(pdl, prefetch="1"):
-        monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.config.use_pdl)
+        monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.env.use_pdl)
         monkeypatch.setenv("STREAMER_L2_PREFETCH", prefetch)
         with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048) as llm:
             on = pdl == "1" and torch.cuda.get_device_capability()[0] >= 9

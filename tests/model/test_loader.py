@@ -91,7 +91,7 @@ def test_dummy_weights_need_no_weight_file(tmp_path):
 
 def test_dummy_weights_can_take_vllms_values(tmp_path, monkeypatch):
     """STREAMER_DUMMY_INIT=uniform: every floating weight, the norms' too, U(-1e-3, 1e-3), as
-    vLLM's dummy loader fills them (config.dummy_init): each drawn from the seed anew, so that
+    vLLM's dummy loader fills them (env.dummy_init): each drawn from the seed anew, so that
     weights of one shape are equal (every layer's); normal keeps the norms at 1 and draws one
     stream."""
     shutil.copy(BENCH / "smollm2-135m" / "config.json", tmp_path / "config.json")
