@@ -67,11 +67,11 @@ def bias_and_penalties(
     # allowed_token_ids: every other logit of the row -inf (one masked_fill over those rows)
     rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     if rows:
-        keep = torch.zeros(len(rows), v, dtype=torch.bool)
+        keep = torch.zeros(len(rows), v, dtype=torch.bool, device=dev)  # (made on the device: no [rows, V] copy)
         for k, i in enumerate(rows):
-            keep[k, allowed_tensor(biases, params[i].allowed_token_ids or [], v)] = True
+            keep[k, allowed_tensor(biases, params[i].allowed_token_ids or [], v).to(dev, non_blocking=True)] = True
         at = torch.tensor(rows).to(dev, non_blocking=True)
-        logits[at] = logits[at].masked_fill_(~keep.to(dev, non_blocking=True), float("-inf"))
+        logits[at] = logits[at].masked_fill_(~keep, float("-inf"))
 
 
 def bias_tensors(biases: BiasCache, bias: dict[int, float], v: int) -> tuple[torch.Tensor, torch.Tensor]:

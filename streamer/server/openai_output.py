@@ -45,6 +45,8 @@ class Choice:
     """The choice's tokens so far (with a prediction: what usage compares it with)."""
     prediction: list[int] | None = None
     """The request's prediction as the engine tokenized it (RequestOutput.prediction_token_ids)."""
+    kept: tuple[int, int] = (-1, 0)
+    """(tokens so far, prediction tokens they kept) when last aligned: `prediction_usage`."""
     reasoning_tokens: int = 0
     """Chat: tokens of outputs fed while the reasoning had not ended (ChatChunks.content, chat_choice)."""
 
@@ -54,6 +56,15 @@ class Choice:
         if out.prompt_token_ids is not None:
             self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
             self.prompt_top_logprobs = out.prompt_top_logprobs
+
+    def prediction_usage(self) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens so far ((0, 0) without a prediction); aligned
+        once per output length, however often the usage is asked for."""
+        if self.prediction is None:
+            return 0, 0
+        if self.kept[0] != len(self.token_ids):
+            self.kept = (len(self.token_ids), predicted(self.prediction, self.token_ids))
+        return self.kept[1], len(self.prediction) - self.kept[1]
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
@@ -78,10 +89,9 @@ def usage(choices: dict[int, Choice], n: int, chat: bool = False) -> r.Usage:
     completion = sum(c.completion_tokens for c in choices.values())
     details = None
     if chat:
-        guessed = [c for c in choices.values() if c.prediction is not None]
-        kept = sum(predicted(c.prediction, c.token_ids) for c in guessed if c.prediction is not None)
-        details = r.CompletionTokensDetails(sum(c.reasoning_tokens for c in choices.values()), kept,
-                                            sum(len(c.prediction or ()) for c in guessed) - kept)
+        pairs = [c.prediction_usage() for c in choices.values()]
+        details = r.CompletionTokensDetails(sum(c.reasoning_tokens for c in choices.values()),
+                                            sum(a for a, _ in pairs), sum(b for _, b in pairs))
     return r.Usage(prompt, completion, prompt + completion,
                    r.PromptTokensDetails(sum(c.cached_tokens for c in firsts),
                                          sum(c.cached_host_tokens for c in firsts)), details)
