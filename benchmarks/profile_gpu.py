@@ -23,6 +23,7 @@ Attention and small kernels:
 Engine steps and the host:
   step          kernel-time breakdown of decode steps, and the gaps before each kernel (--case N, --graphs,
                 --kv-cache-dtype, --quantization, --out DIR: the chrome trace)
+  mixed         a 512-token prefill step alone, then with one more row beside it (W5 at 2 req/s), by kernel
   grammar       device work of JSON-constrained steps (--model DIR)
   ttft          a lone request: wall vs GPU time to first token (--set key=value ...; --launch:
                 the runner's step called directly, with a cProfile)
@@ -866,6 +867,32 @@ def profile_step(only: int | None = None, kv_cache_dtype: str = "auto", graphs: 
         torch.cuda.empty_cache()
 
 
+def profile_mixed(extra_rows: int = 1) -> None:
+    """W5's first token at a low rate is one step of a 512-token prompt beside the running decodes:
+    11.9 ms alone and 14.1 ms with 1-5 decode rows in the server's step trace (H100, thirty-ninth
+    session). Here: the step of a 512-token prompt alone, then of another beside `extra_rows` cached
+    prompts whose last token each is new (the rows a decode step adds), each profiled by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from streamer import LLM
+    from streamer.messages import SamplingParams
+
+    llm = LLM(str(CONFIGS / "llama-3.1-8b"), load_format="dummy", max_model_len=4096, max_num_batched_tokens=8192)
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(1000, 30000, (n,), generator=g).tolist()  # noqa: E731
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    short = [prompt(64) for _ in range(extra_rows)]
+    llm.generate(short + [prompt(512)], one)  # warm-up, and the short prompts cached
+    for title, batch in (("512 alone", [prompt(512)]),
+                         (f"512 + {extra_rows} row(s)", [prompt(512)] + [s + prompt(1) for s in short])):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(batch, one)
+            torch.cuda.synchronize()
+        _device_table(prof, 1, title, top=18)
+    llm.close()
+
+
 def _device_table(prof, steps: int, title: str, top: int = 14) -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
@@ -1089,7 +1116,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("part", choices=["gemm", "gemm-fp8", "attn", "attn-b1", "attn-kv", "attn-fp8", "attn-occ",
                                     "attn-order", "attn-subtile", "attn-w3", "attn-one", "power", "small-ops",
-                                    "overlap", "gemm-rows", "gemm-layouts", "step", "w1cpu", "serve", "grammar",
+                                    "overlap", "gemm-rows", "gemm-layouts", "step", "mixed", "w1cpu", "serve", "grammar",
                                     "ttft"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"),
@@ -1115,6 +1142,8 @@ def main() -> None:
         bench_attn_fp8(a.out)
     elif a.part == "step":
         profile_step(a.case, a.kv_cache_dtype, a.graphs, a.quantization, a.out)
+    elif a.part == "mixed":
+        profile_mixed()
     elif a.part == "grammar":
         profile_grammar(a.model)
     elif a.part == "serve":
