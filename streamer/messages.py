@@ -294,6 +294,8 @@ class StepOutput(msgspec.Struct):
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = msgspec.field(default_factory=dict)
     """Per request that asked for them (SeqChunk.logprob_top), the top tokens at each of its
     prompt_logprobs' positions."""
+    prompt_ranks: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    """Beside prompt_logprobs: each of those tokens' rank in the vocabulary (1: the most likely)."""
     drafts: dict[str, list[int]] = msgspec.field(default_factory=dict)
     """speculative draft_model: the proposals the draft drew for each verify chunk (sent as
     PLACEHOLDERs, model/draft.py)."""
@@ -335,6 +337,8 @@ class TokenDelta(msgspec.Struct):
     """With prompt_logprobs: RequestOutput.prompt_token_ids."""
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs: RequestOutput.prompt_top_logprobs."""
+    prompt_ranks: list[int] | None = None
+    """With prompt_logprobs: RequestOutput.prompt_ranks."""
     cached_host_tokens: int = 0
     """Of cached_tokens, those loaded back from the host tier (first delta)."""
     embedding: list[float] | None = None
@@ -378,6 +382,9 @@ class RequestOutput(msgspec.Struct):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With prompt_logprobs and SamplingParams.prompt_top_logprobs: the top (id, logprob) at
     each of their positions."""
+    prompt_ranks: list[int] | None = None
+    """With prompt_logprobs: each of those tokens' rank in the vocabulary at its position (1: the
+    most likely; vLLM's prompt_logprobs report it)."""
     cached_host_tokens: int = 0
     """Of cached_tokens, those whose KV came back from the host tier (--host-kv-cache-gb); the
     rest were on the device."""

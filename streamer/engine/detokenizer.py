@@ -148,6 +148,7 @@ class Stream:
             end, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
             logprobs=logprobs, prompt_logprobs=first.prompt_logprobs, queue_time=first.queue_time,
             prompt_token_ids=first.prompt_token_ids, prompt_top_logprobs=first.prompt_top_logprobs,
+            prompt_ranks=first.prompt_ranks,
             prediction_token_ids=first.prediction_token_ids,
         ), stopped
 
@@ -194,6 +195,7 @@ class Stream:
             error_code=d.error_code,
             prompt_token_ids=d.prompt_token_ids,
             prompt_top_logprobs=d.prompt_top_logprobs,
+            prompt_ranks=d.prompt_ranks,
             embedding=d.embedding,
             prediction_token_ids=d.prediction_token_ids,
         )

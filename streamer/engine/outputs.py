@@ -78,6 +78,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         error_code=b.error_code or a.error_code,
         prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
         prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
+        prompt_ranks=a.prompt_ranks if a.prompt_ranks is not None else b.prompt_ranks,
         embedding=b.embedding if b.embedding is not None else a.embedding,
         stop=b.stop,
         prediction_token_ids=a.prediction_token_ids if a.prediction_token_ids is not None else b.prediction_token_ids,
@@ -115,12 +116,13 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
     ids: list[int] = []
     text: list[str] = []
     logprobs: list = []
-    prompt_logprobs = prompt_ids = prompt_tops = prediction = None
+    prompt_logprobs = prompt_ids = prompt_tops = prompt_ranks = prediction = None
     queue_time = None
     last = None
     async for out in outputs:
         if out.prompt_logprobs is not None:
             prompt_logprobs, prompt_ids, prompt_tops = out.prompt_logprobs, out.prompt_token_ids, out.prompt_top_logprobs
+            prompt_ranks = out.prompt_ranks
         if out.queue_time is not None:
             queue_time = out.queue_time
         if out.prediction_token_ids is not None:
@@ -148,6 +150,7 @@ async def collect(request_id: str, outputs: AsyncIterator[RequestOutput]) -> Req
         error_code=last.error_code,
         prompt_token_ids=prompt_ids,
         prompt_top_logprobs=prompt_tops,
+        prompt_ranks=prompt_ranks,
         embedding=last.embedding,
         stop=last.stop,
         prediction_token_ids=prediction,

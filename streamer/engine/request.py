@@ -55,6 +55,7 @@ class Request:
     sent_prompt_info: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
     suspect: bool = False
     """A step failed with this request among others: its next step runs alone, so that a
     failure caused by one request fails that request only."""

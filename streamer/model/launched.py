@@ -15,11 +15,13 @@ from streamer.sampling.sampler import Plan
 @dataclass(slots=True)
 class RowValues:
     """What a step computed besides its logits, per request: prompt logprobs (the logprob of
-    each position's next token, and where asked for, SeqChunk.logprob_top, the top (id,
+    each position's next token and its rank, and where asked for, SeqChunk.logprob_top, the top (id,
     logprob) there) and embeddings (SeqChunk.embed: the final hidden state at its last position)."""
 
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    prompt_ranks: dict[str, list[int]] = field(default_factory=dict)
+    """Of each position's next token: its rank in the vocabulary (1: the most likely)."""
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 

@@ -201,11 +201,14 @@ class ModelRunner:
         hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"])
         prompt_logprobs: dict[str, list[float]] = {}
         prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}
+        prompt_ranks: dict[str, list[int]] = {}
         if x["lp_rows"]:
             rows = torch.tensor(x["lp_rows"], device=self.device)
             targets = torch.tensor(x["lp_targets"], device=self.device)
             logp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            chosen = logp.gather(1, targets[:, None])
+            values = chosen.squeeze(1).tolist()
+            ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # (vLLM's rank: 1 + the tokens more likely)
             kmax = max(k for _, _, k in x["lp_owner"])
             top_v: list[list[float]] = []
             top_i: list[list[int]] = []
@@ -215,6 +218,7 @@ class ModelRunner:
             i = 0
             for rid, n, k in x["lp_owner"]:
                 prompt_logprobs[rid] = values[i : i + n]
+                prompt_ranks[rid] = ranks[i : i + n]
                 if k:
                     prompt_tops[rid] = [list(zip(top_i[j][:k], top_v[j][:k])) for j in range(i, i + n)]
                 i += n
@@ -224,7 +228,7 @@ class ModelRunner:
             for (rid, _), row in zip(x["embed_rows"], hidden[rows].float().tolist()):
                 embeddings[rid] = row
         logits = self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]]
-        return logits, RowValues(prompt_logprobs, prompt_tops, embeddings)
+        return logits, RowValues(prompt_logprobs, prompt_tops, prompt_ranks, embeddings)
 
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),
@@ -354,7 +358,7 @@ class ModelRunner:
         launched.times["ready"] = time.perf_counter()
         v = launched.values
         return StepOutput(launched.step, sampled, prompt_logprobs=v.prompt_logprobs,
-                          prompt_top_logprobs=v.prompt_top_logprobs, drafts=launched.drafts, embeddings=v.embeddings,
+                          prompt_top_logprobs=v.prompt_top_logprobs, prompt_ranks=v.prompt_ranks, drafts=launched.drafts, embeddings=v.embeddings,
                           device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:

@@ -8,7 +8,8 @@ echo and logprobs, top_logprobs without logprobs, stream_options without stream)
 the endpoints' own checks (openai_api.py).
 
 Other servers' extensions (OTHER_SERVERS_REFUSED) follow the same rule where they would change
-the answer; vLLM's include_stop_str_in_output and continue_final_message are implemented.
+the answer; vLLM's include_stop_str_in_output, continue_final_message and (completions and chat
+completions: SERVED_BY_COMPLETIONS) prompt_logprobs are implemented.
 The refused fields are not Struct fields: they would appear in the OpenAPI document as
 if they worked. They are read from a second, shallow decode of the body (its top-level
 keys, values left undecoded), and only when one of their names occurs in the body's bytes
@@ -51,7 +52,7 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     "use_beam_search": only((False,), "use_beam_search: beam search is not supported"),
     "length_penalty": only((1.0, 1), "length_penalty (a beam-search setting) is not supported"),
     "bad_words": only(([],), "bad_words is not supported: use logit_bias"),
-    "prompt_logprobs": unsupported("prompt_logprobs is not supported: use echo with logprobs (completions)"),
+    "prompt_logprobs": unsupported("prompt_logprobs is supported by /v1/completions and /v1/chat/completions only"),
     "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),
     "guided_whitespace_pattern": unsupported("guided_whitespace_pattern is not supported"),
     "structural_tag": unsupported('structural_tag at the top level is not supported: use response_format '
@@ -80,9 +81,15 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
 this server does anyway (their default), so that a request written for vLLM or SGLang never
 gets another answer than it asked for. Their other extensions (request ids, hints) pass."""
 
+SERVED_BY_COMPLETIONS = ("prompt_logprobs",)
+"""Other servers' extensions that completions and chat completions implement (protocol.py): refused
+elsewhere (Responses, embeddings, WebSocket turns)."""
+
+_OTHERS_BUT_SERVED = {k: v for k, v in OTHER_SERVERS_REFUSED.items() if k not in SERVED_BY_COMPLETIONS}
+
 COMPLETION_REFUSED: dict[str, Rule] = {
     "suffix": only(("",), "suffix (text that follows the completion: insertion) is not supported"),
-    **OTHER_SERVERS_REFUSED,
+    **_OTHERS_BUT_SERVED,
 }
 """(best_of is checked with n by the endpoint: it is accepted when it asks for n samples.)"""
 
@@ -101,7 +108,7 @@ CHAT_REFUSED: dict[str, Rule] = {
     "chat_template": unsupported("chat_template (a template in the request) is not supported: the model's "
                                  "own template renders, with chat_template_kwargs"),
     "documents": unsupported("documents is not supported: put them in the messages"),
-    **OTHER_SERVERS_REFUSED,
+    **_OTHERS_BUT_SERVED,
 }
 
 RESPONSES_REFUSED: dict[str, Rule] = {

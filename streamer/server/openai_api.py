@@ -106,6 +106,7 @@ def check_completion(body: p.CompletionRequest) -> None:
                        code="unsupported_parameter")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens")
+    check_prompt_logprobs(body.stream, body.prompt_logprobs)
     check_stream_options(body.stream, body.stream_options)
 
 
@@ -121,7 +122,21 @@ def check_chat(body: p.ChatCompletionRequest) -> None:
         if body.messages[-1].role != "assistant":
             raise ApiError("continue_final_message needs the last message to be the assistant's",
                            param="continue_final_message")
+    check_prompt_logprobs(body.stream, body.prompt_logprobs)
     check_stream_options(body.stream, body.stream_options)
+
+
+def check_prompt_logprobs(stream: bool, prompt_logprobs: int | None) -> None:
+    if prompt_logprobs is not None and stream:
+        raise ApiError("prompt_logprobs is not supported with stream: true (ask without streaming)",
+                       param="prompt_logprobs")
+
+
+def with_prompt_logprobs(params: SamplingParams, top: int) -> SamplingParams:
+    """The prompt's logprobs from its second token on, and the top this-many at each (or more, if
+    asked already: echo's)."""
+    return msgspec.structs.replace(params, prompt_logprobs_from=1,
+                                   prompt_top_logprobs=max(top, params.prompt_top_logprobs))
 
 
 # ---- request -> engine requests --------------------------------------------------
@@ -222,7 +237,9 @@ def completion_requests(body: p.CompletionRequest, prompts: list[str | list[int]
     params = p.to_sampling_params(body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
                                   logprobs=body.logprobs, vocab_size=vocab_size, defaults=defaults)
     if body.echo and body.logprobs is not None:
-        params = msgspec.structs.replace(params, prompt_logprobs_from=1, prompt_top_logprobs=body.logprobs)
+        params = with_prompt_logprobs(params, body.logprobs)
+    if body.prompt_logprobs is not None:
+        params = with_prompt_logprobs(params, body.prompt_logprobs)
     params = policy(params)
     reqs = []
     for k, prompt in enumerate(prompts):
@@ -241,8 +258,11 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
     params = p.to_sampling_params(body, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
                                   vocab_size=st.info.vocab_size, fill_context=True, defaults=st.sampling_defaults)
     setup, kwargs = chat_setup(st, body, params.grammar)
-    params = policy(msgspec.structs.replace(params, grammar=setup.grammar, prediction=prediction_text(body.prediction),
-                                            keep_special_tokens=list(setup.keep_special)))
+    params = msgspec.structs.replace(params, grammar=setup.grammar, prediction=prediction_text(body.prediction),
+                                     keep_special_tokens=list(setup.keep_special))
+    if body.prompt_logprobs is not None:
+        params = with_prompt_logprobs(params, body.prompt_logprobs)
+    params = policy(params)
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
@@ -297,7 +317,8 @@ async def completions(request: Request) -> Response:
                                st.sampling_defaults)
     echo = echo_texts(st, prompts, body.n) if body.echo else None
     return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=None, echo=echo,
-                         prompt_alone=body.max_tokens == 0)
+                         prompt_alone=body.max_tokens == 0, echo_top=body.logprobs,
+                         prompt_top=body.prompt_logprobs)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -314,13 +335,17 @@ async def chat_completions(request: Request) -> Response:
         st.limits.prompts([prediction_text(body.prediction)], "prediction")
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     reqs, setup = chat_requests(body, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
-    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup)
+    return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup,
+                         prompt_top=body.prompt_logprobs)
 
 
 async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
                   stream: bool, options: p.StreamOptions | None, *, chat: ChatSetup | None,
-                  echo: list[str] | None = None, prompt_alone: bool = False) -> Response:
-    """chat: the chat request's setup (None for a completion)."""
+                  echo: list[str] | None = None, prompt_alone: bool = False, echo_top: int | None = None,
+                  prompt_top: int | None = None) -> Response:
+    """chat: the chat request's setup (None for a completion). echo_top: a completion's logprobs (with
+    echo, the echoed prompt's tokens have theirs; None: no logprobs); prompt_top: vLLM's
+    prompt_logprobs (not streamed: check_prompt_logprobs)."""
     gen, buffered = await st.start(reqs)  # admitted here, once
     if prompt_alone:
         gen, buffered = prompts_only(gen), [(i, prompt_only(out)) for i, out in buffered]
@@ -328,7 +353,7 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     created = int(time.time())
     if stream:
         chunks = ChatChunks(fmt, rid, created, st.answering(request.scope), chat) if chat is not None else \
-            CompletionChunks(fmt, rid, created, st.answering(request.scope), echo)
+            CompletionChunks(fmt, rid, created, st.answering(request.scope), echo, echo_top)
         usage_wanted = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
         stream_events: AsyncIterator[bytes] = events(gen, buffered, chunks, n, len(reqs), usage_wanted, continuous)
@@ -339,13 +364,20 @@ async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest]
     ordered = sorted(choices.items())
     if chat is not None:
         answers = [chat_choice(i, c, chat, fmt) for i, c in ordered]  # (first: they count reasoning tokens)
+        prompt_lps = fmt.vllm_prompt_logprobs(ordered[0][1], prompt_top) if prompt_top is not None else None
         return json_response(r.ChatCompletionResponse(
-            rid, "chat.completion", created, st.answering(request.scope), usage=usage(choices, n, chat=True), choices=answers))
-    out = []
+            rid, "chat.completion", created, st.answering(request.scope), usage=usage(choices, n, chat=True),
+            choices=answers, prompt_logprobs=prompt_lps))
+    out: list[r.CompletionChoice] = []
     for i, c in ordered:
         prefix = echo[i] if echo is not None else ""
-        lps = fmt.prompt_logprobs(c) if echo is not None else None  # (first: the offsets start with the prompt)
+        # (the prompt's logprobs first: the offsets start with it)
+        lps = fmt.prompt_logprobs(c, echo_top) if echo is not None and echo_top is not None else None
         lps = joined(lps, fmt.completion_logprobs(c.logprobs, c))
-        out.append(r.CompletionChoice(i, prefix + "".join(c.text), lps, c.finish_reason))
+        text = prefix + "".join(c.text)
+        if prompt_top is None:
+            out.append(r.CompletionChoice(i, text, lps, c.finish_reason))
+        else:
+            out.append(r.PromptCompletionChoice(i, text, lps, c.finish_reason, fmt.vllm_prompt_logprobs(c, prompt_top)))
     return json_response(r.CompletionResponse(rid, "text_completion", created, st.answering(request.scope),
                                               usage=usage(choices, n), choices=out))

@@ -37,8 +37,9 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    """With echo and logprobs: the prompt's tokens, their logprobs and (logprobs > 0) the top
-    tokens at each position after the first (from the first output)."""
+    prompt_ranks: list[int] | None = None
+    """With echo and logprobs, or prompt_logprobs: the prompt's tokens, their logprobs and ranks and
+    (if asked) the top tokens at each position after the first (from the first output)."""
     pieces: list[int] = field(default_factory=list)
     """Tokens of each output, beside its text (text[k]: pieces[k] tokens)."""
     token_ids: list[int] = field(default_factory=list)
@@ -55,7 +56,7 @@ class Choice:
             self.prediction = out.prediction_token_ids
         if out.prompt_token_ids is not None:
             self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
-            self.prompt_top_logprobs = out.prompt_top_logprobs
+            self.prompt_top_logprobs, self.prompt_ranks = out.prompt_top_logprobs, out.prompt_ranks
 
     def prediction_usage(self) -> tuple[int, int]:
         """(accepted, rejected) prediction tokens so far ((0, 0) without a prediction); aligned
@@ -143,19 +144,37 @@ class Formatter:
                 for t in lps]
         return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
 
-    def prompt_logprobs(self, c: Choice) -> r.CompletionLogprobs | None:
+    def prompt_logprobs(self, c: Choice, top_k: int) -> r.CompletionLogprobs | None:
         """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
-        predicts it), the others with the engine's (top logprobs: with logprobs > 0)."""
+        predicts it), the others with the engine's (top logprobs: the first top_k, if > 0)."""
         ids = c.prompt_token_ids
         if ids is None:
             return None
         values: list[float | None] = [None, *(c.prompt_logprobs or [])][: len(ids)]
         values += [None] * (len(ids) - len(values))
         tops: list[dict[str, float] | None] = [None] * len(ids)
-        for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
-            tops[k + 1] = {self.token(i): lp for i, lp in top}
+        if top_k:
+            for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
+                tops[k + 1] = {self.token(i): lp for i, lp in top[:top_k]}
         tokens = [self.token(t) for t in ids]
         return r.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
+
+    def vllm_prompt_logprobs(self, c: Choice, top_k: int) -> r.PromptLogprobs:
+        """vLLM's prompt_logprobs of a choice's prompt: None for its first token, then for each
+        token a dict of it (its logprob and rank) and the top_k at its position (ranks 1..top_k),
+        by token id, the token itself first."""
+        ids = c.prompt_token_ids or []
+        values, ranks, tops = c.prompt_logprobs or [], c.prompt_ranks or [], c.prompt_top_logprobs or []
+        out: r.PromptLogprobs = [None]
+        for k, tid in enumerate(ids[1:]):
+            if k >= len(values):  # (a prompt the engine did not score to its end: none here)
+                out.append(None)
+                continue
+            entry = {str(tid): r.PromptLogprob(values[k], ranks[k] if k < len(ranks) else 0, self.token(tid))}
+            for rank, (i, lp) in enumerate(tops[k][:top_k] if k < len(tops) else [], start=1):
+                entry.setdefault(str(i), r.PromptLogprob(lp, rank, self.token(i)))
+            out.append(entry)
+        return out[: len(ids)]
 
     def chat_logprobs(self, lps: list[SampledToken]) -> r.ChoiceLogprobs | None:
         if not lps:
@@ -190,10 +209,12 @@ class CompletionChunks:
     running: Callable[[], r.Usage] | None = None
     """With stream_options.continuous_usage_stats: the usage so far, which every chunk carries (events sets it)."""
 
-    def __init__(self, fmt: Formatter, rid: str, created: int, model: str, echo: list[str] | None = None) -> None:
+    def __init__(self, fmt: Formatter, rid: str, created: int, model: str, echo: list[str] | None = None,
+                 echo_top: int | None = None) -> None:
         self.fmt, self.head = fmt, (rid, "text_completion", created, model)
-        self.echo = echo
-        """With echo: each choice's prompt text, sent as its first chunk."""
+        self.echo, self.echo_top = echo, echo_top
+        """With echo: each choice's prompt text, sent as its first chunk (with logprobs, echo_top not None:
+        its tokens' logprobs and the top echo_top at each)."""
 
     def encode(self, *choices: r.CompletionChoice, use: r.Usage | None = None) -> bytes:
         use = use if use is not None or self.running is None else self.running()
@@ -204,7 +225,8 @@ class CompletionChunks:
         prompt's logprobs come with it)."""
         if self.echo is None:
             return []
-        return [self.encode(r.CompletionChoice(i, self.echo[i], self.fmt.prompt_logprobs(c)))
+        top = self.echo_top
+        return [self.encode(r.CompletionChoice(i, self.echo[i], None if top is None else self.fmt.prompt_logprobs(c, top)))
                 for i, c in sorted(choices.items())]
 
     def content(self, i: int, out: RequestOutput, c: Choice) -> bytes:

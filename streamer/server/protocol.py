@@ -25,7 +25,7 @@ What is ignored, exactly:
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
 allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
-guided_json / regex / grammar / choice, cache_salt, timeout, and for chat
+guided_json / regex / grammar / choice, cache_salt, timeout, prompt_logprobs (not on WebSocket turns), and for chat
 add_generation_prompt and continue_final_message.
 
 An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
@@ -161,6 +161,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """Accepted when 1 or equal to n (n samples, all returned); other values are refused."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    """vLLM's extension: each choice's prompt_logprobs, the logprob and rank of every prompt token after the
+    first and the top this-many at its position (openai_output.Formatter.vllm_prompt_logprobs)."""
 
 
 class ContentPart(Struct):
@@ -247,6 +250,9 @@ class ChatCompletionRequest(ChatFields, kw_only=True):
     continue_final_message: bool = False
     """vLLM's extension: the answer continues the last (assistant) message, which the template
     leaves open; needs add_generation_prompt false."""
+    prompt_logprobs: TopLogprobs | None = None
+    """vLLM's extension: the response's prompt_logprobs, over the prompt the template rendered
+    (CompletionRequest.prompt_logprobs)."""
 
 
 # ---- mapping -----------------------------------------------------------------

@@ -50,6 +50,26 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob: a token's logprob at a prompt position, its rank in the vocabulary there
+    (1: the most likely) and its text decoded alone."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then per token a
+dict by token id (as a string) of that token and the top ones at its position."""
+
+
+class PromptCompletionChoice(CompletionChoice):
+    """A choice of a request that asked for prompt_logprobs (vLLM's extension)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(Struct, omit_defaults=True):
     """Also the streamed chunk (usage is left out of chunks that carry none)."""
 
@@ -99,6 +119,8 @@ class ChatCompletionResponse(Struct, omit_defaults=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's extension (ChatCompletionRequest.prompt_logprobs), of the prompt the template rendered."""
 
 
 class DeltaFunction(Struct, omit_defaults=True):

@@ -48,3 +48,10 @@ def test_prompt_top_logprobs_are_transformers_top_tokens(default_model):
         want_v, want_i = logp[p].topk(3)
         assert [t for t, _ in top] == want_i.tolist()
         assert torch.allclose(torch.tensor([v for _, v in top]), want_v, atol=1e-4)
+    # each prompt token's rank: 1 + the tokens more likely at its position (up to ties within 1e-4)
+    ranks = out.prompt_ranks
+    assert ranks is not None and len(ranks) == len(ids) - 1 and plain.prompt_ranks == ranks
+    for p, rank in enumerate(ranks):
+        lp = logp[p, ids[p + 1]]
+        assert int((logp[p] > lp + 1e-4).sum()) + 1 <= rank <= int((logp[p] > lp - 1e-4).sum()) + 1
+    assert any(rank > 3 for rank in ranks), "some token of the sentence is not among the top 3"

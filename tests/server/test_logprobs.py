@@ -132,3 +132,41 @@ def test_the_bytes_of_a_reply_s_tokens_are_its_utf8(client):
                                        max_tokens=12, temperature=0, logprobs=True)
     content = r.choices[0].logprobs.content
     assert bytes(b for t in content for b in t.bytes).decode() == r.choices[0].message.content
+
+
+# ---- prompt_logprobs (vLLM's extension) ----------------------------------------------
+
+
+def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_the_top_ones(client):
+    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=0,
+                                  extra_body={"prompt_logprobs": 2})
+    c, u = r.choices[0], r.usage
+    prompt = c.model_extra["prompt_logprobs"]
+    assert len(prompt) == u.prompt_tokens and prompt[0] is None  # nothing predicts the first token
+    echoed = c.logprobs.token_logprobs[: u.prompt_tokens]  # the same logprobs, as echo reports them
+    for k, entry in enumerate(prompt[1:], start=1):
+        first_id, first = next(iter(entry.items()))  # the prompt's own token comes first
+        assert first["logprob"] == pytest.approx(echoed[k], abs=1e-5)
+        assert first["decoded_token"] == c.logprobs.tokens[k]
+        tops = sorted((v["rank"], v["logprob"]) for i, v in entry.items() if i != first_id)
+        assert len(entry) in (2, 3) and first["rank"] >= 1
+        if len(entry) == 2:  # the token is one of the top 2: its rank is its place there
+            assert first["rank"] <= 2
+        else:
+            assert [rank for rank, _ in tops] == [1, 2] and first["rank"] > 2
+        assert all(lp >= first["logprob"] - 1e-6 for rank, lp in tops if rank < first["rank"])
+    # echo's own top logprobs stay at what logprobs asked (0: none)
+    assert all(t is None or t == {} for t in c.logprobs.top_logprobs[: u.prompt_tokens])
+
+
+def test_prompt_logprobs_0_give_the_prompt_tokens_alone_and_chat_reports_them_for_the_rendered_prompt(client):
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi there"}],
+                                       max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    prompt = r.model_extra["prompt_logprobs"]
+    assert len(prompt) == r.usage.prompt_tokens and prompt[0] is None
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in prompt[1:])
+    text = "".join(next(iter(entry.values()))["decoded_token"] for entry in prompt[1:])
+    assert "Hi there" in text, "the template's rendering of the message"
+    plain = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi there"}],
+                                           max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in (plain.model_extra or {})

@@ -77,6 +77,7 @@ def process(sched: Scheduler, batch: Batch, out: StepOutput) -> list[TokenDelta]
         if seq.request_id in out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
             req.prompt_top_logprobs.extend(out.prompt_top_logprobs.get(seq.request_id, ()))
+            req.prompt_ranks.extend(out.prompt_ranks.get(seq.request_id, ()))
         if tok is None:
             continue
         req.suspect = False  # it sampled alone without failing: batched again from now
@@ -267,6 +268,7 @@ def delta(req: Request, tokens: list[int], logprobs: Any = None) -> TokenDelta:
         if req.params.prompt_logprobs_from is not None:
             d.prompt_logprobs = req.prompt_logprobs
             d.prompt_token_ids = req.tokens[: req.prompt_len]
+            d.prompt_ranks = req.prompt_ranks
             if req.params.prompt_top_logprobs:
                 d.prompt_top_logprobs = req.prompt_top_logprobs
     return d
