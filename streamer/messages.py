@@ -61,6 +61,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """The stop string that ended the request stays at the end of its text (vLLM's
     include_stop_str_in_output); by default it is cut."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    """vLLM's: words never to write. Each is tokenized alone and after a space (TokenizedRequest.bad_words);
+    a tokenization's last token is banned wherever the output so far ends with the rest of it (a
+    one-token word: always)."""
     ignore_eos: bool = False
     logprobs: int | None = None
     """Number of top logprobs to return per token (0: only the sampled one)."""
@@ -122,6 +126,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}")
+        if any(not w.strip() for w in self.bad_words):
+            raise RequestError("bad_words must not hold an empty (or blank) word")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if not 0 <= self.prompt_top_logprobs <= 20:
@@ -193,6 +199,8 @@ class TokenizedRequest(msgspec.Struct, kw_only=True):
     """As Tokenize.arrival (the scheduler's deadline starts here; 0: at the scheduler)."""
     prediction: list[int] | None = None
     """params.prediction as token ids (ngram's proposals follow it; RequestOutput.prediction_token_ids)."""
+    bad_words: list[list[int]] | None = None
+    """params.bad_words as token sequences (engine/request.py Request.bans)."""
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -83,6 +83,25 @@ class Request:
     prediction_at: int = 0
     """Where in prediction the output was last aligned (spec/ngram.py: from_prediction)."""
 
+    bad_words: list[list[int]] | None = None
+    """SamplingParams.bad_words tokenized (TokenizedRequest.bad_words)."""
+
+    def bans(self, output: list[int]) -> list[int]:
+        """The tokens bad_words forbid after `output`: each sequence's last token where the output
+        ends with the rest of it (a one-token sequence's always)."""
+        out: set[int] = set()
+        for seq in self.bad_words or ():
+            head = seq[:-1]
+            if not head or (len(output) >= len(head) and output[len(output) - len(head):] == head):
+                out.add(seq[-1])
+        return sorted(out)
+
+    @property
+    def needs_last_tokens(self) -> bool:
+        """Its bans depend on the output so far (a bad word of several tokens): a batch built while
+        its last token is still being sampled could not tell them."""
+        return any(len(seq) > 1 for seq in self.bad_words or ())
+
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len

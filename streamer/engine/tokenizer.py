@@ -151,6 +151,7 @@ class Tokenizer:
             grammar=grammar,
             arrival=arrival,
             prediction=self.encode_prediction(params.prediction),
+            bad_words=self.encode_bad_words(params),
         )
 
     def check_allowed(self, params: SamplingParams) -> None:
@@ -165,6 +166,24 @@ class Tokenizer:
             raise RequestError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         if params.min_tokens and set(ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
             raise RequestError("allowed_token_ids holds only end-of-sequence and stop tokens, which min_tokens bans")
+
+    def encode_bad_words(self, params: SamplingParams) -> list[list[int]] | None:
+        """bad_words as token sequences: each word alone and after a space (a word inside a text
+        is usually its spaced token), without special tokens; the same sequence once."""
+        if not params.bad_words:
+            return None
+        if self.hf is None:
+            raise RequestError("this model has no tokenizer: bad_words needs one")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.hf(text, add_special_tokens=False)["input_ids"])
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        always = {seq[0] for seq in seqs if len(seq) == 1}
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= always:
+            raise RequestError("bad_words ban every token of allowed_token_ids")
+        return seqs
 
     def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:
         """A prediction's token ids (text tokenized without special tokens, as an output's)."""

@@ -8,8 +8,8 @@ echo and logprobs, top_logprobs without logprobs, stream_options without stream)
 the endpoints' own checks (openai_api.py).
 
 Other servers' extensions (OTHER_SERVERS_REFUSED) follow the same rule where they would change
-the answer; vLLM's include_stop_str_in_output, continue_final_message and (completions and chat
-completions: SERVED_BY_COMPLETIONS) prompt_logprobs are implemented.
+the answer; vLLM's include_stop_str_in_output, continue_final_message, bad_words and (completions
+and chat completions: SERVED_BY_COMPLETIONS) prompt_logprobs are implemented.
 The refused fields are not Struct fields: they would appear in the OpenAPI document as
 if they worked. They are read from a second, shallow decode of the body (its top-level
 keys, values left undecoded), and only when one of their names occurs in the body's bytes
@@ -51,7 +51,8 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     # vLLM's extensions
     "use_beam_search": only((False,), "use_beam_search: beam search is not supported"),
     "length_penalty": only((1.0, 1), "length_penalty (a beam-search setting) is not supported"),
-    "bad_words": only(([],), "bad_words is not supported: use logit_bias"),
+    "bad_words": only(([],), "bad_words is supported by /v1/completions, /v1/chat/completions and WebSocket turns "
+                             "only"),
     "prompt_logprobs": unsupported("prompt_logprobs is supported by /v1/completions and /v1/chat/completions only"),
     "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),
     "guided_whitespace_pattern": unsupported("guided_whitespace_pattern is not supported"),
@@ -81,11 +82,14 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
 this server does anyway (their default), so that a request written for vLLM or SGLang never
 gets another answer than it asked for. Their other extensions (request ids, hints) pass."""
 
-SERVED_BY_COMPLETIONS = ("prompt_logprobs",)
-"""Other servers' extensions that completions and chat completions implement (protocol.py): refused
-elsewhere (Responses, embeddings, WebSocket turns)."""
+SERVED_BY_SAMPLING_FIELDS = ("bad_words",)
+"""Other servers' extensions that protocol.SamplingFields implements: completions, chat completions
+and WebSocket turns take them; refused elsewhere (Responses, embeddings, score)."""
+SERVED_BY_COMPLETIONS = (*SERVED_BY_SAMPLING_FIELDS, "prompt_logprobs")
+"""And those that completions and chat completions alone implement (not WebSocket turns)."""
 
 _OTHERS_BUT_SERVED = {k: v for k, v in OTHER_SERVERS_REFUSED.items() if k not in SERVED_BY_COMPLETIONS}
+WEBSOCKET_REFUSED = {k: v for k, v in OTHER_SERVERS_REFUSED.items() if k not in SERVED_BY_SAMPLING_FIELDS}
 
 COMPLETION_REFUSED: dict[str, Rule] = {
     "suffix": only(("",), "suffix (text that follows the completion: insertion) is not supported"),

@@ -64,6 +64,9 @@ class Limits:
         """The fields of SamplingFields (OpenAI routes and WebSocket turns) that cost work per token."""
         self.at_most(body.n, "max_n", "choices (n)", "n")
         self.stop(body.stop, body.stop_token_ids)
+        words = body.bad_words or []  # (tokenized like stop strings, checked at every step: the same limits)
+        self.at_most(len(words), "max_stop", "bad words", "bad_words")
+        self.at_most(max(map(len, words), default=0), "max_stop_chars", "characters in a bad word", "bad_words")
         self.at_most(len(body.logit_bias or ()), "max_logit_bias", "logit_bias entries", "logit_bias")
         self.choices(body.guided_choice, "guided_choice")
 

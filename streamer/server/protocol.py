@@ -24,7 +24,7 @@ What is ignored, exactly:
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
-allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
+allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output, bad_words,
 guided_json / regex / grammar / choice, cache_salt, timeout, prompt_logprobs (not on WebSocket turns), and for chat
 add_generation_prompt and continue_final_message.
 
@@ -121,6 +121,8 @@ class SamplingFields(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1)] = 1  # at most --max-n (server/limits.py)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    """vLLM's extension: words never to write (SamplingParams.bad_words; limited as stop strings)."""
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -369,6 +371,7 @@ def to_sampling_params(
         stop=stop,
         include_stop=body.include_stop_str_in_output,
         stop_token_ids=list(body.stop_token_ids or []),
+        bad_words=list(body.bad_words or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,

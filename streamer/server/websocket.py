@@ -61,7 +61,7 @@ from streamer.messages import ENGINE_DOWN, GenerateRequest
 from streamer.router.keys import session_request_id
 from streamer.server import protocol as p
 from streamer.server.chat_output import ChatDelta, ChatSetup, finish_reason
-from streamer.server.fields import OTHER_SERVERS_REFUSED, check_refused
+from streamer.server.fields import WEBSOCKET_REFUSED, check_refused
 from streamer.server.guard import KEY_ID, bearer, key_id, matching_key
 from streamer.server.openai_api import chat_setup
 from streamer.server.protocol import ApiError
@@ -172,7 +172,7 @@ class Session:
         try:
             raw = data.encode() if isinstance(data, str) else data
             msg: ClientMessage = p.decode_body(raw, ClientMessage)
-            check_refused(raw, OTHER_SERVERS_REFUSED)  # (as the HTTP bodies: fields.py)
+            check_refused(raw, WEBSOCKET_REFUSED)  # (as the HTTP bodies: fields.py)
             if msg.type == "user":
                 self.start_turn(msg)
             elif msg.type == "tool":

@@ -144,6 +144,28 @@ def test_allowed_token_ids_hold_the_answer_to_those_tokens(small, default_model)
         assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
 
 
+def test_bad_words_keep_a_word_out_of_the_answer(small, default_model):
+    """vLLM's bad_words through the API (tests/engine/test_bad_words.py: what they ban, against
+    transformers); a set that bans every allowed token, a blank word and more words than --max-stop
+    are 400s naming them."""
+    from transformers import AutoTokenizer
+
+    body = {"prompt": "Max the dog loves to play in the park. Every day, Max", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    plain = httpx.post(small + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert " favorite dog" in plain and " Max" in plain, plain
+    r = httpx.post(small + "/v1/completions", json={**body, "bad_words": ["favorite dog", "Max"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert " favorite dog" not in text and " Max" not in text and text != plain, text
+    (the,) = AutoTokenizer.from_pretrained(str(default_model))(" the", add_special_tokens=False)["input_ids"]
+    for extra, word in (({"bad_words": ["the"], "allowed_token_ids": [the]}, "ban every token of allowed_token_ids"),
+                        ({"bad_words": [" "]}, "bad_words must not hold an empty"),
+                        ({"bad_words": [f"w{i}" for i in range(17)]}, "bad words")):
+        r = httpx.post(small + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+
+
 def test_a_priority_needs_the_priority_policy(small):
     """vLLM's priority: a first-come-first-served engine (the default) refuses any but 0, naming
     the flag that turns priorities on (tests/engine/scheduler/test_policy.py: what they do)."""

@@ -126,6 +126,7 @@ REFUSED = [
     ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
     ({"service_tier": "flex"}, "service_tier", "service_tier"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "/v1/completions"),
+    ({"bad_words": ["x"]}, "bad_words", "WebSocket turns"),
     ({"n": 2}, "n", "one output"),
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format", "text.format"),

@@ -104,6 +104,8 @@ class BatchBuilder:
                 ban: list[int] = []
                 if req.num_output < req.params.min_tokens:
                     ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
+                if req.bad_words:
+                    ban = sorted(set(ban).union(req.bans(req.output)))
                 banned.append(ban)
                 # the token this step samples; process() writes its value in place
                 req.tokens.append(PLACEHOLDER)

@@ -122,6 +122,7 @@ class Scheduler:
             grammar=msg.grammar,
             deadline=deadline,
             prediction=np.asarray(msg.prediction, dtype=np.int64) if msg.prediction else None,
+            bad_words=msg.bad_words,
         )
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -257,14 +258,14 @@ class Scheduler:
         return req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len
 
     def can_overlap(self) -> bool:
-        """Scheduling ahead needs no sampled token's value on the host: no penalties (they
-        read the output so far) and no jump-forward (it appends tokens where the batch
+        """Scheduling ahead needs no sampled token's value on the host: no penalties and no bad
+        words of several tokens (they read the output so far) and no jump-forward (it appends tokens where the batch
         ahead already placed its own). Grammar rows are fine: their masks are deferred."""
         for r in self.running:
             p = r.params
             if r.grammar is not None and self.jump_forward:
                 return False
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or r.needs_last_tokens:
                 return False
         return True
 

@@ -134,6 +134,8 @@ def verify_chunk(
     ban = sorted(req.eos_token_ids | set(p.stop_token_ids))
     # row j samples output token num_output + j: EOS stays banned there before min_tokens
     banned = [ban if req.num_output + j < p.min_tokens else [] for j in range(k + 1)]
+    if req.bad_words:  # (row j follows the output and the first j proposals)
+        banned = [sorted(set(b).union(req.bans(out + draft[:j]))) for j, b in enumerate(banned)]
     req.num_computed = start + 1
     req.tokens.append(PLACEHOLDER)
     req.verifying = True  # (until results.process has its rows)
