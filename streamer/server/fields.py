@@ -9,7 +9,8 @@ the endpoints' own checks (openai_api.py).
 
 Other servers' extensions (OTHER_SERVERS_REFUSED) follow the same rule where they would change
 the answer; vLLM's include_stop_str_in_output, continue_final_message, bad_words and (completions
-and chat completions: SERVED_BY_COMPLETIONS) prompt_logprobs are implemented.
+and chat completions: SERVED_BY_COMPLETIONS) prompt_logprobs and return_tokens_as_token_ids are
+implemented.
 The refused fields are not Struct fields: they would appear in the OpenAPI document as
 if they worked. They are read from a second, shallow decode of the body (its top-level
 keys, values left undecoded), and only when one of their names occurs in the body's bytes
@@ -60,7 +61,8 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
                                   '{"type": "structural_tag", ...}'),
     "spaces_between_special_tokens": only((True,), "spaces_between_special_tokens may only be true (the "
                                                    "tokenizer's own decoding)"),
-    "return_tokens_as_token_ids": only((False,), "return_tokens_as_token_ids is not supported"),
+    "return_tokens_as_token_ids": only((False,), "return_tokens_as_token_ids is supported by /v1/completions and "
+                                                 "/v1/chat/completions only"),
     "prompt_embeds": unsupported("prompt_embeds is not supported: send text or token ids"),
     "vllm_xargs": unsupported("vllm_xargs is not supported"),
     "kv_transfer_params": unsupported("kv_transfer_params (disaggregated prefill) is not supported"),
@@ -85,7 +87,7 @@ gets another answer than it asked for. Their other extensions (request ids, hint
 SERVED_BY_SAMPLING_FIELDS = ("bad_words",)
 """Other servers' extensions that protocol.SamplingFields implements: completions, chat completions
 and WebSocket turns take them; refused elsewhere (Responses, embeddings, score)."""
-SERVED_BY_COMPLETIONS = (*SERVED_BY_SAMPLING_FIELDS, "prompt_logprobs")
+SERVED_BY_COMPLETIONS = (*SERVED_BY_SAMPLING_FIELDS, "prompt_logprobs", "return_tokens_as_token_ids")
 """And those that completions and chat completions alone implement (not WebSocket turns)."""
 
 _OTHERS_BUT_SERVED = {k: v for k, v in OTHER_SERVERS_REFUSED.items() if k not in SERVED_BY_COMPLETIONS}

@@ -318,7 +318,7 @@ async def completions(request: Request) -> Response:
     echo = echo_texts(st, prompts, body.n) if body.echo else None
     return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=None, echo=echo,
                          prompt_alone=body.max_tokens == 0, echo_top=body.logprobs,
-                         prompt_top=body.prompt_logprobs)
+                         prompt_top=body.prompt_logprobs, ids_as_tokens=body.return_tokens_as_token_ids)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -336,20 +336,20 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     reqs, setup = chat_requests(body, messages, rid, st, lambda sp: st.apply_policy(sp, request.scope))
     return await respond(request, st, reqs, rid, body.n, body.stream, body.stream_options, chat=setup,
-                         prompt_top=body.prompt_logprobs)
+                         prompt_top=body.prompt_logprobs, ids_as_tokens=body.return_tokens_as_token_ids)
 
 
 async def respond(request: Request, st: ServerState, reqs: list[GenerateRequest], rid: str, n: int,
                   stream: bool, options: p.StreamOptions | None, *, chat: ChatSetup | None,
                   echo: list[str] | None = None, prompt_alone: bool = False, echo_top: int | None = None,
-                  prompt_top: int | None = None) -> Response:
+                  prompt_top: int | None = None, ids_as_tokens: bool = False) -> Response:
     """chat: the chat request's setup (None for a completion). echo_top: a completion's logprobs (with
     echo, the echoed prompt's tokens have theirs; None: no logprobs); prompt_top: vLLM's
-    prompt_logprobs (not streamed: check_prompt_logprobs)."""
+    prompt_logprobs (not streamed: check_prompt_logprobs); ids_as_tokens: return_tokens_as_token_ids."""
     gen, buffered = await st.start(reqs)  # admitted here, once
     if prompt_alone:
         gen, buffered = prompts_only(gen), [(i, prompt_only(out)) for i, out in buffered]
-    fmt = Formatter(st)
+    fmt = Formatter(st, ids_as_tokens)
     created = int(time.time())
     if stream:
         chunks = ChatChunks(fmt, rid, created, st.answering(request.scope), chat) if chat is not None else \

@@ -119,19 +119,25 @@ def joined(a: r.CompletionLogprobs | None, b: r.CompletionLogprobs | None) -> r.
 class Formatter:
     """Token strings and bytes for logprobs (decoded one token at a time, as OpenAI reports them)."""
 
-    def __init__(self, st: ServerState) -> None:
+    def __init__(self, st: ServerState, ids_as_tokens: bool = False) -> None:
         self.st = st
         self.tok = st.info.hf_tokenizer
+        self.ids_as_tokens = ids_as_tokens
+        """vLLM's return_tokens_as_token_ids: every token's string is "token_id:{id}"."""
 
     def token(self, tid: int) -> str:
+        if self.ids_as_tokens:
+            return f"token_id:{tid}"
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
 
     def token_bytes(self, tid: int) -> list[int] | None:
         return list(self.st.token_bytes(tid)) if self.tok is not None else None
 
-    def offsets(self, tokens: list[str], c: Choice) -> list[int]:
+    def offsets(self, tokens: list[str], ids: list[int], c: Choice) -> list[int]:
+        """text_offset of each token: where it starts in the choice's text (its string's length
+        when tokens are their strings; their text's under ids_as_tokens)."""
         out = []
-        for s in tokens:
+        for s in tokens if not self.ids_as_tokens else (self.tok.decode([t]) if self.tok else "" for t in ids):
             out.append(c.offset)
             c.offset += len(s)
         return out
@@ -142,7 +148,8 @@ class Formatter:
         tokens = [self.token(t.token_id) for t in lps]
         tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
                 for t in lps]
-        return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, self.offsets(tokens, c))
+        offsets = self.offsets(tokens, [t.token_id for t in lps], c)
+        return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, offsets)
 
     def prompt_logprobs(self, c: Choice, top_k: int) -> r.CompletionLogprobs | None:
         """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
@@ -157,7 +164,7 @@ class Formatter:
             for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
                 tops[k + 1] = {self.token(i): lp for i, lp in top[:top_k]}
         tokens = [self.token(t) for t in ids]
-        return r.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, c))
+        return r.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, ids, c))
 
     def vllm_prompt_logprobs(self, c: Choice, top_k: int) -> r.PromptLogprobs:
         """vLLM's prompt_logprobs of a choice's prompt: None for its first token, then for each

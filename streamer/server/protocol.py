@@ -25,7 +25,8 @@ What is ignored, exactly:
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
 allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output, bad_words,
-guided_json / regex / grammar / choice, cache_salt, timeout, prompt_logprobs (not on WebSocket turns), and for chat
+guided_json / regex / grammar / choice, cache_salt, timeout, prompt_logprobs and return_tokens_as_token_ids (not on
+WebSocket turns), and for chat
 add_generation_prompt and continue_final_message.
 
 An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
@@ -166,6 +167,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt_logprobs: TopLogprobs | None = None
     """vLLM's extension: each choice's prompt_logprobs, the logprob and rank of every prompt token after the
     first and the top this-many at its position (openai_output.Formatter.vllm_prompt_logprobs)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: logprobs name each token "token_id:{id}" (a token that is part of a character
+    has no string of its own)."""
 
 
 class ContentPart(Struct):
@@ -255,6 +259,8 @@ class ChatCompletionRequest(ChatFields, kw_only=True):
     prompt_logprobs: TopLogprobs | None = None
     """vLLM's extension: the response's prompt_logprobs, over the prompt the template rendered
     (CompletionRequest.prompt_logprobs)."""
+    return_tokens_as_token_ids: bool = False
+    """As CompletionRequest.return_tokens_as_token_ids."""
 
 
 # ---- mapping -----------------------------------------------------------------

@@ -170,3 +170,27 @@ def test_prompt_logprobs_0_give_the_prompt_tokens_alone_and_chat_reports_them_fo
     plain = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi there"}],
                                            max_tokens=2, temperature=0)
     assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, default_model):
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs (echoed, sampled, top) is
+    "token_id:{id}"; the text and its offsets are the text's, as without it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    plain = client.completions.create(**kw).choices[0]
+    named = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in named.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in named.logprobs.tokens)
+    assert [tok.decode([i]) for i in ids] == plain.logprobs.tokens and named.text == plain.text
+    assert named.logprobs.text_offset == plain.logprobs.text_offset
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert all(all(k.startswith("token_id:") for k in t) for t in named.logprobs.top_logprobs[1:])
+    chat = dict(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+                logprobs=True, top_logprobs=2)
+    a = client.chat.completions.create(**chat).choices[0].logprobs.content
+    b = client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs.content
+    assert [tok.decode([int(t.token.removeprefix("token_id:"))]) for t in b] == [t.token for t in a]
+    assert [t.bytes for t in b] == [t.bytes for t in a]
+    assert all(x.token.startswith("token_id:") for t in b for x in t.top_logprobs)
