@@ -10,7 +10,8 @@ the endpoints' own checks (openai_api.py).
 Other servers' extensions (OTHER_SERVERS_REFUSED) follow the same rule where they would change
 the answer; vLLM's include_stop_str_in_output, continue_final_message, bad_words and (completions
 and chat completions: SERVED_BY_COMPLETIONS) prompt_logprobs and return_tokens_as_token_ids are
-implemented.
+implemented, and so are SGLang's regex, ebnf, json_schema and no_stop_trim (its names for guided_regex,
+guided_grammar, guided_json and include_stop_str_in_output).
 The refused fields are not Struct fields: they would appear in the OpenAPI document as
 if they worked. They are read from a second, shallow decode of the body (its top-level
 keys, values left undecoded), and only when one of their names occurs in the body's bytes
@@ -47,13 +48,13 @@ def only(allowed: tuple[Any, ...], why: str) -> Rule:
 
 
 DEPRECATED_FUNCTIONS = "is deprecated and not supported: use tools and tool_choice"
+SAMPLING_ONLY = "{} is supported by /v1/completions, /v1/chat/completions and WebSocket turns only"
 
 OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     # vLLM's extensions
     "use_beam_search": only((False,), "use_beam_search: beam search is not supported"),
     "length_penalty": only((1.0, 1), "length_penalty (a beam-search setting) is not supported"),
-    "bad_words": only(([],), "bad_words is supported by /v1/completions, /v1/chat/completions and WebSocket turns "
-                             "only"),
+    "bad_words": only(([],), SAMPLING_ONLY.format("bad_words")),
     "prompt_logprobs": unsupported("prompt_logprobs is supported by /v1/completions and /v1/chat/completions only"),
     "guided_decoding_backend": only(("xgrammar", "auto"), "guided_decoding_backend: the one backend is xgrammar"),
     "guided_whitespace_pattern": unsupported("guided_whitespace_pattern is not supported"),
@@ -70,11 +71,10 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
     # SGLang's
     "lora_path": unsupported("lora_path is not supported: name a LoRA adapter (--lora-modules NAME=PATH) as the "
                              "request's model"),
-    "no_stop_trim": only((False,), "no_stop_trim is not supported: use include_stop_str_in_output"),
-    "regex": unsupported("regex (SGLang's) is not supported here: use guided_regex"),
-    "ebnf": unsupported("ebnf (SGLang's) is not supported here: use guided_grammar"),
-    "json_schema": unsupported("json_schema at the top level is not supported: use response_format or "
-                               "guided_json"),
+    "no_stop_trim": only((False,), SAMPLING_ONLY.format("no_stop_trim")),
+    "regex": unsupported(SAMPLING_ONLY.format("regex")),
+    "ebnf": unsupported(SAMPLING_ONLY.format("ebnf")),
+    "json_schema": unsupported(SAMPLING_ONLY.format("json_schema at the top level")),
     "custom_logit_processor": unsupported("custom_logit_processor is not supported"),
     "return_hidden_states": only((False,), "return_hidden_states is not supported"),
     "session_params": unsupported("session_params is not supported: WebSocket chat sessions keep a "
@@ -84,7 +84,7 @@ OTHER_SERVERS_REFUSED: dict[str, Rule] = {
 this server does anyway (their default), so that a request written for vLLM or SGLang never
 gets another answer than it asked for. Their other extensions (request ids, hints) pass."""
 
-SERVED_BY_SAMPLING_FIELDS = ("bad_words",)
+SERVED_BY_SAMPLING_FIELDS = ("bad_words", "no_stop_trim", "regex", "ebnf", "json_schema")
 """Other servers' extensions that protocol.SamplingFields implements: completions, chat completions
 and WebSocket turns take them; refused elsewhere (Responses, embeddings, score)."""
 SERVED_BY_COMPLETIONS = (*SERVED_BY_SAMPLING_FIELDS, "prompt_logprobs", "return_tokens_as_token_ids")

@@ -25,7 +25,7 @@ What is ignored, exactly:
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
 allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output, bad_words,
-guided_json / regex / grammar / choice, cache_salt, timeout, prompt_logprobs and return_tokens_as_token_ids (not on
+guided_json / regex / grammar / choice (and SGLang's names: json_schema, regex, ebnf, no_stop_trim), cache_salt, timeout, prompt_logprobs and return_tokens_as_token_ids (not on
 WebSocket turns), and for chat
 add_generation_prompt and continue_final_message.
 
@@ -144,6 +144,14 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    regex: str | None = None
+    """SGLang's name for guided_regex."""
+    ebnf: str | None = None
+    """SGLang's name for guided_grammar."""
+    json_schema: dict[str, Any] | str | None = None
+    """SGLang's top-level JSON schema (guided_json)."""
+    no_stop_trim: bool = False
+    """SGLang's name for include_stop_str_in_output."""
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     """Prefix-cache namespace: cached prompt pages are shared only with requests of the same salt."""
     timeout: Annotated[float, Meta(gt=0.0)] | None = None
@@ -358,7 +366,10 @@ def to_sampling_params(
         None if body.guided_regex is None else GrammarSpec("regex", body.guided_regex),
         None if body.guided_grammar is None else GrammarSpec("ebnf", body.guided_grammar),
         choice_spec(body.guided_choice, "guided_choice", "guided_choice"),
-    ], "response_format, guided_json/regex/grammar/choice")
+        json_schema_spec(body.json_schema),
+        None if body.regex is None else GrammarSpec("regex", body.regex),
+        None if body.ebnf is None else GrammarSpec("ebnf", body.ebnf),
+    ], "response_format, guided_json/regex/grammar/choice and SGLang's json_schema/regex/ebnf")
     return SamplingParams(
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         fill_context=fill_context and max_tokens is None,
@@ -375,7 +386,7 @@ def to_sampling_params(
         priority=body.priority,
         seed=body.seed,
         stop=stop,
-        include_stop=body.include_stop_str_in_output,
+        include_stop=body.include_stop_str_in_output or body.no_stop_trim,
         stop_token_ids=list(body.stop_token_ids or []),
         bad_words=list(body.bad_words or []),
         ignore_eos=body.ignore_eos,

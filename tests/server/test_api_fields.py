@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from streamer.config import ServerConfig
+from streamer.messages import GrammarSpec
 from streamer.server.app import create_app
 from streamer.server.fields import ACCEPTED
 from tests.server.fakes import RecordingEngine
@@ -58,8 +59,6 @@ REFUSED = [
     # other servers' extensions that would change the answer (fields.OTHER_SERVERS_REFUSED)
     (CMPL, {"use_beam_search": True}, "use_beam_search"),
     (CHAT, {"lora_path": "adapters/sql"}, "lora_path"),
-    (CMPL, {"regex": "[0-9]+"}, "regex"),
-    (CHAT, {"no_stop_trim": True}, "no_stop_trim"),
     (CMPL, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (CHAT, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (CHAT, {"prompt_logprobs": 21}, "prompt_logprobs"),
@@ -152,6 +151,25 @@ def test_truncate_prompt_tokens_reaches_the_engine_but_not_with_echo(fake):
         assert engine.sent[-1].params.truncate_prompt_tokens == 5
     r = client.post(CMPL, json=body_of(CMPL, {"truncate_prompt_tokens": 5, "echo": True}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_sglangs_names_of_constraints_and_of_keeping_the_stop_string_are_taken(fake):
+    """SGLang's regex, ebnf, json_schema and no_stop_trim are its names for guided_regex,
+    guided_grammar, guided_json and include_stop_str_in_output; one constraint at most."""
+    engine, client = fake
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for path in (CMPL, CHAT):
+        for fields, want in (({"regex": "[0-9]+"}, GrammarSpec("regex", "[0-9]+")),
+                             ({"ebnf": 'root ::= "yes"'}, GrammarSpec("ebnf", 'root ::= "yes"')),
+                             ({"json_schema": schema}, GrammarSpec("json_schema", json.dumps(schema))),
+                             ({"json_schema": json.dumps(schema)}, GrammarSpec("json_schema", json.dumps(schema)))):
+            assert client.post(path, json=body_of(path, fields)).status_code == 200
+            assert engine.sent[-1].params.grammar == want
+        assert client.post(path, json=body_of(path, {"no_stop_trim": True})).status_code == 200
+        assert engine.sent[-1].params.include_stop
+        sent = len(engine.sent)
+        r = client.post(path, json=body_of(path, {"regex": "[0-9]+", "guided_regex": "[a-z]+"}))
+        assert r.status_code == 400 and "at most one" in r.json()["error"]["message"] and len(engine.sent) == sent
 
 
 def test_vllms_structural_tag_structures_become_triggered_tags(fake):

@@ -127,6 +127,7 @@ REFUSED = [
     ({"service_tier": "flex"}, "service_tier", "service_tier"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "/v1/completions"),
     ({"bad_words": ["x"]}, "bad_words", "WebSocket turns"),
+    ({"regex": "[0-9]+"}, "regex", "WebSocket turns"),
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "/v1/chat/completions"),
     ({"n": 2}, "n", "one output"),
     ({"max_tokens": 5}, "max_tokens", "max_output_tokens"),
