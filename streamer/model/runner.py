@@ -358,8 +358,9 @@ class ModelRunner:
         launched.times["ready"] = time.perf_counter()
         v = launched.values
         return StepOutput(launched.step, sampled, prompt_logprobs=v.prompt_logprobs,
-                          prompt_top_logprobs=v.prompt_top_logprobs, prompt_ranks=v.prompt_ranks, drafts=launched.drafts, embeddings=v.embeddings,
-                          device_time=device_time, idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
+                          prompt_top_logprobs=v.prompt_top_logprobs, prompt_ranks=v.prompt_ranks,
+                          drafts=launched.drafts, embeddings=v.embeddings, device_time=device_time,
+                          idle_before=idle, mask_wait=mask_wait, host_times=launched.times)
 
     def step(self, batch: Batch) -> StepOutput:
         return self.collect(self.launch(batch))

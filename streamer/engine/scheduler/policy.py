@@ -259,8 +259,9 @@ class Scheduler:
 
     def can_overlap(self) -> bool:
         """Scheduling ahead needs no sampled token's value on the host: no penalties and no bad
-        words of several tokens (they read the output so far) and no jump-forward (it appends tokens where the batch
-        ahead already placed its own). Grammar rows are fine: their masks are deferred."""
+        words of several tokens (they read the output so far), and no jump-forward (it appends
+        tokens where the batch ahead already placed its own). Grammar rows are fine: their masks
+        are deferred."""
         for r in self.running:
             p = r.params
             if r.grammar is not None and self.jump_forward:
