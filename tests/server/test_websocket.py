@@ -201,3 +201,21 @@ def test_a_session_keeps_its_history_pinned_in_the_cache_until_it_closes(live):
         time.sleep(0.02)
     assert f"ws-{sid}" not in kept(), "the closed session's pin is released"
     live.wait_idle()
+
+
+def test_a_turn_takes_bad_words_and_sglangs_names_but_not_prompt_logprobs(live):
+    """WebSocket turns take protocol.SamplingFields (bad_words, SGLang's regex ...), not the
+    fields only completions and chat completions implement (fields.SERVED_BY_COMPLETIONS)."""
+
+    async def main():
+        async with await open_session(live) as ws:
+            text, done = await turn(ws, "Count: one, two, three,", max_tokens=6, temperature=0, ignore_eos=True,
+                                    bad_words=["four"], regex="[a-z ,]+")
+            assert done["finish_reason"] == "length" and "four" not in text
+            assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ,"), text
+            await ws.send(json.dumps({"type": "user", "content": "x", "prompt_logprobs": 1}))
+            err = await recv(ws)
+            assert err["type"] == "error" and "prompt_logprobs" in err["message"]
+
+    asyncio.run(main())
+    live.wait_idle()
