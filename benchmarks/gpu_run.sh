@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -523,4 +523,20 @@ fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
   python3 benchmarks/profile_gpu.py step --case 5 2>&1 | grep -v "it/s" | tail -18
+fi
+if [ "$part" = blas ]; then
+  # issue 32: cuBLASLt against cuBLAS for torch's GEMMs (STREAMER_BLAS), in one call (~7 min; carry .whl and
+  # .gpu_assets): the 513-row step of W5's first token (profile_gpu.py mixed), then W5 online at 2 req/s and at
+  # saturation, W1 and W3 (256 requests, float8 KV) offline, each with both libraries. Then W2's first token,
+  # host side (profile_gpu.py ttft --launch: the ~2.2 ms around its 6.8 ms of kernels on the H100).
+  for lib in cublas cublaslt; do
+    export STREAMER_BLAS=$lib
+    python3 benchmarks/profile_gpu.py mixed 2>&1 | grep "==" | sed "s/^/$lib /"
+    W5_ONLINE_ONLY=1 W5_N=48 bash "$0" w5 2>&1 | grep -E "^ +(2|inf) " | sed "s/^/$lib /"
+    bench --workload W1 --no-peer --json "$OUT/blas_${lib}_w1.json" | tail -1 | sed "s/^/$lib /"
+    bench --workload W3 --num-requests 256 --kv-cache-dtype fp8 --no-peer --json "$OUT/blas_${lib}_w3.json" | tail -1 \
+        | sed "s/^/$lib /"
+  done
+  unset STREAMER_BLAS
+  python3 benchmarks/profile_gpu.py ttft --launch 2>&1 | grep -v "it/s" | head -60
 fi

@@ -9,6 +9,7 @@ typed accessors below (env_str, env_flag, env_ints):
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
   STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
   STREAMER_DUMMY_INIT      dummy_init(): the values of load_format="dummy" weights (normal, or uniform as vLLM's)
+  STREAMER_BLAS            blas_library(): which cuBLAS library torch's GEMMs prefer (default: torch's choice)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
                            (torch.distributed's standard names, unprefixed)
 
@@ -78,6 +79,20 @@ def dummy_init() -> str:
     if value not in DUMMY_INITS:
         raise ConfigError(f"STREAMER_DUMMY_INIT must be one of {', '.join(DUMMY_INITS)}, got {value!r}")
     return value
+
+
+BLAS_LIBRARIES = ("cublas", "cublaslt")
+
+
+def blas_library() -> str | None:
+    """STREAMER_BLAS: cublas or cublaslt, the library torch's bf16 GEMMs prefer (the model runner sets
+    torch.backends.cuda.preferred_blas_library); unset: torch's default. Another pick of kernels by
+    shape: at 513 rows (a 512-token prompt beside one decode) cuBLASLt's step took 13.68 ms against
+    14.06 (benchmarks/RESULTS.md, thirty-ninth session); what it does at other shapes is unmeasured."""
+    value = env_str("BLAS").lower()
+    if value and value not in BLAS_LIBRARIES:
+        raise ConfigError(f"STREAMER_BLAS must be one of {', '.join(BLAS_LIBRARIES)}, got {value!r}")
+    return value or None
 
 
 def rendezvous_env() -> tuple[str | None, int | None]:
