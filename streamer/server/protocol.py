@@ -24,10 +24,11 @@ What is ignored, exactly:
     tool_choice, parallel_tool_calls, chat_template_kwargs, messages' tool_calls and
     tool_call_id): fields.py's docstring.
 This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_penalty,
-allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, include_stop_str_in_output, bad_words,
-guided_json / regex / grammar / choice (and SGLang's names: json_schema, regex, ebnf, no_stop_trim), cache_salt, timeout, prompt_logprobs and return_tokens_as_token_ids (not on
-WebSocket turns), and for chat
-add_generation_prompt and continue_final_message.
+allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
+include_stop_str_in_output, bad_words, guided_json / regex / grammar / choice (and SGLang's names:
+json_schema, regex, ebnf, no_stop_trim), cache_salt, timeout, prompt_logprobs and
+return_tokens_as_token_ids (not on WebSocket turns), and for chat add_generation_prompt and
+continue_final_message.
 
 An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
 (its generation_config.json, unless `--generation-config none`), passed to
