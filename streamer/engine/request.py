@@ -86,9 +86,14 @@ class Request:
     bad_words: list[list[int]] | None = None
     """SamplingParams.bad_words tokenized (TokenizedRequest.bad_words)."""
 
-    def bans(self, output: list[int]) -> list[int]:
-        """The tokens bad_words forbid after `output`: each sequence's last token where the output
-        ends with the rest of it (a one-token sequence's always)."""
+    def bans(self, output: list[int] | None = None) -> list[int]:
+        """The tokens bad_words forbid after `output` (default: this request's output so far, of
+        which only the last tokens a sequence could match are read: no copy of a long output every
+        step): each sequence's last token where the output ends with the rest of it (a one-token
+        sequence's always)."""
+        if output is None:
+            keep = max((len(seq) for seq in self.bad_words or ()), default=1) - 1
+            output = self.tokens[max(self.prompt_len, len(self.tokens) - keep):] if keep else []
         out: set[int] = set()
         for seq in self.bad_words or ():
             head = seq[:-1]

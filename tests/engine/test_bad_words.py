@@ -24,6 +24,8 @@ def test_a_one_token_word_is_always_banned_and_a_longer_one_only_after_its_head(
     assert req.bans([1, 2, 5]) == [7]
     assert req.bans([9]) == [3, 7]
     assert not request_with([[7]]).needs_last_tokens and req.needs_last_tokens
+    req.tokens += [4, 4, 1, 2]  # (the prompt is one token: the output is what follows it)
+    assert req.bans() == [3, 7] == req.bans(req.output)
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ class BatchBuilder:
                 if req.num_output < req.params.min_tokens:
                     ban = sorted(req.eos_token_ids | set(req.params.stop_token_ids))
                 if req.bad_words:
-                    ban = sorted(set(ban).union(req.bans(req.output)))
+                    ban = sorted(set(ban).union(req.bans()))
                 banned.append(ban)
                 # the token this step samples; process() writes its value in place
                 req.tokens.append(PLACEHOLDER)
