@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff check streamer kernels tests benchmarks loadtest examples
 
 typecheck: setup
-	$(VENV)/bin/mypy streamer/engine streamer/server streamer/lang streamer/distributed streamer/router streamer/messages.py streamer/engine_stats.py streamer/frames.py streamer/config.py streamer/speculative_config.py streamer/model/draft.py streamer/model/eagle_draft.py streamer/sampling/rejection.py streamer/kv
+	$(VENV)/bin/mypy streamer/engine streamer/server streamer/lang streamer/distributed streamer/router streamer/messages.py streamer/sampling_params.py streamer/engine_stats.py streamer/frames.py streamer/config.py streamer/speculative_config.py streamer/model/draft.py streamer/model/eagle_draft.py streamer/sampling/rejection.py streamer/kv
 
 # The suite in PYTEST_WORKERS processes (pytest-xdist), a test file at a time each
 # (--dist loadfile: a module's fixtures are built once and its tests keep their order), torch
