@@ -75,6 +75,15 @@ def reads(template: str, variable: str) -> bool:
         return variable in template
 
 
+def check_documents(template: str, documents: list[dict[str, str]]) -> None:
+    """RequestError unless the template reads `documents` (a template that does not would drop
+    them silently) and each document is an object of strings."""
+    if not reads(template, "documents"):
+        raise RequestError("this model's chat template does not read documents: put them in the messages")
+    if not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+        raise RequestError("each document must be an object of strings (e.g. title and text)")
+
+
 def renders_tools(template: str) -> bool:
     """True if the template reads the `tools` variable."""
     return reads(template, "tools")
@@ -246,12 +255,16 @@ def deepseek_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
 
 def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
            kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-           continue_final_message: bool = False) -> list[int]:
+           continue_final_message: bool = False, documents: list[dict[str, str]] | None = None) -> list[int]:
     """The prompt's token ids; RequestError when the template refuses these messages.
     continue_final_message: the last (assistant) message is left open for the answer to
-    continue (transformers cuts the rendered text after its content)."""
+    continue (transformers cuts the rendered text after its content). documents: for a template
+    that reads them (`check_documents`)."""
     extra = check_kwargs(kwargs)
     text = template_text(hf_tokenizer)
+    if documents is not None:
+        check_documents(text, documents)
+        extra["documents"] = documents
     decoded = renders_tools(text)
     fmt = markup_format(text)
     if decoded:

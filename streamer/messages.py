@@ -42,6 +42,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     """OpenAI function tools, rendered into the prompt by the chat template (with messages)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Variables of the chat template (e.g. enable_thinking), over the engine's defaults."""
+    documents: list[dict[str, str]] | None = None
+    """Documents for a chat template that reads them (retrieval-augmented: its `documents`)."""
 
 
 class Tokenize(msgspec.Struct):

@@ -87,6 +87,23 @@ def test_reasoning_effort_is_the_template_variable_of_that_name(smol_tok, monkey
         with_reasoning_effort(qwen3_like, "low", {})
 
 
+DOCS_TEMPLATE = ("{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_documents_reach_a_template_that_reads_them(smol_tok, monkeypatch):
+    """vLLM's documents: the template's own variable (retrieval-augmented templates); refused
+    where the template would drop them, and where a document is not an object of strings."""
+    docs = [{"title": "Paris", "text": "The capital of France."}, {"title": "Rome", "text": "Of Italy."}]
+    with pytest.raises(RequestError, match="does not read documents: put them in the messages"):
+        render(smol_tok, HISTORY[:2], documents=docs)
+    monkeypatch.setattr(smol_tok, "chat_template", DOCS_TEMPLATE)
+    text = smol_tok.decode(render(smol_tok, HISTORY[:2], documents=docs))
+    assert text.startswith("[Paris] The capital of France.\n[Rome] Of Italy.\nsystem: Be brief.\n")
+    with pytest.raises(RequestError, match="each document must be an object of strings"):
+        render(smol_tok, HISTORY[:2], documents=[{"title": "Paris", "year": 1}])  # type: ignore[dict-item]
+
+
 def test_a_template_without_tools_gets_them_in_the_hermes_format(smol_tok):
     assert not renders_tools(smol_tok.chat_template) and tool_format(smol_tok) == "hermes"
     text = smol_tok.decode(render(smol_tok, HISTORY, tools=TOOLS))

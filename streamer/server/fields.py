@@ -113,7 +113,6 @@ CHAT_REFUSED: dict[str, Rule] = {
     "echo": only((False,), "echo is not supported in chat completions (completions have it)"),
     "chat_template": unsupported("chat_template (a template in the request) is not supported: the model's "
                                  "own template renders, with chat_template_kwargs"),
-    "documents": unsupported("documents is not supported: put them in the messages"),
     **_OTHERS_BUT_SERVED,
 }
 

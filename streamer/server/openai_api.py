@@ -35,7 +35,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamer.chat_template import check_kwargs, template_text, with_reasoning_effort
+from streamer.chat_template import check_documents, check_kwargs, template_text, with_reasoning_effort
 from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server import protocol as p
@@ -262,12 +262,17 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
                                      keep_special_tokens=list(setup.keep_special))
     if body.prompt_logprobs is not None:
         params = with_prompt_logprobs(params, body.prompt_logprobs)
+    if body.documents is not None:
+        try:
+            check_documents(template_text(st.info.hf_tokenizer), body.documents)
+        except RequestError as e:
+            raise ApiError(str(e), param="documents") from None
     params = policy(params)
     base = GenerateRequest(request_id=rid, messages=messages, params=params,
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            tools=msgspec.to_builtins(body.tools) if body.tools else None,
-                           chat_template_kwargs=kwargs)
+                           chat_template_kwargs=kwargs, documents=body.documents)
     return fan_out(base, rid, 0, body.n), setup
 
 

@@ -270,6 +270,9 @@ class ChatCompletionRequest(ChatFields, kw_only=True):
     (CompletionRequest.prompt_logprobs)."""
     return_tokens_as_token_ids: bool = False
     """As CompletionRequest.return_tokens_as_token_ids."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM's extension: retrieved documents (e.g. {"title", "text"}) for a template that reads
+    `documents` (retrieval-augmented templates); refused where the template does not."""
 
 
 # ---- mapping -----------------------------------------------------------------

@@ -64,6 +64,7 @@ REFUSED = [
     (CHAT, {"prompt_logprobs": 21}, "prompt_logprobs"),
     (CHAT, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (CHAT, {"documents": [{"title": "Paris", "text": "The capital."}]}, "documents"),  # (a template without them)
     (CHAT, {"echo": True}, "echo"),
     (CHAT, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
     (CHAT, {"continue_final_message": True, "messages": [*MSGS, {"role": "assistant", "content": "Sure"}]},
