@@ -255,13 +255,16 @@ def deepseek_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
 
 def render(hf_tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
            kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-           continue_final_message: bool = False, documents: list[dict[str, str]] | None = None) -> list[int]:
+           continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+           chat_template: str | None = None) -> list[int]:
     """The prompt's token ids; RequestError when the template refuses these messages.
     continue_final_message: the last (assistant) message is left open for the answer to
     continue (transformers cuts the rendered text after its content). documents: for a template
-    that reads them (`check_documents`)."""
+    that reads them (`check_documents`). chat_template: renders in place of the model's."""
     extra = check_kwargs(kwargs)
-    text = template_text(hf_tokenizer)
+    text = template_text(hf_tokenizer) if chat_template is None else chat_template
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     if documents is not None:
         check_documents(text, documents)
         extra["documents"] = documents

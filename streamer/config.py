@@ -294,6 +294,9 @@ class ServerConfig:
     R1-0528) or deepseek_v31 (V3.1 and later), or auto (from the chat template: openai for a
     harmony one, a deepseek format for one that writes DeepSeek's markers; another template
     that does not read tools gets hermes)."""
+    trust_request_chat_template: bool = False
+    """Whether a chat request may bring its own chat_template (vLLM's extension; a Jinja template is
+    code the server runs, sandboxed: off by default, and a request's template is then refused)."""
     reasoning_parser: str | None = None
     """qwen3 | deepseek_r1: the model's <think> text is answered as reasoning_content, and
     grammars (response_format, tools) apply from its end. openai_gptoss: gpt-oss's analysis

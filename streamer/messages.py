@@ -44,6 +44,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     """Variables of the chat template (e.g. enable_thinking), over the engine's defaults."""
     documents: list[dict[str, str]] | None = None
     """Documents for a chat template that reads them (retrieval-augmented: its `documents`)."""
+    chat_template: str | None = None
+    """A Jinja chat template that renders these messages in place of the model's."""
 
 
 class Tokenize(msgspec.Struct):

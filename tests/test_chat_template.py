@@ -104,6 +104,13 @@ def test_documents_reach_a_template_that_reads_them(smol_tok, monkeypatch):
         render(smol_tok, HISTORY[:2], documents=[{"title": "Paris", "year": 1}])  # type: ignore[dict-item]
 
 
+def test_a_request_template_renders_in_place_of_the_models(smol_tok):
+    own = render(smol_tok, HISTORY[:2], chat_template="{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    assert smol_tok.decode(own) == "<system><user>"
+    with pytest.raises(RequestError, match="cannot apply the chat template"):
+        render(smol_tok, HISTORY[:2], chat_template="{% for m in messages %}")
+
+
 def test_a_template_without_tools_gets_them_in_the_hermes_format(smol_tok):
     assert not renders_tools(smol_tok.chat_template) and tool_format(smol_tok) == "hermes"
     text = smol_tok.decode(render(smol_tok, HISTORY, tools=TOOLS))

@@ -100,9 +100,12 @@ class Tokenizer:
             kwargs = {**self.chat_template_kwargs, **(req.chat_template_kwargs or {})}
             return render(self.hf, req.messages, tools=req.tools, kwargs=kwargs,
                           add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message, documents=req.documents)
-        if req.tools is not None or req.chat_template_kwargs is not None or req.documents is not None:
-            raise RequestError("tools, chat_template_kwargs and documents need messages (a chat request)")
+                          continue_final_message=req.continue_final_message, documents=req.documents,
+                          chat_template=req.chat_template)
+        if (req.tools is not None or req.chat_template_kwargs is not None or req.documents is not None
+                or req.chat_template is not None):
+            raise RequestError("tools, chat_template_kwargs, documents and chat_template need messages (a chat "
+                               "request)")
         assert req.prompt is not None
         return list(self.hf(req.prompt, add_special_tokens=True)["input_ids"])
 

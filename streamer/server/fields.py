@@ -111,8 +111,6 @@ CHAT_REFUSED: dict[str, Rule] = {
     "function_call": unsupported(f"function_call {DEPRECATED_FUNCTIONS}"),
     # vLLM's chat extensions
     "echo": only((False,), "echo is not supported in chat completions (completions have it)"),
-    "chat_template": unsupported("chat_template (a template in the request) is not supported: the model's "
-                                 "own template renders, with chat_template_kwargs"),
     **_OTHERS_BUT_SERVED,
 }
 

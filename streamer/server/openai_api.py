@@ -196,6 +196,18 @@ def prediction_text(prediction: p.Prediction | None) -> str | None:
     return "".join(part.text or "" for part in content)
 
 
+def request_template(st: ServerState, body: p.ChatFields) -> str:
+    """The template that renders this chat: the request's own chat_template where the server
+    trusts requests with one (--trust-request-chat-template; else refused by name), or the model's."""
+    own = getattr(body, "chat_template", None)  # (chat completions only: not a WebSocket turn's)
+    if own is None:
+        return template_text(st.info.hf_tokenizer)
+    if not st.config.trust_request_chat_template:
+        raise ApiError("chat_template (a template in the request) is refused: this server runs only its own "
+                       "templates unless started with --trust-request-chat-template", param="chat_template")
+    return own
+
+
 def chat_setup(st: ServerState, body: p.ChatFields,
                grammar: GrammarSpec | None) -> tuple[ChatSetup, dict[str, Any] | None]:
     """Tools, reasoning and the grammar of a chat body, against the server's parsers; and the
@@ -206,7 +218,7 @@ def chat_setup(st: ServerState, body: p.ChatFields,
     except RequestError as e:
         raise ApiError(str(e), param="chat_template_kwargs") from None
     try:
-        mine = with_reasoning_effort(template_text(st.info.hf_tokenizer), body.reasoning_effort, mine)
+        mine = with_reasoning_effort(request_template(st, body), body.reasoning_effort, mine)
     except RequestError as e:
         raise ApiError(str(e), param="reasoning_effort") from None
     setup = ChatSetup.of(
@@ -264,7 +276,7 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
         params = with_prompt_logprobs(params, body.prompt_logprobs)
     if body.documents is not None:
         try:
-            check_documents(template_text(st.info.hf_tokenizer), body.documents)
+            check_documents(request_template(st, body), body.documents)
         except RequestError as e:
             raise ApiError(str(e), param="documents") from None
     params = policy(params)
@@ -272,7 +284,7 @@ def chat_requests(body: p.ChatCompletionRequest, messages: list[dict[str, Any]],
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            tools=msgspec.to_builtins(body.tools) if body.tools else None,
-                           chat_template_kwargs=kwargs, documents=body.documents)
+                           chat_template_kwargs=kwargs, documents=body.documents, chat_template=body.chat_template)
     return fan_out(base, rid, 0, body.n), setup
 
 

@@ -270,6 +270,10 @@ class ChatCompletionRequest(ChatFields, kw_only=True):
     (CompletionRequest.prompt_logprobs)."""
     return_tokens_as_token_ids: bool = False
     """As CompletionRequest.return_tokens_as_token_ids."""
+    chat_template: str | None = None
+    """vLLM's extension: a Jinja chat template that renders this request in place of the model's
+    (the tool and reasoning parsers stay the server's); refused unless the server was started
+    with --trust-request-chat-template."""
     documents: list[dict[str, str]] | None = None
     """vLLM's extension: retrieved documents (e.g. {"title", "text"}) for a template that reads
     `documents` (retrieval-augmented templates); refused where the template does not."""

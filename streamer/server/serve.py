@@ -67,6 +67,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the markup of tool calls in the model's output (default auto: from the chat template, "
                         "openai for gpt-oss's harmony, deepseek_v3 or deepseek_v31 for DeepSeek's markers; "
                         "hermes where another template does not read tools)")
+    g.add_argument("--trust-request-chat-template", action="store_true", default=d.trust_request_chat_template,
+                   help="let a chat request bring its own chat_template (Jinja, run sandboxed; default: refused)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
                    help="answer the model's <think> text (openai_gptoss: gpt-oss's analysis messages) as "
                         "reasoning_content; grammars apply from its end (default: none, all text is content)")
@@ -184,6 +186,7 @@ def server_config(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         engine_process=getattr(args, "engine_process", d.engine_process), engine=engine_config,
         tool_call_parser=getattr(args, "tool_call_parser", d.tool_call_parser),
         reasoning_parser=getattr(args, "reasoning_parser", d.reasoning_parser),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", d.trust_request_chat_template),
         data_parallel_size=getattr(args, "data_parallel_size", d.data_parallel_size),
         balance_margin=getattr(args, "balance_margin", d.balance_margin),
         **{f: getattr(args, f, getattr(d, f)) for f in LIMIT_FIELDS},

@@ -145,6 +145,24 @@ def test_tool_fields_reach_the_engine(fake):
     assert sent.params.grammar.kind == "structural_tag"  # auto: a call, once begun, follows its schema
 
 
+def test_a_request_chat_template_reaches_the_engine_where_the_server_trusts_it():
+    """vLLM's chat_template: refused by default (the test above), and with
+    --trust-request-chat-template sent on to render the messages; its variables (documents)
+    are checked against it, not against the model's template."""
+    engine = RecordingEngine()
+    config = ServerConfig(allowed_hosts=("testserver",), trust_request_chat_template=True)
+    template = "{% for d in documents %}{{ d.text }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    docs = [{"title": "Paris", "text": "The capital."}]
+    with TestClient(create_app(engine, config)) as client:
+        r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 2, "chat_template": template, "documents": docs})
+        assert r.status_code == 200, r.text
+        r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 2, "chat_template": "{{ messages }}",
+                                    "documents": docs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    assert len(engine.sent) == 1
+    assert engine.sent[0].chat_template == template and engine.sent[0].documents == docs
+
+
 def test_truncate_prompt_tokens_reaches_the_engine_but_not_with_echo(fake):
     engine, client = fake
     for path in (CMPL, CHAT):
