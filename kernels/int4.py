@@ -127,7 +127,7 @@ def _int4_gemv_kernel(
             k = k0 + u * BLOCK_K
             w = round_to(_dequant_tile(w_ptr, s_ptr, z_ptr, rows, k, stride_wn, stride_sn, G, BLOCK_N, BLOCK_K), DTYPE,
                          INTERP)
-            # (x loaded in W's register layout, rows sharing addresses: see kernels/gemv/operands.py x_chunk)
+            # (x loaded in W's register layout, rows sharing addresses: see kernels/gemv/linear.py _x_chunk)
             xv = tl.load(x_ptr + m * stride_xm + k + offs_k[None, :] + (offs_n * 0)[:, None],
                          eviction_policy="evict_last")
             acc += w.to(tl.float32) * xv.to(tl.float32)

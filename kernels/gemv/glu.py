@@ -14,14 +14,13 @@ from kernels.common import prefetch_l2 as _prefetch_l2
 from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.gemv.config import MAX_M, GemvConfig, glu_config
-from kernels.gemv.linear import _scale_args
-from kernels.gemv.operands import x_chunk
+from kernels.gemv.linear import _scale_args, _x_chunk
 
 
 @triton.jit
 def _glu_fma(g, u, wg, wu, x_ptr, offs_n, offs_k, k_left, EVEN_K: tl.constexpr):
     """One chunk of one row: its gate and up accumulators plus the chunk's products."""
-    xv = x_chunk(x_ptr, offs_n, offs_k, k_left, EVEN_K)
+    xv = _x_chunk(x_ptr, offs_n, offs_k, k_left, EVEN_K)
     return g + wg * xv, u + wu * xv
 
 

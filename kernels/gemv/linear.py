@@ -19,7 +19,23 @@ from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.gemv.config import MAX_M, GemvConfig, gemv_config, rows_per_program
 from kernels.gemv.config import num_sms as _num_sms
-from kernels.gemv.operands import row_rstd, x_in
+
+
+@triton.jit
+def _x_chunk(row_ptr, offs_n, offs_k, k_left, EVEN_K: tl.constexpr):
+    """x[m, k : k + BLOCK_K] as fp32, broadcastable against the [BLOCK_N, BLOCK_K] W tile.
+
+    x is loaded straight into W's register layout, as a [BLOCK_N, BLOCK_K] tile whose
+    rows share addresses (L1 hits): a 1-D load would be re-laid out through shared
+    memory, with a barrier, every chunk.
+    """
+    ptrs = row_ptr + offs_k[None, :] + (offs_n * 0)[:, None]
+    if EVEN_K:
+        v = tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
+    else:
+        v = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0, eviction_policy="evict_last")
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -29,6 +45,56 @@ def _fma(acc, w, xv, ACC_1D: tl.constexpr):
     else:
         acc = acc + w * xv
     return acc
+
+
+@triton.jit
+def _row_rstd(x_row, r_row, offs_n, offs_k, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              HAS_RES: tl.constexpr, X_DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """1 / sqrt(mean((x + r)^2) + eps) of the whole row (K values, whatever this program's
+    split), x + r rounded to X_DTYPE first as kernels/norm.py's fused add + RMSNorm."""
+    sq = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        xs = _x_chunk(x_row + k, offs_n, offs_k, K - k, False)
+        if HAS_RES:
+            xs = _round_to(xs + _x_chunk(r_row + k, offs_n, offs_k, K - k, False), X_DTYPE, INTERP).to(tl.float32)
+        sq += xs * xs
+    # (every row of the tile holds the same values: one row's sum)
+    return 1.0 / tl.sqrt(tl.max(tl.sum(sq, axis=1), axis=0) / K + eps)
+
+
+@triton.jit
+def _x_in(x_row, r_row, nres_row, nw_row, kk, offs_n, offs_k, k_left, rstd, store_res, rel_n, EVEN_K: tl.constexpr,
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr, X_DTYPE: tl.constexpr,
+          NORM_DTYPE: tl.constexpr, INTERP: tl.constexpr, DEFER: tl.constexpr):
+    """The GEMV's input chunk at kk: x's (`_x_chunk`), or with NORM rms_norm(x + r)'s, rounded
+    as kernels/norm.py rounds (so the product is that of the norm's stored output). store_res:
+    this program stores x + r of its chunks (one program per row and split: the first row of the
+    tile of program column 0, rel_n its rows' index in the tile; `lim` masks the rest).
+    DEFER (a program over the whole row): the statistic is not known yet, so the chunk is
+    (x + r) * w unscaled, in fp32, and its squares come back for the row's sum (else the
+    second value is the first): the caller multiplies the product by the statistic at the end."""
+    xs = _x_chunk(x_row + kk, offs_n, offs_k, k_left, EVEN_K)
+    if NORM:
+        if HAS_RES:
+            xs = _round_to(xs + _x_chunk(r_row + kk, offs_n, offs_k, k_left, EVEN_K), X_DTYPE, INTERP)
+            lim = tl.where(store_res, 1, 0)  # (scalar & vector masks upset the interpreter)
+            keep = (rel_n < lim)[:, None] & (offs_k < k_left)[None, :]
+            tl.store(nres_row + kk + offs_k[None, :] + (offs_n * 0)[:, None], xs, mask=keep)
+            xs = xs.to(tl.float32)
+        nw = _x_chunk(nw_row + kk, offs_n, offs_k, k_left, EVEN_K)
+        if DEFER:
+            sq = xs * xs
+            if OFFSET != 0.0:
+                xs = xs * (OFFSET + nw)
+            else:
+                xs = xs * nw
+            return xs, sq
+        if OFFSET != 0.0:
+            xs = _round_to((xs * rstd) * (OFFSET + nw), X_DTYPE, INTERP).to(tl.float32)
+        else:
+            xs = _round_to(nw * _round_to(xs * rstd, X_DTYPE, INTERP).to(tl.float32), NORM_DTYPE, INTERP)
+            xs = xs.to(tl.float32)
+    return xs, xs
 
 
 @triton.jit
@@ -59,7 +125,7 @@ def _finish_row(
         y = acc
     else:
         y = tl.sum(acc, axis=1)
-    if DEFER:  # the deferred norm's statistic (`x_in`): every row of sq holds the same squares
+    if DEFER:  # the deferred norm's statistic (`_x_in`): every row of sq holds the same squares
         y = y / tl.sqrt(tl.max(tl.sum(sq, axis=1), axis=0) / K + eps)
     if SCALED:  # float8 operands: both scales multiplied back in, in fp32 (as torch._scaled_mm)
         y = y * tl.load(sx_ptr + tl.minimum(m, M - 1)) * tl.load(sw_ptr + rows)
@@ -115,7 +181,7 @@ def _gemv_kernel(
     add, x + res stored to nres by the programs of column 0), each program normalizing the rows
     it reads: their statistic over the whole row first, from L2 (a loop of dependent loads), or
     with DEFER (one split: the program's loop covers the whole row) accumulated beside the
-    product, which is scaled by it at the end (`x_in`; the normalized value then is not rounded
+    product, which is scaled by it at the end (`_x_in`; the normalized value then is not rounded
     to the norm's dtype before the product, a difference within bf16's rounding)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,13 +218,13 @@ def _gemv_kernel(
     s2 = 1.0
     s3 = 1.0
     if NORM and not DEFER:  # (a split's program: the statistic first, over the whole row)
-        s0 = row_rstd(x0 - k0, r0 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
+        s0 = _row_rstd(x0 - k0, r0 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
         if BLOCK_M > 1:
-            s1 = row_rstd(x1 - k0, r1 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
+            s1 = _row_rstd(x1 - k0, r1 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
         if BLOCK_M > 2:
-            s2 = row_rstd(x2 - k0, r2 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
+            s2 = _row_rstd(x2 - k0, r2 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
         if BLOCK_M > 3:
-            s3 = row_rstd(x3 - k0, r3 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
+            s3 = _row_rstd(x3 - k0, r3 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
     first = pid_n == 0
     rel_n = tl.arange(0, BLOCK_N)
     if ACC_1D:
@@ -181,26 +247,26 @@ def _gemv_kernel(
                 kmask = (offs_k < k_len - kk)[None, :]
                 w = tl.load(w_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            xa, q = x_in(x0, r0, n0, nw, kk, offs_n, offs_k, k_len - kk, s0, first, rel_n, EVEN_K, NORM, HAS_RES,
-                         OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+            xa, q = _x_in(x0, r0, n0, nw, kk, offs_n, offs_k, k_len - kk, s0, first, rel_n, EVEN_K, NORM, HAS_RES,
+                          OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
             acc0 = _fma(acc0, w, xa, ACC_1D)
             if DEFER:
                 sq0 += q
             if BLOCK_M > 1:
-                xa, q = x_in(x1, r1, n1, nw, kk, offs_n, offs_k, k_len - kk, s1, first & (m0 + 1 < M), rel_n,
-                             EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa, q = _x_in(x1, r1, n1, nw, kk, offs_n, offs_k, k_len - kk, s1, first & (m0 + 1 < M), rel_n,
+                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
                 acc1 = _fma(acc1, w, xa, ACC_1D)
                 if DEFER:
                     sq1 += q
             if BLOCK_M > 2:
-                xa, q = x_in(x2, r2, n2, nw, kk, offs_n, offs_k, k_len - kk, s2, first & (m0 + 2 < M), rel_n,
-                             EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa, q = _x_in(x2, r2, n2, nw, kk, offs_n, offs_k, k_len - kk, s2, first & (m0 + 2 < M), rel_n,
+                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
                 acc2 = _fma(acc2, w, xa, ACC_1D)
                 if DEFER:
                     sq2 += q
             if BLOCK_M > 3:
-                xa, q = x_in(x3, r3, n3, nw, kk, offs_n, offs_k, k_len - kk, s3, first & (m0 + 3 < M), rel_n,
-                             EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa, q = _x_in(x3, r3, n3, nw, kk, offs_n, offs_k, k_len - kk, s3, first & (m0 + 3 < M), rel_n,
+                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
                 acc3 = _fma(acc3, w, xa, ACC_1D)
                 if DEFER:
                     sq3 += q
