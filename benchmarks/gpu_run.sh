@@ -527,19 +527,17 @@ fi
 if [ "$part" = fuse ]; then
   # issue 30: the batch-1 step's launches cut (forty-first session): the input norm in the qkv GEMV
   # (STREAMER_NORM_GEMV) and the o GEMV's split-K partials summed by the MoE router (STREAMER_PASS_SPLITS).
-  # Compiled tests, then W2 on the MoE shape with the switches off in turn and on the 8B shape with and
-  # without the norm's fusion (~8 min). fuse8b: the 8B again, then the MoE step by kernel (profile_gpu.py
-  # step --case 5 --graphs: each kernel's "adds").
+  # Compiled tests, then W2 on the MoE shape with each switch off in turn (~7 min). fuse8b: W2 on the 8B
+  # shape with and without the norm's fusion, then the MoE step by kernel (profile_gpu.py step --case 5
+  # --graphs: each kernel's "adds").
   python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gemv_norm.py tests/kernels/test_gemv.py \
       tests/kernels/test_moe_gemv.py tests/gpu/test_gpu_speculation.py -k "not eagle3" 2>&1 | tail -3
   a="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
-  bench $a --json "$OUT/fuse_moe_on.json" | tail -1 | sed "s/^/moe on /"
-  STREAMER_NORM_GEMV=0 STREAMER_PASS_SPLITS=0 bench $a --json "$OUT/fuse_moe_off.json" | tail -1 | sed "s/^/moe both-off /"
-  STREAMER_NORM_GEMV=0 bench $a --json "$OUT/fuse_moe_nonorm.json" | tail -1 | sed "s/^/moe pass-splits-only /"
-  bench $a --json "$OUT/fuse_moe_on2.json" | tail -1 | sed "s/^/moe on(again) /"
-  a="--workload W2 --no-peer --model-dir benchmarks/configs/llama-3.1-8b"
-  bench $a --json "$OUT/fuse_8b_on.json" | tail -1 | sed "s/^/8b on /"
-  STREAMER_NORM_GEMV=0 bench $a --json "$OUT/fuse_8b_off.json" | tail -1 | sed "s/^/8b no-norm-gemv /"
+  bench $a --json "$OUT/fuse_moe_on.json" | tail -1 | sed "s/^/on /"
+  STREAMER_NORM_GEMV=0 STREAMER_PASS_SPLITS=0 bench $a --json "$OUT/fuse_moe_off.json" | tail -1 | sed "s/^/both-off /"
+  STREAMER_NORM_GEMV=0 bench $a --json "$OUT/fuse_moe_nonorm.json" | tail -1 | sed "s/^/no-norm-gemv /"
+  STREAMER_PASS_SPLITS=0 bench $a --json "$OUT/fuse_moe_nosplits.json" | tail -1 | sed "s/^/no-pass-splits /"
+  bench $a --json "$OUT/fuse_moe_on2.json" | tail -1 | sed "s/^/on(again) /"
 fi
 if [ "$part" = fuse8b ]; then
   a="--workload W2 --no-peer --model-dir benchmarks/configs/llama-3.1-8b"
