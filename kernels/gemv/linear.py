@@ -65,14 +65,11 @@ def _row_rstd(x_row, r_row, offs_n, offs_k, K, eps, BLOCK_N: tl.constexpr, BLOCK
 @triton.jit
 def _x_in(x_row, r_row, nres_row, nw_row, kk, offs_n, offs_k, k_left, rstd, store_res, rel_n, EVEN_K: tl.constexpr,
           NORM: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr, X_DTYPE: tl.constexpr,
-          NORM_DTYPE: tl.constexpr, INTERP: tl.constexpr, DEFER: tl.constexpr):
+          NORM_DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """The GEMV's input chunk at kk: x's (`_x_chunk`), or with NORM rms_norm(x + r)'s, rounded
     as kernels/norm.py rounds (so the product is that of the norm's stored output). store_res:
     this program stores x + r of its chunks (one program per row and split: the first row of the
-    tile of program column 0, rel_n its rows' index in the tile; `lim` masks the rest).
-    DEFER (a program over the whole row): the statistic is not known yet, so the chunk is
-    (x + r) * w unscaled, in fp32, and its squares come back for the row's sum (else the
-    second value is the first): the caller multiplies the product by the statistic at the end."""
+    tile of program column 0, rel_n its rows' index in the tile; `lim` masks the rest)."""
     xs = _x_chunk(x_row + kk, offs_n, offs_k, k_left, EVEN_K)
     if NORM:
         if HAS_RES:
@@ -82,19 +79,12 @@ def _x_in(x_row, r_row, nres_row, nw_row, kk, offs_n, offs_k, k_left, rstd, stor
             tl.store(nres_row + kk + offs_k[None, :] + (offs_n * 0)[:, None], xs, mask=keep)
             xs = xs.to(tl.float32)
         nw = _x_chunk(nw_row + kk, offs_n, offs_k, k_left, EVEN_K)
-        if DEFER:
-            sq = xs * xs
-            if OFFSET != 0.0:
-                xs = xs * (OFFSET + nw)
-            else:
-                xs = xs * nw
-            return xs, sq
         if OFFSET != 0.0:
             xs = _round_to((xs * rstd) * (OFFSET + nw), X_DTYPE, INTERP).to(tl.float32)
         else:
             xs = _round_to(nw * _round_to(xs * rstd, X_DTYPE, INTERP).to(tl.float32), NORM_DTYPE, INTERP)
             xs = xs.to(tl.float32)
-    return xs, xs
+    return xs
 
 
 @triton.jit
@@ -116,17 +106,11 @@ def _finish_row(
     SCALED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
-    sq=None,
-    K=1,
-    eps=0.0,
-    DEFER: tl.constexpr = False,
 ):
     if ACC_1D:
         y = acc
     else:
         y = tl.sum(acc, axis=1)
-    if DEFER:  # the deferred norm's statistic (`_x_in`): every row of sq holds the same squares
-        y = y / tl.sqrt(tl.max(tl.sum(sq, axis=1), axis=0) / K + eps)
     if SCALED:  # float8 operands: both scales multiplied back in, in fp32 (as torch._scaled_mm)
         y = y * tl.load(sx_ptr + tl.minimum(m, M - 1)) * tl.load(sw_ptr + rows)
     mask = offs_n < tl.where(m < M, N, 0)  # (scalar & vector masks upset the interpreter)
@@ -174,15 +158,11 @@ def _gemv_kernel(
     OFFSET: tl.constexpr = 0.0,
     X_DTYPE: tl.constexpr = tl.float32,
     NORM_DTYPE: tl.constexpr = tl.float32,
-    DEFER: tl.constexpr = False,
 ):
     """Program (n, k, m): BLOCK_N rows of W over split k of K, against rows m * BLOCK_M.. of x.
     NORM: x's rows are rms_norm(x + res) with the weight at nw_ptr (HAS_RES: with the residual
     add, x + res stored to nres by the programs of column 0), each program normalizing the rows
-    it reads: their statistic over the whole row first, from L2 (a loop of dependent loads), or
-    with DEFER (one split: the program's loop covers the whole row) accumulated beside the
-    product, which is scaled by it at the end (`_x_in`; the normalized value then is not rounded
-    to the norm's dtype before the product, a difference within bf16's rounding)."""
+    it reads: their statistic over the whole row first, from L2."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -217,7 +197,7 @@ def _gemv_kernel(
     s1 = 1.0
     s2 = 1.0
     s3 = 1.0
-    if NORM and not DEFER:  # (a split's program: the statistic first, over the whole row)
+    if NORM:
         s0 = _row_rstd(x0 - k0, r0 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
         if BLOCK_M > 1:
             s1 = _row_rstd(x1 - k0, r1 - k0, offs_n, offs_k, K, eps, BLOCK_N, BLOCK_K, HAS_RES, X_DTYPE, INTERP)
@@ -234,10 +214,6 @@ def _gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    sq0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # (DEFER: each row's squares)
-    sq1 = sq0
-    sq2 = sq0
-    sq3 = sq0
     for k in range(0, k_split, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             kk = k + u * BLOCK_K
@@ -247,47 +223,39 @@ def _gemv_kernel(
                 kmask = (offs_k < k_len - kk)[None, :]
                 w = tl.load(w_ptrs + kk, mask=kmask, other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            xa, q = _x_in(x0, r0, n0, nw, kk, offs_n, offs_k, k_len - kk, s0, first, rel_n, EVEN_K, NORM, HAS_RES,
-                          OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+            xa = _x_in(x0, r0, n0, nw, kk, offs_n, offs_k, k_len - kk, s0, first, rel_n, EVEN_K, NORM, HAS_RES,
+                       OFFSET, X_DTYPE, NORM_DTYPE, INTERP)
             acc0 = _fma(acc0, w, xa, ACC_1D)
-            if DEFER:
-                sq0 += q
             if BLOCK_M > 1:
-                xa, q = _x_in(x1, r1, n1, nw, kk, offs_n, offs_k, k_len - kk, s1, first & (m0 + 1 < M), rel_n,
-                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa = _x_in(x1, r1, n1, nw, kk, offs_n, offs_k, k_len - kk, s1, first & (m0 + 1 < M), rel_n,
+                           EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP)
                 acc1 = _fma(acc1, w, xa, ACC_1D)
-                if DEFER:
-                    sq1 += q
             if BLOCK_M > 2:
-                xa, q = _x_in(x2, r2, n2, nw, kk, offs_n, offs_k, k_len - kk, s2, first & (m0 + 2 < M), rel_n,
-                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa = _x_in(x2, r2, n2, nw, kk, offs_n, offs_k, k_len - kk, s2, first & (m0 + 2 < M), rel_n,
+                           EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP)
                 acc2 = _fma(acc2, w, xa, ACC_1D)
-                if DEFER:
-                    sq2 += q
             if BLOCK_M > 3:
-                xa, q = _x_in(x3, r3, n3, nw, kk, offs_n, offs_k, k_len - kk, s3, first & (m0 + 3 < M), rel_n,
-                              EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP, DEFER)
+                xa = _x_in(x3, r3, n3, nw, kk, offs_n, offs_k, k_len - kk, s3, first & (m0 + 3 < M), rel_n,
+                           EVEN_K, NORM, HAS_RES, OFFSET, X_DTYPE, NORM_DTYPE, INTERP)
                 acc3 = _fma(acc3, w, xa, ACC_1D)
-                if DEFER:
-                    sq3 += q
     _finish_row(
         acc0, m0, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
-        SCALED, OUT_DTYPE, INTERP, sq0, K, eps, DEFER,
+        SCALED, OUT_DTYPE, INTERP,
     )
     if BLOCK_M > 1:
         _finish_row(
             acc1, m0 + 1, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
-            SCALED, OUT_DTYPE, INTERP, sq1, K, eps, DEFER,
+            SCALED, OUT_DTYPE, INTERP,
         )
     if BLOCK_M > 2:
         _finish_row(
             acc2, m0 + 2, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
-            SCALED, OUT_DTYPE, INTERP, sq2, K, eps, DEFER,
+            SCALED, OUT_DTYPE, INTERP,
         )
     if BLOCK_M > 3:
         _finish_row(
             acc3, m0 + 3, M, N, offs_n, out_ptr, stride_om, ws_ptr, pid_k, sx_ptr, sw_ptr, rows, ACC_1D, SPLIT,
-            SCALED, OUT_DTYPE, INTERP, sq3, K, eps, DEFER,
+            SCALED, OUT_DTYPE, INTERP,
         )
 
 
@@ -357,9 +325,7 @@ def norm_gemv(
     """gemv(rms_norm(x + residual), weight) and x + residual (residual None: rms_norm(x), and
     None), the norm's operands and roundings those of kernels.norm.fused_add_rms_norm /
     rms_norm with `offset`: a decode step's norm before its attention without the norm's launch.
-    Every program normalizes the rows it reads: unsplit (`splits` 1), their statistic accumulates
-    beside the product, which it scales at the end (the normalized values are not rounded to the
-    norm's dtype first); a split's programs compute it first, a pass over the row from L2.
+    Every program normalizes the rows it reads (statistic first, over the whole row, from L2).
     x: [M, K] in float32, float16 or bfloat16; weight [N, K] not float8."""
     assert x.dim() == 2 and norm_weight.shape == (x.shape[1],), (tuple(x.shape), tuple(norm_weight.shape))
     x = x.contiguous()
@@ -416,7 +382,6 @@ def _launch(x, weight, config, scales, out_dtype, per_row, keep_splits, norm):
             res_ptr=residual if has_res else x2, nw_ptr=nw, nres_ptr=new_res if has_res else x2, eps=eps,
             stride_rm=residual.stride(0) if has_res else 0, stride_nm=new_res.stride(0) if has_res else 0,
             NORM=True, HAS_RES=has_res, OFFSET=offset, X_DTYPE=_TL_DTYPES[x.dtype], NORM_DTYPE=_TL_DTYPES[norm_dtype],
-            DEFER=n_splits == 1,
         )
     grid = (triton.cdiv(n, cfg.block_n), n_splits, triton.cdiv(m, block_m))
     _gemv_kernel[grid](

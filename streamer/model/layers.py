@@ -256,16 +256,12 @@ class Attention(nn.Module):
 
     def norm_in_gemv(self, x: torch.Tensor, norm: nn.Module) -> bool:
         """Whether norm_forward's qkv GEMV does the norm: a plain RMSNorm (no float8 rows) before
-        this class's own projection, by a bf16/fp16 GEMV without LoRA and without a K split, at a
-        one-row step."""
+        this class's own projection, by a bf16/fp16 GEMV without LoRA, at a one-row step."""
         qkv = self.qkv_proj
         return (type(norm) is RMSNorm and not norm.fp8_rows and type(self).project is Attention.project
                 and self.fuse_norm and isinstance(qkv, Linear) and qkv.decode_gemv and qkv.weight_scale is None
                 and qkv.block is None and (qkv.lora is None or lora_ids() is None) and x.dim() == 2
-                and use_gemv(x, qkv.weight, rows_as_decode())
-                # (unsplit: the statistic accumulates beside the product; a split's programs would
-                # each read the whole row first, a chain of dependent loads)
-                and splits(x.shape[0], qkv.out_features, qkv.in_features, x.device, 2, rows_as_decode()) == 1)
+                and use_gemv(x, qkv.weight, rows_as_decode()))
 
     def out_splits(self, x: torch.Tensor) -> bool:
         """Whether the o projection of these rows' attention output [T, q_size] returns its

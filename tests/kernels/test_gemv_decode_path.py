@@ -95,8 +95,7 @@ def test_one_token_moe_step_hands_the_o_partials_to_the_router(tmp_path, monkeyp
         return G.gemv(x, w, config, **kw)
 
     monkeypatch.setattr(layers, "gemv", gemv)
-    hidden = 64  # (make_tiny_model's: the o projection's outputs; qkv's are more and stay unsplit)
-    monkeypatch.setattr(layers, "splits", lambda m, n, *a, **k: 2 if n == hidden else 1)
+    monkeypatch.setattr(layers, "splits", lambda *a, **k: 2)
     monkeypatch.setattr(layers, "use_gemv", lambda x, w, per_row=False: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     monkeypatch.setattr(moe.SparseMoE, "takes_splits", lambda self, x, norm: x.shape[0] == 1)
