@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | fuse | fuse8b)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -523,28 +523,6 @@ fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
   python3 benchmarks/profile_gpu.py step --case 5 2>&1 | grep -v "it/s" | tail -18
-fi
-if [ "$part" = fuse ]; then
-  # issue 30: the batch-1 step's launches cut (forty-first session): the input norm in the qkv GEMV
-  # (STREAMER_NORM_GEMV) and the o GEMV's split-K partials summed by the MoE router (STREAMER_PASS_SPLITS).
-  # Compiled tests, then W2 on the MoE shape with each switch off in turn (~7 min). fuse8b: W2 on the 8B
-  # shape with and without the norm's fusion, then the MoE step by kernel (profile_gpu.py step --case 5
-  # --graphs: each kernel's "adds").
-  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gemv_norm.py tests/kernels/test_gemv.py \
-      tests/kernels/test_moe_gemv.py tests/gpu/test_gpu_speculation.py -k "not eagle3" 2>&1 | tail -3
-  a="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
-  bench $a --json "$OUT/fuse_moe_on.json" | tail -1 | sed "s/^/on /"
-  STREAMER_NORM_GEMV=0 STREAMER_PASS_SPLITS=0 bench $a --json "$OUT/fuse_moe_off.json" | tail -1 | sed "s/^/both-off /"
-  STREAMER_NORM_GEMV=0 bench $a --json "$OUT/fuse_moe_nonorm.json" | tail -1 | sed "s/^/no-norm-gemv /"
-  STREAMER_PASS_SPLITS=0 bench $a --json "$OUT/fuse_moe_nosplits.json" | tail -1 | sed "s/^/no-pass-splits /"
-  bench $a --json "$OUT/fuse_moe_on2.json" | tail -1 | sed "s/^/on(again) /"
-fi
-if [ "$part" = fuse8b ]; then
-  a="--workload W2 --no-peer --model-dir benchmarks/configs/llama-3.1-8b"
-  bench $a --json "$OUT/fuse_8b_on.json" | tail -1 | sed "s/^/on /"
-  STREAMER_NORM_GEMV=0 bench $a --json "$OUT/fuse_8b_off.json" | tail -1 | sed "s/^/no-norm-gemv /"
-  bench $a --json "$OUT/fuse_8b_on2.json" | tail -1 | sed "s/^/on(again) /"
-  python3 benchmarks/profile_gpu.py step --case 5 --graphs 2>&1 | grep -v "it/s" | tail -24
 fi
 if [ "$part" = blas ]; then
   # issue 32: cuBLASLt against cuBLAS for torch's GEMMs (STREAMER_BLAS), in one call (~7 min; carry .whl and

@@ -66,8 +66,7 @@ def gemv(fp8: bool, block_n: int, block_k: int, unroll: int, warps: int, rows: i
     w = "*fp8e4nv" if fp8 else "*bf16"
     s = "*fp32" if fp8 else "*bf16"
     sig = {"x_ptr": w, "w_ptr": w, "out_ptr": "*bf16", "ws_ptr": "*fp32", "sx_ptr": s, "sw_ptr": s, "M": "i32",
-           "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
-           "res_ptr": w, "nw_ptr": w, "nres_ptr": w, "eps": "fp32", "stride_rm": "i32", "stride_nm": "i32"}
+           "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
     consts = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, EVEN_K=True, SPLIT=False,
                   ACC_1D=False, SCALED=fp8, OUT_DTYPE=tl.bfloat16, INTERP=False, PDL=True)
     return usage(_gemv_kernel, sig, consts, num_warps=warps, num_stages=1)

@@ -82,20 +82,6 @@ def _route_kernel(
 
 
 @triton.jit
-def _x_row(row_ptr, stride_xs, rows, offs_k, mask_k, X_SPLITS: tl.constexpr, X_DTYPE: tl.constexpr,
-           INTERP: tl.constexpr):
-    """x's chunk (`tile_row`), or with X_SPLITS > 1 the in-order sum of a split-K GEMV's float32
-    partials rounded to X_DTYPE, as kernels/gemv/linear.py's reduction makes its output."""
-    if X_SPLITS == 1:
-        return tile_row(row_ptr, rows, offs_k, mask_k)
-    first = tile_row(row_ptr, rows, offs_k, mask_k)
-    acc = tl.zeros_like(first) + first  # (from zero, as the reduction: -0.0 becomes +0.0 there too)
-    for s in tl.static_range(1, X_SPLITS):
-        acc += tile_row(row_ptr + s * stride_xs, rows, offs_k, mask_k)
-    return _round_to(acc, X_DTYPE, INTERP).to(tl.float32)
-
-
-@triton.jit
 def _router_kernel(
     x_ptr,
     w_ptr,
@@ -132,8 +118,6 @@ def _router_kernel(
     FMAX: tl.constexpr = 448.0,
     TINY: tl.constexpr = 1e-12,
     PREFETCH: tl.constexpr = 0,
-    stride_xs=0,
-    X_SPLITS: tl.constexpr = 1,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
@@ -145,8 +129,7 @@ def _router_kernel(
     promoted dtype): every program normalizes the row itself (a row of the hidden size, from L2)
     and program (t, 0) stores it and the sum, for the experts and the next layer. QUANT (H <=
     BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
-    and scale (kernels/quant.py quantize_row), for float8 experts. X_SPLITS > 1 (with NORM): x is
-    a split-K GEMV's float32 partials (`_x_row`; stride_xs apart), their sum in X_DTYPE."""
+    and scale (kernels/quant.py quantize_row), for float8 experts."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
@@ -161,14 +144,14 @@ def _router_kernel(
         sq = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         for k in range(0, H, BLOCK_K):
             mask_k = offs_k < H - k
-            xs = _x_row(x_ptr + t * stride_x + k, stride_xs, rows, offs_k, mask_k, X_SPLITS, X_DTYPE, INTERP)
+            xs = tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
             xs = _round_to(xs + tile_row(res_ptr + t * stride_r + k, rows, offs_k, mask_k), X_DTYPE, INTERP)
             xs = xs.to(tl.float32)
             sq += xs * xs
         rstd = 1.0 / tl.sqrt(tl.max(tl.sum(sq, axis=1), axis=0) / H + eps)  # (every row of the tile: one value)
     for k in range(0, H, BLOCK_K):
         mask_k = offs_k < H - k
-        xv = _x_row(x_ptr + t * stride_x + k, stride_xs, rows, offs_k, mask_k, X_SPLITS, X_DTYPE, INTERP)
+        xv = tile_row(x_ptr + t * stride_x + k, rows, offs_k, mask_k)
         if NORM:
             xs = _round_to(xv + tile_row(res_ptr + t * stride_r + k, rows, offs_k, mask_k), X_DTYPE, INTERP)
             nv = tile_row(nw_ptr + k, rows, offs_k, mask_k)
@@ -266,11 +249,7 @@ def norm_route_fp8(
 
 
 def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=False):
-    x_splits, x_dtype = 1, x.dtype
-    if x.dim() == 3:  # a split-K GEMV's partials (with the norm: their sum has the residual's dtype)
-        assert norm is not None and x.dtype == torch.float32, "split-K partials come with the norm"
-        x_splits, x_dtype = x.shape[0], norm[0].dtype
-    t, hidden = x.shape[-2:]
+    t, hidden = x.shape
     experts = weight.shape[0]
     assert use_gemv(t) and weight.shape == (experts, hidden)
     counts = _counts.get(x.device)
@@ -287,11 +266,11 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
         eps, in_dtype = 0.0, x.dtype
     else:
         residual, norm_weight, eps = norm
-        assert residual.shape == x.shape[-2:] and norm_weight.shape == (hidden,)
+        assert residual.shape == x.shape and norm_weight.shape == (hidden,)
         residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
-        in_dtype = torch.promote_types(norm_weight.dtype, x_dtype)  # (the norm's output dtype)
+        in_dtype = torch.promote_types(norm_weight.dtype, x.dtype)  # (the norm's output dtype)
         normed = torch.empty((t, hidden), dtype=in_dtype, device=x.device)
-        new_res = torch.empty((t, hidden), dtype=x_dtype, device=x.device)
+        new_res = torch.empty_like(x)
     block_k = min(ROUTER_K, triton.next_power_of_2(hidden))
     rows = None
     if quant and norm is not None and hidden <= block_k:
@@ -299,12 +278,12 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
     pdl = _pdl_enabled(x)
     _router_kernel[(t, triton.cdiv(experts, ROUTER_ROWS))](
         x, weight, logits, counts, weights, ids, residual, norm_weight, normed, new_res, float(eps),
-        experts, hidden, x.stride(-2), weight.stride(0), residual.stride(0), normed.stride(0),
+        experts, hidden, x.stride(0), weight.stride(0), residual.stride(0), normed.stride(0),
         TOPK=top_k, BLOCK_R=ROUTER_ROWS, BLOCK_K=block_k, BLOCK_E=block_e,
         RENORM=renormalize, ROUND=round_to is not None, DTYPE=_TL_DTYPES[round_to or torch.float32],
         LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
-        X_DTYPE=_TL_DTYPES[x_dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
+        X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
         QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, PREFETCH=_prefetch_lines(hidden * weight.element_size(), pdl),
-        stride_xs=x.stride(0) if x_splits > 1 else 0, X_SPLITS=x_splits, num_warps=num_warps, launch_pdl=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids, normed, new_res, rows

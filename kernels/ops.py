@@ -243,16 +243,12 @@ def norm_route(
     top_k: int, renormalize: bool, round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(x, residual, norm_weight, eps) then `route` of the normalized rows:
-    (weights, ids, normalized rows, x + residual); a few tokens on the GPU in one kernel. x may
-    be a GEMV's split-K partials, float32 [S, T, hidden] standing for their in-order sum rounded
-    to residual's dtype (kernels.gemv's keep_splits), which that kernel adds as it reads them."""
+    (weights, ids, normalized rows, x + residual); a few tokens on the GPU in one kernel."""
     if _triton(x):
         from kernels import moe_gemv, moe_route
 
-        if moe_gemv.use_gemv(x.shape[-2]):
+        if moe_gemv.use_gemv(x.shape[0]):
             return moe_route.norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
-    if x.dim() == 3:  # (the sum the split-K reduction would have made)
-        x = reference.sum_splits(x, residual.dtype)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
 

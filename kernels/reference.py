@@ -38,15 +38,6 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps, offset), residual
 
 
-def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A split-K GEMV's output from its float32 partials [S, ...]: their sum in order s = 0..,
-    rounded to dtype once (kernels.gemv's reduction)."""
-    total = torch.zeros_like(parts[0])
-    for part in parts:
-        total = total + part
-    return total.to(dtype)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] holding gate then up -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

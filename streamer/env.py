@@ -8,8 +8,6 @@ typed accessors below (env_str, env_flag, env_ints):
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
   STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
-  STREAMER_NORM_GEMV       use_norm_gemv(): a one-row step's input norm runs in its qkv GEMV (default on)
-  STREAMER_PASS_SPLITS     use_pass_splits(): the o GEMV's split-K partials go to the MoE router unsummed (default on)
   STREAMER_DUMMY_INIT      dummy_init(): the values of load_format="dummy" weights (normal, or uniform as vLLM's)
   STREAMER_BLAS            blas_library(): which cuBLAS library torch's GEMMs prefer (default: torch's choice)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
@@ -68,20 +66,6 @@ def use_l2_prefetch() -> bool:
     router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES).
     Off: it gained nothing measured (benchmarks/RESULTS.md, thirty-seventh session)."""
     return env_flag("L2_PREFETCH", False)
-
-
-def use_norm_gemv() -> bool:
-    """STREAMER_NORM_GEMV (default on): at a one-row step each attention's input RMSNorm runs in
-    the prologue of its qkv GEMV (kernels.gemv.norm_gemv) instead of a launch of its own; 0 keeps
-    the norm's launch, to measure what the fusion gains (streamer.model.layers.Attention.fuse_norm)."""
-    return env_flag("NORM_GEMV", True)
-
-
-def use_pass_splits() -> bool:
-    """STREAMER_PASS_SPLITS (default on): at a one-row step of a mixture of experts the o GEMV's
-    split-K partials go to the router's kernel, which sums them as it reads its input, instead of a
-    reduction launch (streamer.model.layers.Attention.pass_splits); 0 keeps the launch, for an A/B."""
-    return env_flag("PASS_SPLITS", True)
 
 
 DUMMY_INITS = ("normal", "uniform")

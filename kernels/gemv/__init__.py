@@ -57,7 +57,7 @@ from kernels.gemv.config import (
            use_gemv,
 )
 from kernels.gemv.glu import gemv_glu
-from kernels.gemv.linear import gemv, norm_gemv, splits
+from kernels.gemv.linear import gemv
 
-__all__ = ["MAX_M", "GemvConfig", "gemv", "gemv_config", "gemv_glu", "glu_config", "norm_gemv", "num_sms",
-           "rows_per_program", "splits", "use_gemv"]
+__all__ = ["MAX_M", "GemvConfig", "gemv", "gemv_config", "gemv_glu", "glu_config", "num_sms", "rows_per_program",
+           "use_gemv"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.gemv import gemv, gemv_glu, norm_gemv, splits, use_gemv
+from kernels.gemv import gemv, gemv_glu, use_gemv
 from streamer.errors import ModelLoadError
 from streamer.model import quant
 from streamer.model.context import get_context, lora_ids, rows_as_decode
@@ -167,13 +167,6 @@ class Attention(nn.Module):
     kernels.reference.paged_attention), a float32 parameter whatever the model's dtype (the
     loader keeps it so; the bf16 checkpoint values are exact in it)."""
 
-    fuse_norm = True
-    """norm_forward may fold the norm into the qkv GEMV (`norm_in_gemv`); the runner sets it from
-    STREAMER_NORM_GEMV (streamer.env.use_norm_gemv), for an A/B."""
-    pass_splits = True
-    """split_out may hand on the o GEMV's partials (`out_splits`); the runner sets it from
-    STREAMER_PASS_SPLITS (streamer.env.use_pass_splits)."""
-
     def __init__(
         self,
         layer: int,
@@ -212,12 +205,8 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """q [T, heads, D], k and v [T, kv_heads, D], and the per-head q/k norms that
         rotary_store applies before the rotation (None: none)."""
-        return self.heads_of(self.qkv_proj(x))
-
-    def heads_of(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
-        """`project`'s result from the qkv projection's output."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:  # (in rotary_store's launch)
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
@@ -230,66 +219,18 @@ class Attention(nn.Module):
         checkpoint's layers are not Linear)."""
         return isinstance(self.qkv_proj, Linear) and self.qkv_proj.takes_fp8_rows
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
-                split_out: bool = False) -> torch.Tensor:
-        """split_out: the o projection may return its split-K partials (`out_splits`)."""
-        return self.attend(positions, *self.project(x), cos_sin, split_out)
-
-    def norm_forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                     cos_sin: torch.Tensor, split_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x + residual)) and x + residual (residual None: of norm(x), and x): the
-        decoder layer's input norm and this block. Where the qkv projection is a one-row GEMV
-        (`norm_in_gemv`), its kernel does the norm (kernels.gemv.norm_gemv: one launch fewer a
-        layer at decode)."""
-        if self.norm_in_gemv(x, norm):
-            qkv, new_res = norm_gemv(x, residual, norm.weight, norm.eps, norm.offset, self.qkv_proj.weight,
-                                     per_row=rows_as_decode())
-            if self.qkv_proj.bias is not None:
-                qkv = qkv + self.qkv_proj.bias
-            out = self.attend(positions, *self.heads_of(qkv), cos_sin, split_out)
-            return out, x if new_res is None else new_res
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
-        return self(positions, x, cos_sin, split_out), residual
-
-    def norm_in_gemv(self, x: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether norm_forward's qkv GEMV does the norm: a plain RMSNorm (no float8 rows) before
-        this class's own projection, by a bf16/fp16 GEMV without LoRA, at a one-row step."""
-        qkv = self.qkv_proj
-        return (type(norm) is RMSNorm and not norm.fp8_rows and type(self).project is Attention.project
-                and self.fuse_norm and isinstance(qkv, Linear) and qkv.decode_gemv and qkv.weight_scale is None
-                and qkv.block is None and (qkv.lora is None or lora_ids() is None) and x.dim() == 2
-                and use_gemv(x, qkv.weight, rows_as_decode()))
-
-    def out_splits(self, x: torch.Tensor) -> bool:
-        """Whether the o projection of these rows' attention output [T, q_size] returns its
-        split-K partials under split_out: float32 [S, T, hidden] whose in-order sum rounded to
-        x's dtype is the output (kernels.gemv's keep_splits), for the block after it to add as it
-        reads them. Only without tensor parallelism, bias or LoRA, where the GEMV splits K."""
-        o = self.o_proj
-        return (self.pass_splits and self.tp is None and isinstance(o, Linear) and o.decode_gemv and o.weight_scale is None
-                and o.block is None and o.bias is None and (o.lora is None or lora_ids() is None)
-                and use_gemv(x, o.weight, rows_as_decode())
-                and splits(x.shape[0], o.out_features, o.in_features, x.device, 2, rows_as_decode()) > 1)
-
-    def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               qk_norm: tuple | None, cos_sin: torch.Tensor, split_out: bool = False) -> torch.Tensor:
-        """Rotary and the KV store, attention over the paged cache, the o projection (its
-        split-K partials with split_out where `out_splits`)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        t = q.shape[0]
+        t = x.shape[0]
+        q, k, v, qk_norm = self.project(x)
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
         q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm)
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
             split_batch=1 if rows_as_decode() else None, sinks=self.sinks,
-        ).reshape(t, self.q_size)
-        if split_out and self.out_splits(o):
-            return gemv(o, self.o_proj.weight, per_row=rows_as_decode(), keep_splits=True)
-        out = self.o_proj(o)
+        )
+        out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -56,19 +56,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.fp8_rows = bool(getattr(self.mlp, "takes_fp8_rows", False))
 
     def forward(self, positions, x, residual, cos_sin):
-        attn_norm_forward = getattr(self.self_attn, "norm_forward", None)  # (layers.Attention's: the norm may fuse)
-        if attn_norm_forward is not None:
-            # a mixture of experts whose router's kernel adds the o GEMV's split-K partials itself
-            takes_splits = getattr(self.mlp, "takes_splits", None)
-            split_out = (self.residual_multiplier == 1.0 and takes_splits is not None
-                         and takes_splits(x, self.post_attention_layernorm))
-            x, residual = attn_norm_forward(positions, x, residual, self.input_layernorm, cos_sin, split_out)
-        elif residual is None:
+        if residual is None:
             residual = x
-            x = self.self_attn(positions, self.input_layernorm(x), cos_sin)
+            x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-            x = self.self_attn(positions, x, cos_sin)
+        x = self.self_attn(positions, x, cos_sin)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         norm_forward = getattr(self.mlp, "norm_forward", None)  # (a mixture of experts: moe.SparseMoE)

@@ -83,33 +83,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mix(x, *self.route(x))
 
-    def takes_splits(self, x: torch.Tensor, norm: RMSNorm) -> bool:
-        """Whether norm_forward may be given, for these rows x (the attention's input), the o
-        projection's split-K partials (layers.Attention.out_splits: float32 [S, T, hidden]) in
-        place of its output: where the router's kernel does the norm on the GPU (not with float8
-        experts), it sums them as it reads them (one reduction launch fewer a layer at decode)."""
-        if not (self._norm_routes(norm) and not norm.fp8_rows and x.is_cuda and x.dim() == 2):
-            return False
-        from kernels import moe_gemv  # (triton: the GPU path's)
-
-        return moe_gemv.use_gemv(x.shape[0])
-
-    def _norm_routes(self, norm: RMSNorm) -> bool:
-        return type(self).route is SparseMoE.route and norm.offset == 0.0
-
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x, residual)) and the new residual: the decoder layer's post-attention
         add + RMSNorm and this block. With the plain router (not a subclass's) and a plain norm, the
-        router's kernel does the norm too (ops.norm_route: one launch fewer per layer at decode).
-        x may be split-K partials where `takes_splits` said so (x.dim() == 3; their sum is in
-        residual's dtype)."""
-        if x.dim() == 3:
-            assert self.takes_splits(residual, norm), "split-K partials where the router cannot sum them"
-            weights, ids, x, residual = ops.norm_route(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                                      self.top_k, self.renormalize,
-                                                      residual.dtype if self.weights_in_hidden_dtype else None)
-            return self.mix(x, weights, ids), residual
-        if self._norm_routes(norm):
+        router's kernel does the norm too (ops.norm_route: one launch fewer per layer at decode)."""
+        if type(self).route is SparseMoE.route and norm.offset == 0.0:
             args = (x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                     x.dtype if self.weights_in_hidden_dtype else None)
             if norm.fp8_rows:  # (float8 experts: the router's kernel also makes x's float8 rows)

@@ -22,7 +22,7 @@ import torch
 import kernels.common
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
-from streamer.env import blas_library, use_l2_prefetch, use_norm_gemv, use_pass_splits, use_pdl
+from streamer.env import blas_library, use_l2_prefetch, use_pdl
 from streamer.errors import ConfigError
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
@@ -32,7 +32,7 @@ from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, veri
 from streamer.model.graphs import DecodeGraphs, ExtendGraphs
 from streamer.model.kv_budget import make_pool
 from streamer.model.launched import Launched, RowValues
-from streamer.model.layers import Attention, Linear
+from streamer.model.layers import Linear
 from streamer.model.loader import load_model
 from streamer.model.packing import prepare
 from streamer.model.tp_group import current as tensor_parallel
@@ -71,7 +71,6 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, Linear):
                     m.decode_gemv = True
-        Attention.fuse_norm, Attention.pass_splits = use_norm_gemv(), use_pass_splits()  # (process-wide: A/B switches)
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
         self.loras = {name: k + 1 for k, (name, _) in enumerate(config.lora_adapters)}

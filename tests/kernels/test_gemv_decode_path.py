@@ -52,57 +52,13 @@ def test_one_token_gemv_path_matches_unfused(tmp_path, monkeypatch):
             return llm.generate([prompt], params)[0]
 
     ref = run()
-    calls = count_calls(monkeypatch, layers, "gemv", "gemv_glu", "norm_gemv")
+    calls = count_calls(monkeypatch, layers, "gemv", "gemv_glu")
     monkeypatch.setattr(layers, "use_gemv", lambda x, w, per_row=False: x.numel() == x.shape[-1])
     monkeypatch.setattr(layers.Linear, "decode_gemv", True)
     out = run()
-    # the decode steps of one token, 2 layers: the input norm and qkv in norm_gemv, o and down per
-    # layer and the LM head in gemv, gate_up and its activation in gemv_glu; and the prefill's LM
-    # head (one row: the last position)
-    assert calls == {"gemv": DECODE_STEPS * (2 * 2 + 1) + 1, "gemv_glu": DECODE_STEPS * 2,
-                     "norm_gemv": DECODE_STEPS * 2}
-    assert out.token_ids == ref.token_ids
-    for a, b in zip(out.logprobs, ref.logprobs):
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-
-
-@pytest.mark.skipif(CUDA, reason="the CPU run of the GEMV path (on a GPU, tests/gpu covers it)")
-def test_one_token_moe_step_hands_the_o_partials_to_the_router(tmp_path, monkeypatch):
-    """A mixture of experts at one row: the input norm in the qkv GEMV, and the o GEMV's split-K
-    partials handed on unsummed (layers.Attention.out_splits) to the post-attention add + norm +
-    router (ops.norm_route, which sums them; on CPU the reference's sum), against the usual path.
-    The tiny o projection is not split by the default config: a split one is forced here."""
-    from kernels import gemv as G
-    from streamer.model import moe
-
-    path = make_tiny_model(tmp_path / "m", "Qwen3MoeForCausalLM", None, vocab_size=512, num_experts=8,
-                           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    prompt = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = SamplingParams(max_tokens=1 + DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=1)
-
-    def run():
-        with LLM(str(path), dtype="float32", device="cpu", cuda_graphs=False) as llm:
-            return llm.generate([prompt], params)[0]
-
-    ref = run()
-    split = G.GemvConfig(block_n=4, block_k=16, unroll=1, split_k=2)
-    kept = []
-
-    def gemv(x, w, config=None, **kw):
-        if kw.get("keep_splits"):
-            kept.append(G.gemv(x, w, split, **kw))
-            return kept[-1]
-        return G.gemv(x, w, config, **kw)
-
-    monkeypatch.setattr(layers, "gemv", gemv)
-    monkeypatch.setattr(layers, "splits", lambda *a, **k: 2)
-    monkeypatch.setattr(layers, "use_gemv", lambda x, w, per_row=False: x.numel() == x.shape[-1])
-    monkeypatch.setattr(layers.Linear, "decode_gemv", True)
-    monkeypatch.setattr(moe.SparseMoE, "takes_splits", lambda self, x, norm: x.shape[0] == 1)
-    calls = count_calls(monkeypatch, layers, "norm_gemv")
-    out = run()
-    assert calls == {"norm_gemv": DECODE_STEPS * 2} and len(kept) == DECODE_STEPS * 2
-    assert all(p.dim() == 3 and p.shape[0] == 2 for p in kept)
+    # the decode steps of one token, 2 layers: qkv, o and down per layer and the LM head, gate_up
+    # and its activation in gemv_glu; and the prefill's LM head (one row: the last position)
+    assert calls == {"gemv": DECODE_STEPS * (3 * 2 + 1) + 1, "gemv_glu": DECODE_STEPS * 2}
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

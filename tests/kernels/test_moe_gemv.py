@@ -110,26 +110,6 @@ def test_norm_route_is_the_add_and_norm_then_the_router(dtype, t, h, e, k):
         _same_routing(got_w, got_ids, rw, rids, 1e-5 if dtype == torch.float32 else 2**-6)
 
 
-@pytest.mark.parametrize("t,h,splits", [(1, 64, 2), (3, 4100, 3)], ids=["one_load", "chunked"])
-def test_norm_route_of_split_k_partials_is_norm_route_of_their_sum(t, h, splits):
-    """x given as a split-K GEMV's float32 partials [S, T, H] (kernels.gemv's keep_splits): the
-    router's kernel sums them in order and rounds to the residual's dtype as it reads them, so
-    every output is norm_route's of that sum (the reduction kernel's) bit for bit."""
-    from kernels import reference
-
-    gen = torch.Generator().manual_seed(h + splits)
-    parts = torch.randn(splits, t, h, generator=gen).to(DEVICE)
-    res = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16).to(DEVICE)
-    w = torch.randn(16, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    summed = reference.sum_splits(parts, torch.bfloat16)
-    want = MR.norm_route(summed, res, nw, 1e-6, w, 4, True, torch.bfloat16)
-    got = MR.norm_route(parts, res, nw, 1e-6, w, 4, True, torch.bfloat16)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    assert got[3].dtype == torch.bfloat16
-
-
 @pytest.mark.parametrize("t,h", [(3, 64), (2, 4100)], ids=["one_load", "chunked"])
 def test_norm_route_makes_the_float8_rows_of_what_it_normalizes(t, h):
     """norm_route_fp8: norm_route's outputs, bit for bit, and the float8 rows and scales of the
