@@ -265,29 +265,39 @@ def _rotary_store_kernel(
     NORM: tl.constexpr,
     NORM_OFFSET: tl.constexpr,
 ):
+    """Program (t, part): token t's q heads (part 0), its k heads to their cache slot (1) or its
+    v heads to theirs (2). Three programs a token rather than one doing the three in turn: at a
+    decode step of a few tokens each part is a chain of dependent loads and stores, and one
+    program ran the chains one after the other."""
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     # the position, its cos/sin row and the slot are step inputs and a table (no kernel before this
     # one writes them): two dependent loads read before the PDL wait, while the q/k/v GEMV ends
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     _pdl_enter(PDL)
-    _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
-            H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE, qn_ptr, eps, NORM, NORM_OFFSET)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
     safe = tl.maximum(slot, 0)
     page = safe // PAGE_SIZE
     off = safe % PAGE_SIZE
-    _rotate(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs, 0, 0, stride_kh, 0, stride_kch,
-            cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE, kn_ptr, eps, NORM, NORM_OFFSET)
-    offs_h = tl.arange(0, BLOCK_KVH)
-    offs_f = tl.arange(0, 2 * BLOCK_HALF)
-    ok = (offs_h * 0 + slot) >= 0
-    vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
-    if CACHE_DTYPE != DTYPE:
-        v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
-    vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch + offs_f[None, :] * stride_vcd
-    tl.store(vc, v, mask=vmask)
+    if part == 0:
+        _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t,
+                H, HALF, BLOCK_H, BLOCK_HALF, DTYPE, INTERP, DTYPE, qn_ptr, eps, NORM, NORM_OFFSET)
+    elif part == 1:
+        _rotate(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs, 0, 0, stride_kh, 0,
+                stride_kch, cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE, kn_ptr,
+                eps, NORM, NORM_OFFSET)
+    else:
+        offs_h = tl.arange(0, BLOCK_KVH)
+        offs_f = tl.arange(0, 2 * BLOCK_HALF)
+        ok = (offs_h * 0 + slot) >= 0
+        vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
+        if CACHE_DTYPE != DTYPE:
+            v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
+        vc = (vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch
+              + offs_f[None, :] * stride_vcd)
+        tl.store(vc, v, mask=vmask)
 
 
 def rotary_store(
@@ -323,7 +333,7 @@ def rotary_store(
     assert qk_norm is None or qn.shape == kn.shape == (d,)
     if t > 0:
         pdl = _pdl_enabled(q)
-        _rotary_store_kernel[(t,)](
+        _rotary_store_kernel[(t, 3)](
             q, k, v, q_out, k_cache, v_cache, positions.reshape(-1), slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1),
