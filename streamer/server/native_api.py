@@ -21,7 +21,11 @@ POST /generate
   in a stream, a `data: {"error": ...}` event.
 
 POST /tokenize            {"text": str | [str]} -> {"input_ids": [ids] | [[ids], ...]}
-                          (as the engine tokenizes a text prompt)
+                          (as the engine tokenizes a text prompt); or vLLM's forms, {"prompt",
+                          "add_special_tokens"?} or {"messages", "add_generation_prompt"?,
+                          "continue_final_message"?, "chat_template_kwargs"?, "tools"?} (rendered as
+                          the engine renders a chat), with "return_token_strs"? ("model"? in any form)
+                          -> {"count", "max_model_len", "tokens", "token_strs"?}
 POST /detokenize          {"tokens": [ids], "model"?} -> {"prompt": str}   (special tokens
                           included; an id outside the tokenizer's vocabulary is a 400)
 GET  /version             {"version": streamer.__version__}   (no API key needed, as /health)
@@ -59,6 +63,7 @@ from streamer.errors import RequestError
 from streamer.messages import GenerateRequest, GrammarSpec, RequestOutput, SamplingParams
 from streamer.server.protocol import ApiError, choice_spec, decode_body, grammar_of, json_schema_spec
 from streamer.server.state import Merged, ServerState, failure, until_disconnect
+from streamer.server.tokenize_forms import TokenizeBody, vllm_tokenize
 from streamer.sse import encode_data
 
 T = TypeVar("T")
@@ -103,10 +108,6 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     top_logprobs_num: int = 0
     prompt_logprobs_from: int | None = None
     stream: bool = False
-
-
-class TokenizeBody(msgspec.Struct):
-    text: str | list[str]
 
 
 class DetokenizeBody(msgspec.Struct):
@@ -300,6 +301,17 @@ def routes() -> list[Route]:
     async def tokenize(req: Request) -> Response:
         st: ServerState = req.app.state.server
         body: TokenizeBody = decode_body(await req.body(), TokenizeBody)
+        if sum(x is not None for x in (body.text, body.prompt, body.messages)) != 1:
+            raise ApiError("give exactly one of text, prompt (vLLM's form) or messages (vLLM's chat form)")
+        st.check_model(body.model)
+        if body.text is None:
+            return ok(await vllm_tokenize(st, body, tokenizer(st), off_loop))
+        vllm_only = [f for f in ("add_special_tokens", "add_generation_prompt", "continue_final_message",
+                                 "chat_template_kwargs", "tools") if getattr(body, f) is not None]
+        vllm_only += ["return_token_strs"] * body.return_token_strs
+        if vllm_only:
+            raise ApiError(f"{vllm_only[0]} goes with vLLM's forms (prompt or messages), not with text",
+                           param=vllm_only[0])
         texts = [body.text] if isinstance(body.text, str) else body.text
         st.limits.batch(len(texts), "text", "texts")
         st.limits.prompts(texts, "text")

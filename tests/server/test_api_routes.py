@@ -1,4 +1,5 @@
-"""/v1/models/{model}, stable model cards, an unknown model's 404, GET /version and POST /detokenize."""
+"""/v1/models/{model}, stable model cards, an unknown model's 404, GET /version, POST /detokenize and
+vLLM's forms of POST /tokenize."""
 
 from __future__ import annotations
 
@@ -62,6 +63,30 @@ def test_detokenize_is_tokenize_reversed(http):
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
     assert http.post("/detokenize", json={"tokens": [1, *ids, 2]}).json()["prompt"] == f"<|im_start|>{text}<|im_end|>"
     assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+def test_tokenize_takes_vllms_prompt_and_messages_forms(http):
+    """vLLM's /tokenize: a prompt as the engine tokenizes it, messages as a chat request's prompt
+    (the count its usage reports), the token strings on request; fields of one form with another
+    are refused by name."""
+    text = "Hello, wörld"
+    ids = http.post("/tokenize", json={"text": text}).json()["input_ids"]
+    got = http.post("/tokenize", json={"model": "smol", "prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] > len(ids)
+    assert "".join(got["token_strs"]).replace("Ġ", " ").startswith("Hello,")
+    assert http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"] == ids
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    counted = http.post("/tokenize", json={"messages": messages}).json()
+    assert counted["count"] == chat["usage"]["prompt_tokens"] == len(counted["tokens"])
+    plain = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert plain["count"] < counted["count"] and counted["tokens"][:plain["count"]] == plain["tokens"]
+    for body, param in (({"text": text, "prompt": text}, None), ({"prompt": text, "tools": []}, "tools"),
+                        ({"text": text, "return_token_strs": True}, "return_token_strs"),
+                        ({"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+                        ({"prompt": text, "model": "nope"}, "model")):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
 
 
 @pytest.mark.parametrize("tokens", [[49152], [-1], [10**12]])
