@@ -4,7 +4,8 @@
 
 The routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{model}
 (openai_api.py), /v1/responses (responses_api.py; stored ones: response_store_api.py), /v1/embeddings (embeddings_api.py), /v1/score and /v1/rerank (score_api.py), Anthropic's /v1/messages (anthropic_api.py), the WebSocket chat /v1/chat/ws (websocket.py), the native API /generate,
-/tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health, /metrics,
+/tokenize, /detokenize, /apply_chat_template, /version (native_api.py), /health (also as
+/ping), vLLM's /invocations (a chat, completion or embeddings body, by its fields), /metrics,
 /openapi.json (openapi.py) and the chat page. Their handlers meet the
 engine through one ServerState (state.py), at app.state.server. Every request passes
 guard.py's middleware first (Host and Origin, the API key, the JSON body's size and time).
@@ -17,6 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -88,6 +90,20 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         degraded = any(r["status"] != "ok" for r in extra.get("replicas", ()))  # (the others serve on)
         return JSONResponse({"status": "degraded" if degraded else "ok", "model": state.model_name, **extra})
 
+    async def invocations(request: Request) -> Response:
+        """vLLM's (and SageMaker's) POST /invocations: a chat completion, completion or embeddings
+        body, told apart by its messages, prompt or input, answered by that route."""
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError:
+            body = None  # (the route it would go to answers malformed JSON; here: none)
+        for field, route in (("messages", openai_api.chat_completions), ("prompt", openai_api.completions),
+                             ("input", embeddings_api.embeddings)):
+            if isinstance(body, dict) and field in body:
+                return await route(request)
+        raise ApiError("an /invocations body is a chat completion (messages), a completion (prompt) or an "
+                       "embeddings request (input)")
+
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(__version__))
 
@@ -97,6 +113,8 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
     routes = [
         Route("/", index),
         Route("/health", health),
+        Route("/ping", health, methods=["GET", "POST"]),  # (SageMaker's health check, as vLLM serves it)
+        Route("/invocations", invocations, methods=["POST"]),
         Route("/metrics", state.metrics.render),
         Route("/openapi.json", openapi),
         Route("/v1/models", openai_api.models),
@@ -120,7 +138,7 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error})
     app.state.server = state
     endpoints = {r.path for r in routes if isinstance(r, Route)}
-    posts = {r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ())}
+    posts = {r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ())} - {"/ping"}
     # outermost last: count, check the Host / Origin, then the key, then read the body
     app.add_middleware(JsonBody, config=server_config, paths=posts)
     app.add_middleware(ApiKeyCheck, config=server_config)

@@ -141,7 +141,7 @@ class HostCheck:
 
 # ---- API keys -------------------------------------------------------------------------------
 
-PROTECTED = ("/v1/", "/generate", "/tokenize", "/detokenize", "/apply_chat_template")
+PROTECTED = ("/v1/", "/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/invocations")
 """Paths that need the API key when one is set."""
 
 KEY_ID = "streamer.key_id"

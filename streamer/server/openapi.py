@@ -84,12 +84,16 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/models": get("Served models", models),
             "/v1/models/{model}": get("One served model (404, code model_not_found, for any other)", card,
                                       parameters=model_param),
-            "/tokenize": post(tok, {"type": "object"}, "Text -> token ids, as the engine tokenizes a prompt",
-                              stream=False),
+            "/tokenize": post(tok, {"type": "object"}, "Text -> token ids, as the engine tokenizes a prompt (also "
+                              "vLLM's prompt and messages forms: count, max_model_len, tokens)", stream=False),
+            "/invocations": post({"oneOf": [req_ch, req_c, req_e]}, {"type": "object"},
+                                 "vLLM's (SageMaker's): a chat completion, completion or embeddings body, by its "
+                                 "messages, prompt or input"),
             "/detokenize": post(detok, detok_res, "Token ids -> text (400 for an id outside the vocabulary)",
                                 stream=False),
             "/version": get("The server's version", ver),
             "/health": get("200 while the engine serves; 503 when it is down or stalled (no heartbeat)"),
+            "/ping": get("/health, as SageMaker asks for it (GET or POST)"),
             "/metrics": get("Prometheus metrics", media="text/plain"),
         },
         "components": {"schemas": comps},

@@ -1,5 +1,5 @@
-"""/v1/models/{model}, stable model cards, an unknown model's 404, GET /version, POST /detokenize and
-vLLM's forms of POST /tokenize."""
+"""/v1/models/{model}, stable model cards, an unknown model's 404, GET /version, POST /detokenize,
+vLLM's forms of POST /tokenize, /ping and /invocations."""
 
 from __future__ import annotations
 
@@ -89,6 +89,21 @@ def test_tokenize_takes_vllms_prompt_and_messages_forms(http):
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_ping_and_invocations_as_vllm_serves_them(http):
+    """SageMaker's /ping is /health (GET or POST, no body); /invocations answers a chat
+    completion, completion or embeddings body through that route, told apart by its fields."""
+    for r in (http.get("/ping"), http.post("/ping")):
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    cmpl = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 2})
+    assert cmpl.status_code == 200 and cmpl.json()["object"] == "text_completion"
+    emb = http.post("/invocations", json={"input": "Hi"})
+    assert emb.status_code == 200 and emb.json()["data"][0]["object"] == "embedding"
+    other = http.post("/invocations", json={"query": "Hi"})
+    assert other.status_code == 400 and "messages" in other.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("tokens", [[49152], [-1], [10**12]])
 def test_detokenize_refuses_ids_outside_the_vocabulary(http, tokens):
     r = http.post("/detokenize", json={"tokens": [504, *tokens]})
@@ -106,5 +121,5 @@ def test_detokenize_needs_the_api_key_and_version_does_not():
 
 def test_the_openapi_document_has_the_new_routes(http):
     paths = http.get("/openapi.json").json()["paths"]
-    assert {"/v1/models/{model}", "/version", "/detokenize", "/tokenize"} <= set(paths)
+    assert {"/v1/models/{model}", "/version", "/detokenize", "/tokenize", "/ping", "/invocations"} <= set(paths)
     assert "404" in paths["/v1/chat/completions"]["post"]["responses"]
