@@ -93,13 +93,13 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
     async def invocations(request: Request) -> Response:
         """vLLM's (and SageMaker's) POST /invocations: a chat completion, completion or embeddings
         body, told apart by its messages, prompt or input, answered by that route."""
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError:
-            body = None  # (the route it would go to answers malformed JSON; here: none)
+        try:  # (the top level only: the route decodes the rest, and answers JSON too deep or malformed)
+            fields = msgspec.json.decode(await request.body(), type=dict[str, msgspec.Raw])
+        except (msgspec.DecodeError, RecursionError):
+            fields = {}
         for field, route in (("messages", openai_api.chat_completions), ("prompt", openai_api.completions),
                              ("input", embeddings_api.embeddings)):
-            if isinstance(body, dict) and field in body:
+            if field in fields:
                 return await route(request)
         raise ApiError("an /invocations body is a chat completion (messages), a completion (prompt) or an "
                        "embeddings request (input)")

@@ -170,14 +170,16 @@ MALFORMED: list[bytes] = [
 
 
 def schema_properties(doc: dict[str, Any]) -> dict[str, list[str]]:
-    """POST path -> the property names of its request body schema (POSTs without a body, such as
+    """POST path -> the property names of its request body schema, those of every alternative of
+    a oneOf (/invocations') together (POSTs without a body, such as
     /v1/responses/{response_id}/cancel, left out)."""
     comps = doc["components"]["schemas"]
     out = {}
     for path, item in doc["paths"].items():
         if "requestBody" in item.get("post", {}):
-            ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-            out[path] = sorted(comps[ref.rsplit("/", 1)[1]]["properties"])
+            schema = item["post"]["requestBody"]["content"]["application/json"]["schema"]
+            refs = [s["$ref"] for s in schema.get("oneOf", [schema])]
+            out[path] = sorted({p for ref in refs for p in comps[ref.rsplit("/", 1)[1]]["properties"]})
     return out
 
 
