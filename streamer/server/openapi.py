@@ -11,9 +11,10 @@ from typing import Any
 import msgspec
 
 from streamer.server.anthropic_api import CountTokensRequest, MessagesRequest
+from streamer.server.api_error import ErrorResponse
 from streamer.server.embeddings_api import EmbeddingRequest, EmbeddingResponse
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
-from streamer.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from streamer.server.protocol import ChatCompletionRequest, CompletionRequest
 from streamer.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,

@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI-compatible API as msgspec Structs, and their one mapping to SamplingParams
-(the answers: responses.py; the Responses API's own bodies: responses_api.py).
+(the answers: responses.py; the Responses API's own bodies: responses_api.py; errors: api_error.py).
 
 Requests are decoded straight into these Structs, so a field of the wrong type
 is refused by msgspec with the path of the field (which becomes the error's
@@ -27,8 +27,8 @@ This server's own extensions of the OpenAI bodies: top_k, min_p, repetition_pena
 allowed_token_ids, priority, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, bad_words, guided_json / regex / grammar / choice (and SGLang's names:
 json_schema, regex, ebnf, no_stop_trim), cache_salt, timeout, prompt_logprobs and
-return_tokens_as_token_ids (not on WebSocket turns), and for chat add_generation_prompt and
-continue_final_message.
+return_tokens_as_token_ids (not on WebSocket turns), and for chat add_generation_prompt,
+continue_final_message, documents and chat_template (--trust-request-chat-template).
 
 An omitted temperature, top_p, top_k, repetition_penalty or min_p is the model's default
 (its generation_config.json, unless `--generation-config none`), passed to
@@ -45,41 +45,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from streamer.messages import MAX_CACHE_SALT, GrammarSpec, SamplingParams
-
-# ---- errors ------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
-        self.headers = headers
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
-
-
-class ErrorInfo(Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(Struct):
-    error: ErrorInfo
-
+from streamer.server.api_error import ApiError
 
 # ---- requests ----------------------------------------------------------------
 
