@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | rope)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -519,22 +519,6 @@ if [ "$part" = ab ]; then
   bench $m --json "$OUT/ab_tree.json" | tail -1
   (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
-fi
-if [ "$part" = rope ]; then
-  # issue 30: decode attention rotating q and storing the new K/V itself (forty-first session): its compiled tests,
-  # then W2 for the tree, the tree with STREAMER_ROPE_DECODE=0 (rotary_store, three programs a token) and .base
-  # (make it as for w3ab from 8f6959d: rotary_store one program a token), on the shapes of ROPE_MODELS (~3 min each)
-  if [ -z "${ROPE_SKIP_TESTS:-}" ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotary_decode.py tests/gpu/test_gpu_correctness.py \
-        -k "fused or rotation or programmatic" 2>&1 | tail -3
-  fi
-  for m in ${ROPE_MODELS:-qwen3-30b-a3b}; do
-    a="--workload W2 --no-peer --model-dir benchmarks/configs/$m"
-    bench $a --json "$OUT/rope_${m}_on.json" | tail -1 | sed "s/^/$m fused /"
-    STREAMER_ROPE_DECODE=0 bench $a --json "$OUT/rope_${m}_off.json" | tail -1 | sed "s/^/$m rotary_store /"
-    (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $a --json "$OUT/rope_${m}_base.json" 2>&1 \
-        | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$m base /")
-  done
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

@@ -134,48 +134,6 @@ def rotary_store(
     return q
 
 
-ROPE_DECODE = True
-"""Whether `rotary_decode` folds the rotation and the KV store into decode attention on the GPU
-(kernels.attention.decode, ROPE); the engine sets it (STREAMER_ROPE_DECODE, streamer/env.py)."""
-
-
-def fuses_rotary_decode(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `rotary_decode` runs for q [B, H, D] and this cache (else `rotary_store`, then
-    `paged_attention`)."""
-    d = q.shape[-1]
-    return ROPE_DECODE and _triton(q) and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and d & (d - 1) == 0
-
-
-def rotary_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`rotary_store`, then `paged_attention` of one query per sequence (each sequence's new
-    token last: slot_mapping holds its slot, seq_lens counts it), where `fuses_rotary_decode`:
-    one launch, the decode kernel rotating q and storing the token's K/V itself, with the same
-    bits (kernels.attention.decode, ROPE)."""
-    from kernels import attention
-    from kernels.rope import Rope
-
-    assert fuses_rotary_decode(q, k_cache)
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, window=window, softcap=softcap,
-                                  sinks=sinks, rope=Rope(k, v, positions.reshape(-1), cos_sin, slot_mapping, qk_norm))
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

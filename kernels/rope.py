@@ -1,7 +1,6 @@
 """Triton neox-style (rotate-half) rotary embedding for q and k in one launch; and
 `rotary_store`, which also writes the rotated k and v into the paged KV cache (16-bit or
-float8 pages); and the same work as device functions of decode attention's prologue
-(`rotary_decode_q`, `rotary_decode_kv`; kernels/attention/decode.py's ROPE, given a `Rope`).
+float8 pages).
 
 Matches `kernels.reference.rotary`: cos/sin are rounded to q.dtype, and
 `x * cos` and `rotate_half(x) * sin` are each rounded to q.dtype before the add,
@@ -10,8 +9,6 @@ modified). One launch, no host synchronisation (CUDA-graph safe).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -66,22 +63,6 @@ def _rotate(
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NH) & (offs_d[None, :] < HALF)
     base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-    o1, o2 = _rotated(base, mask, cos, sin, HALF, BLOCK_HALF, DTYPE, INTERP, norm_ptr, eps, NORM, NORM_OFFSET)
-    obase = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    mask = mask & ((offs_h * 0 + sel) >= 0)[:, None]  # (a scalar mask trips the interpreter)
-    if OUT_DTYPE != DTYPE:
-        o1 = _round_to(o1.to(tl.float32), OUT_DTYPE, INTERP)
-        o2 = _round_to(o2.to(tl.float32), OUT_DTYPE, INTERP)
-    tl.store(obase, o1, mask=mask)
-    tl.store(obase + HALF, o2, mask=mask)
-
-
-@triton.jit
-def _rotated(base, mask, cos, sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
-             INTERP: tl.constexpr, norm_ptr, eps, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr):
-    """The rotated halves (DTYPE) of the heads whose first halves `base` [heads, BLOCK_HALF]
-    points at (`_rotate`)."""
-    offs_d = tl.arange(0, BLOCK_HALF)
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -94,11 +75,19 @@ def _rotated(base, mask, cos, sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     b1 = _round_to(-x2 * sin, DTYPE, INTERP).to(tl.float32)
     a2 = _round_to(x2 * cos, DTYPE, INTERP).to(tl.float32)
     b2 = _round_to(x1 * sin, DTYPE, INTERP).to(tl.float32)
-    return _round_to(a1 + b1, DTYPE, INTERP), _round_to(a2 + b2, DTYPE, INTERP)
+    obase = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    mask = mask & ((offs_h * 0 + sel) >= 0)[:, None]  # (a scalar mask trips the interpreter)
+    o1 = _round_to(a1 + b1, DTYPE, INTERP)
+    o2 = _round_to(a2 + b2, DTYPE, INTERP)
+    if OUT_DTYPE != DTYPE:
+        o1 = _round_to(o1.to(tl.float32), OUT_DTYPE, INTERP)
+        o2 = _round_to(o2.to(tl.float32), OUT_DTYPE, INTERP)
+    tl.store(obase, o1, mask=mask)
+    tl.store(obase + HALF, o2, mask=mask)
 
 
 @triton.jit
-def cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                 DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """cos and sin rows [1, BLOCK_HALF] of token t's position, rounded to DTYPE."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -140,11 +129,45 @@ def _rotary_kernel(
 ):
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cos, sin = cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF, DTYPE, INTERP)
-    _rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, t, H, HALF, BLOCK_H, BLOCK_HALF,
-            DTYPE, INTERP, DTYPE)
-    _rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, t, KVH, HALF, BLOCK_KVH,
-            BLOCK_HALF, DTYPE, INTERP, DTYPE)
+    cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF, DTYPE, INTERP)
+    _rotate(
+        q_ptr,
+        qo_ptr,
+        t,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        cos,
+        sin,
+        t,
+        H,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        DTYPE,
+        INTERP,
+        DTYPE,
+    )
+    _rotate(
+        k_ptr,
+        ko_ptr,
+        t,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        cos,
+        sin,
+        t,
+        KVH,
+        HALF,
+        BLOCK_KVH,
+        BLOCK_HALF,
+        DTYPE,
+        INTERP,
+        DTYPE,
+    )
 
 
 def rotary(
@@ -168,12 +191,33 @@ def rotary(
     if t > 0:
         pdl = _pdl_enabled(q)
         _rotary_kernel[(t,)](
-            q, k, q_out, k_out, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
-            H=h, KVH=kvh, HALF=half, BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
-            BLOCK_HALF=triton.next_power_of_2(half), DTYPE=_TL_DTYPES[q.dtype], INTERP=_interpreting(), PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
-        )  # fmt: skip
+            q,
+            k,
+            q_out,
+            k_out,
+            positions,
+            cos_sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos_sin.stride(0),
+            H=h,
+            KVH=kvh,
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_KVH=triton.next_power_of_2(kvh),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            DTYPE=_TL_DTYPES[q.dtype],
+            INTERP=_interpreting(),
+            PDL=pdl,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
     return q_out, k_out
 
 
@@ -229,7 +273,7 @@ def _rotary_store_kernel(
     part = tl.program_id(1)
     # the position, its cos/sin row and the slot are step inputs and a table (no kernel before this
     # one writes them): two dependent loads read before the PDL wait, while the q/k/v GEMV ends
-    cos, sin = cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
+    cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     _pdl_enter(PDL)
     # the rotated k and the v of token t go straight to their cache slot (-1: padding, skipped)
@@ -244,67 +288,16 @@ def _rotary_store_kernel(
                 stride_kch, cos, sin, slot, KVH, HALF, BLOCK_KVH, BLOCK_HALF, DTYPE, INTERP, CACHE_DTYPE, kn_ptr,
                 eps, NORM, NORM_OFFSET)
     else:
-        _store_v(v_ptr + t * stride_vt, vc_ptr + page * stride_vcp + off * stride_vcs, slot, stride_vh, stride_vch,
-                 stride_vcd, KVH, BLOCK_KVH, HALF, BLOCK_HALF, DTYPE, CACHE_DTYPE, INTERP)
-
-
-@triton.jit
-def _store_v(v_ptr, vc_ptr, slot, stride_vh, stride_vch, stride_vcd, KVH: tl.constexpr, BLOCK_KVH: tl.constexpr,
-             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-             INTERP: tl.constexpr):
-    """A token's KVH v heads (row at v_ptr) to their cache slot at vc_ptr; nothing if slot < 0."""
-    offs_h = tl.arange(0, BLOCK_KVH)
-    offs_f = tl.arange(0, 2 * BLOCK_HALF)
-    ok = (offs_h * 0 + slot) >= 0
-    vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
-    v = tl.load(v_ptr + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
-    if CACHE_DTYPE != DTYPE:
-        v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
-    tl.store(vc_ptr + offs_h[:, None] * stride_vch + offs_f[None, :] * stride_vcd, v, mask=vmask)
-
-
-@triton.jit
-def rotary_decode_q(q_ptr, stride_qh, cos, sin, qn_ptr, eps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                    HALF: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr, NORM: tl.constexpr,
-                    NORM_OFFSET: tl.constexpr):
-    """The GROUP query heads from q_ptr (a token's first head of a KV head's group), normalized
-    (NORM) and rotated as `rotary_store` rotates them: [BLOCK_G, 2 * HALF] in DTYPE, rows past
-    GROUP 0. For decode attention's prologue (kernels/attention/decode.py, ROPE); HALF a power
-    of 2."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HALF)
-    mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HALF)
-    o1, o2 = _rotated(q_ptr + offs_g[:, None] * stride_qh + offs_d[None, :], mask, cos, sin, HALF, HALF, DTYPE,
-                      INTERP, qn_ptr, eps, NORM, NORM_OFFSET)
-    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_G, 2 * HALF))
-
-
-@triton.jit
-def rotary_decode_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot, stride_vcd, cos, sin, kn_ptr, eps, PAGE_SIZE: tl.constexpr,
-                     HALF: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr, INTERP: tl.constexpr,
-                     NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, stride_kcp, stride_kcs, stride_vcp, stride_vcs):
-    """One KV head of a token: its k (at k_ptr) normalized and rotated, and its v (at v_ptr), to
-    their cache slot (kc_ptr, vc_ptr: that head's caches), as `rotary_store` stores them; nothing
-    if slot < 0. For decode attention's prologue."""
-    safe = tl.maximum(slot, 0)
-    page = safe // PAGE_SIZE
-    off = safe % PAGE_SIZE
-    _rotate(k_ptr, kc_ptr + page * stride_kcp + off * stride_kcs, 0, 0, 0, 0, 0, cos, sin, slot, 1, HALF, 1, HALF,
-            DTYPE, INTERP, CACHE_DTYPE, kn_ptr, eps, NORM, NORM_OFFSET)
-    _store_v(v_ptr, vc_ptr + page * stride_vcp + off * stride_vcs, slot, 0, 0, stride_vcd, 1, 1, HALF, HALF, DTYPE,
-             CACHE_DTYPE, INTERP)
-
-class Rope(NamedTuple):
-    """`paged_decode`'s rope: what `kernels.rope.rotary_store` takes besides q and the caches.
-    k, v: [B, KVH, D] the new tokens' (unit stride over D); positions, slot_mapping: [B];
-    cos_sin: [max_pos, D] float32; qk_norm: (q weight, k weight, eps, offset) or None."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None
+        offs_h = tl.arange(0, BLOCK_KVH)
+        offs_f = tl.arange(0, 2 * BLOCK_HALF)
+        ok = (offs_h * 0 + slot) >= 0
+        vmask = (offs_h[:, None] < KVH) & (offs_f[None, :] < 2 * HALF) & ok[:, None]
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :], mask=vmask)
+        if CACHE_DTYPE != DTYPE:
+            v = _round_to(v.to(tl.float32), CACHE_DTYPE, INTERP)
+        vc = (vc_ptr + page * stride_vcp + off * stride_vcs + offs_h[:, None] * stride_vch
+              + offs_f[None, :] * stride_vcd)
+        tl.store(vc, v, mask=vmask)
 
 
 def rotary_store(

@@ -8,7 +8,6 @@ typed accessors below (env_str, env_flag, env_ints):
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
   STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
   STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
-  STREAMER_ROPE_DECODE     use_rope_decode(): decode attention rotates q and stores the new K/V itself (default on)
   STREAMER_DUMMY_INIT      dummy_init(): the values of load_format="dummy" weights (normal, or uniform as vLLM's)
   STREAMER_BLAS            blas_library(): which cuBLAS library torch's GEMMs prefer (default: torch's choice)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
@@ -67,13 +66,6 @@ def use_l2_prefetch() -> bool:
     router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES).
     Off: it gained nothing measured (benchmarks/RESULTS.md, thirty-seventh session)."""
     return env_flag("L2_PREFETCH", False)
-
-
-def use_rope_decode() -> bool:
-    """STREAMER_ROPE_DECODE (default on): a decode step's attention kernel rotates q and stores the
-    new token's K/V itself (kernels.ops.ROPE_DECODE), one launch a layer fewer than `rotary_store`
-    before it; 0 turns it off, to measure what it gains."""
-    return env_flag("ROPE_DECODE", True)
 
 
 DUMMY_INITS = ("normal", "uniform")

@@ -39,7 +39,6 @@ from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
 from kernels.common import round_to as _round_to
-from kernels.rope import Rope, cos_sin_of, rotary_decode_kv, rotary_decode_q
 
 
 @triton.jit
@@ -85,22 +84,50 @@ def _decode_step(
 # time, so alignment buys nothing.
 @triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["pt_ptr", "seq_lens_ptr"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, pt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, sinks_ptr, qk_scale, stride_qb,
-    stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, stride_ptb, stride_ob,
-    stride_oh, H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, num_splits,
-    SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, SUBTILE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IN_DTYPE: tl.constexpr,
-    COMPUTE: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, kn_ptr, vn_ptr, pos_ptr, slot_ptr, cs_ptr,
-    qn_ptr, kn_norm_ptr, eps, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, ROPE: tl.constexpr = False,
-    NORM: tl.constexpr = False, NORM_OFFSET: tl.constexpr = 0.0,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    sinks_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ptb,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    num_splits,
+    SPLIT: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERP: tl.constexpr,
+    PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """ROPE: q is the projection's (un-rotated) q, and the program rotates its heads itself
-    (kernels/rope.py rotary_decode_q, with the q/k norms if NORM); the program whose keys end
-    with the sequence's new token rotates that token's k (kn_ptr) and stores it and its v
-    (vn_ptr) to the token's cache slot (rotary_decode_kv) before it reads its pages. So a decode
-    step runs without `rotary_store`'s launch, and with the same bits: no other program reads
-    that slot, and the stores are made as `rotary_store` makes them."""
     # the lengths and the page table come from the step's inputs, not from the kernel before this
     # one (rotary_store writes q and the new token's K and V): read before the PDL wait, their
     # latency overlaps that kernel's end
@@ -112,9 +139,6 @@ def _decode_kernel(
         kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    if ROPE:  # (the position, its cos/sin row and the slot are step inputs too)
-        cos, sin = cos_sin_of(pos_ptr, cs_ptr, b, stride_cs, HEAD_DIM // 2, HEAD_DIM // 2, IN_DTYPE, INTERP)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
     if WINDOW > 0:
         # the query (at seq_len - 1) sees keys lo .. seq_len - 1; the splits divide those, from
         # `base`: lo itself, or for sub-tiles lo rounded down to 16 tokens (still lo's page, as
@@ -140,21 +164,11 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
     _pdl_enter(PDL)
-    if ROPE:
-        q = rotary_decode_q(q_ptr + b64 * stride_qb + kvh * GROUP * stride_qh, stride_qh, cos, sin, qn_ptr, eps,
-                            GROUP, BLOCK_G, HEAD_DIM // 2, IN_DTYPE, INTERP, NORM, NORM_OFFSET)
-        if (start <= seq_len - 1) & (seq_len - 1 < end):
-            rotary_decode_kv(kn_ptr + b64 * stride_knb + kvh * stride_knh, vn_ptr + b64 * stride_vnb + kvh * stride_vnh,
-                             k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, slot, stride_vd, cos, sin, kn_norm_ptr,
-                             eps, PAGE_SIZE, HEAD_DIM // 2, IN_DTYPE, k_ptr.dtype.element_ty, INTERP, NORM,
-                             NORM_OFFSET, stride_kp, stride_ks, stride_vp, stride_vs)
-            tl.debug_barrier()  # the token's K/V stored before this program's threads read its pages
-    else:
-        q = tl.load(
-            q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if COMPUTE == tl.float16 and IN_DTYPE != tl.float16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
     q = q.to(COMPUTE)
@@ -274,7 +288,6 @@ def paged_decode(
     softcap: float = 0.0,
     split_batch: int | None = None,
     sinks: torch.Tensor | None = None,
-    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride over D).
@@ -361,11 +374,6 @@ def paged_decode(
     interp = _interpreting()
     pdl = _pdl_enabled(q)
     grid = (kvh, batch, num_splits) if head_major else (batch, kvh, num_splits)
-    if rope is not None:
-        assert d & (d - 1) == 0 and rope.k.shape == rope.v.shape == (batch, kvh, d)
-        assert rope.k.stride(-1) == rope.v.stride(-1) == rope.cos_sin.stride(-1) == 1
-    r = rope or Rope(q, q, seq_lens, q, seq_lens, None)  # (unread without ROPE)
-    qn, kn, eps, offset = r.qk_norm if r.qk_norm is not None else (q, q, 0.0, 0.0)
     _decode_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, out, part_o, part_lse, sinks_t,
         float(scale) * _LOG2E,
@@ -380,10 +388,6 @@ def paged_decode(
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        kn_ptr=r.k, vn_ptr=r.v, pos_ptr=r.positions, slot_ptr=r.slot_mapping, cs_ptr=r.cos_sin, qn_ptr=qn,
-        kn_norm_ptr=kn, eps=float(eps), stride_knb=r.k.stride(0), stride_knh=r.k.stride(1), stride_vnb=r.v.stride(0),
-        stride_vnh=r.v.stride(1), stride_cs=r.cos_sin.stride(0),
-        ROPE=rope is not None, NORM=r.qk_norm is not None, NORM_OFFSET=float(offset),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

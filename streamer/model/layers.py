@@ -224,17 +224,12 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v, qk_norm = self.project(x)
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
-        if ctx.max_q_len == 1 and not rows_as_decode() and ops.fuses_rotary_decode(q, k_cache):
-            # a decode step: the rotation and the KV store in attention's launch
-            o = ops.rotary_decode(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm,
-                                  ctx.page_table, ctx.seq_lens, self.scale, self.window, self.softcap, self.sinks)
-        else:
-            q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm)
-            o = ops.paged_attention(
-                q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
-                ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
-                split_batch=1 if rows_as_decode() else None, sinks=self.sinks,
-            )
+        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping, qk_norm)
+        o = ops.paged_attention(
+            q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
+            ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
+            split_batch=1 if rows_as_decode() else None, sinks=self.sinks,
+        )
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -20,10 +20,9 @@ import msgspec
 import torch
 
 import kernels.common
-import kernels.ops
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
-from streamer.env import blas_library, use_l2_prefetch, use_pdl, use_rope_decode
+from streamer.env import blas_library, use_l2_prefetch, use_pdl
 from streamer.errors import ConfigError
 from streamer.messages import Batch, SampledToken, StepOutput
 from streamer.model.context import run_eager
@@ -55,7 +54,6 @@ class ModelRunner:
         self.device = pick_device(config.device)
         kernels.common.PDL = use_pdl()  # (before any kernel runs or a graph is captured)
         kernels.common.PREFETCH_BYTES = kernels.common.DEFAULT_PREFETCH_BYTES if use_l2_prefetch() else 0
-        kernels.ops.ROPE_DECODE = use_rope_decode()
         if (blas := blas_library()) is not None and self.device.type == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)  # (process-wide: an A/B switch)
         torch.manual_seed(config.seed)

@@ -132,31 +132,6 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
         assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in z.logprobs]
 
 
-@pytest.mark.parametrize("family,kv", [("llama3", "auto"), ("qwen3", "auto"), ("qwen3", "fp8")])
-def test_rotation_inside_decode_attention_changes_no_bit(tiny_models, monkeypatch, family, kv):
-    """A decode step's attention that rotates q and stores the new K/V itself
-    (STREAMER_ROPE_DECODE, kernels.ops.rotary_decode) gives the tokens and logprobs of
-    rotary_store before it, in CUDA graphs and eager batches, with Qwen3's q/k norms and
-    float8 pages."""
-    path = tiny_models[family]
-    batch = prompts(4)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
-
-    import kernels.ops
-
-    monkeypatch.setattr(kernels.ops, "ROPE_DECODE", kernels.ops.ROPE_DECODE)  # (the engines below set it)
-
-    def run(fused):
-        monkeypatch.setenv("STREAMER_ROPE_DECODE", fused)
-        with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048, kv_cache_dtype=kv) as llm:
-            assert kernels.ops.ROPE_DECODE == (fused == "1")
-            return [llm.generate([p], params)[0] for p in batch] + llm.generate(batch, params)
-
-    for x, y in zip(run("1"), run("0")):
-        assert x.token_ids == y.token_ids
-        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in y.logprobs]
-
-
 def test_fp8_linear_layers_follow_transformers_with_the_same_roundings(tiny_models):
     """quantization "fp8" on the GPU (cuBLAS's float8 GEMM, row-wise scales; the float8 GEMV at
     batch 1): greedy output
