@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served beside the base model: a request whose model is "
                         "NAME runs with that adapter")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="LoRA adapters may be loaded and unloaded while serving (POST /v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter): any folder the server can read")
     g.add_argument("--cuda-graph-max-bs", type=int, default=512,
                    help="largest decode batch replayed from a CUDA graph, capped at --max-num-seqs "
                    "(larger ones run eagerly)")

@@ -144,6 +144,10 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters, each "NAME=PATH" (a PEFT folder, model/lora.py), loaded at start: a request
     naming NAME as its model (SamplingParams.lora) runs with it."""
+    allow_runtime_lora_updating: bool = False
+    """Whether LoRA adapters may be loaded and unloaded while the engine serves (AsyncEngine.load_lora,
+    unload_lora; the server's /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING). Off by default: a load reads any folder the engine can read."""
     speculative_config: Any = None
     """Speculative decoding (streamer/engine/spec/): a dict or JSON text, parsed here into a
     SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens": 4,
@@ -201,9 +205,10 @@ class EngineConfig:
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ConfigError(f"lora_modules: each adapter needs a name of its own, not {', '.join(names)}")
-        if names and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
-            raise ConfigError("lora_modules are not supported with tensor_parallel_size > 1 or speculative "
-                              "decoding (speculative_config)")
+        for what, on in (("lora_modules", bool(names)), ("allow_runtime_lora_updating", self.allow_runtime_lora_updating)):
+            if on and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
+                raise ConfigError(f"{what}: LoRA adapters are not supported with tensor_parallel_size > 1 or "
+                                  "speculative decoding (speculative_config)")
 
     @property
     def lora_adapters(self) -> list[tuple[str, str]]:  # (in the order given: adapter k is the k-th)

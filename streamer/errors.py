@@ -15,3 +15,7 @@ class ConfigError(StreamerError):
 
 class RequestError(StreamerError):
     """A request that cannot be served (too long, bad parameters, bad grammar)."""
+
+
+class LoraNotFound(RequestError):
+    """Unloading a LoRA adapter by a name no adapter has (the server's 404)."""

@@ -6,6 +6,7 @@ through an asyncio.Queue, and never mutated afterwards.
   caller ─Tokenize(GenerateRequest)─▶ tokenizer ─TokenizedRequest─▶ scheduler ─Batch─▶ executor
   scheduler ◀─StepOutput─ executor;  scheduler ─TokenBatch─▶ detokenizer ─RequestOutput─▶ caller
   detokenizer ─Finish─▶ scheduler (a stop string matched);  anyone ─Abort─▶ scheduler
+  the engine ─LoraUpdate─▶ scheduler ─LoraUpdate─▶ executor (an adapter loaded or unloaded while serving)
   scheduler ◀─DraftsDrawn─ executor (a draft's proposals, before the step samples); MaskFill back
   the engine ─Shutdown─▶ each actor, in pipeline order, when it stops
 
@@ -84,6 +85,19 @@ class Abort(msgspec.Struct, tag=True):
 class Shutdown(msgspec.Struct):
     """To an actor's inbox: stop after what came before (AsyncEngine.stop sends one to each
     actor in pipeline order, so requests still open get their final output)."""
+
+
+class LoraUpdate(msgspec.Struct):
+    """The engine -> scheduler -> executor: serve `adapter` (model/lora.py Adapter) under `key`,
+    or stop serving key's (adapter None). The scheduler first ends the requests of an adapter
+    going away (their error names `name`, the adapter's name for users) and refuses any that
+    arrive later; the executor changes the layers between steps, then resolves `done` (an
+    asyncio.Future: None, or the ModelLoadError)."""
+
+    key: str
+    name: str
+    adapter: Any
+    done: Any
 
 
 class Finish(msgspec.Struct):
@@ -290,6 +304,6 @@ class Register(msgspec.Struct):
 
 
 # What each actor's inbox carries (the tokenizer's: Tokenize | Shutdown).
-ToScheduler = TokenizedRequest | StepOutput | DraftsDrawn | Abort | Finish | Shutdown
-ToExecutor = Batch | MaskFill | Shutdown
+ToScheduler = TokenizedRequest | StepOutput | DraftsDrawn | Abort | Finish | LoraUpdate | Shutdown
+ToExecutor = Batch | MaskFill | LoraUpdate | Shutdown
 ToDetokenizer = Register | TokenBatch | Shutdown

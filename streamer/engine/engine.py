@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -27,6 +28,7 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.engine import detokenizer, executor, scheduler, tokenizer
+from streamer.engine.adapters import LoraRegistry
 from streamer.engine.generation_config import generation_defaults
 from streamer.engine.health import step_stalled
 from streamer.engine.outputs import collect, engine_failed, follow
@@ -150,12 +152,14 @@ class AsyncEngine:
         self.tokenizer = tokenizer.Tokenizer(self.hf_tokenizer, self.eos_token_ids, self.max_model_len, hf.vocab_size,
                                              pool_tokens=pool.capacity * pool.page_size)
         self.tokenizer.chat_template_kwargs = dict(self.config.default_chat_template_kwargs or {})
+        self.adapters = LoraRegistry(self.config, self.model_name)
+        """LoRA adapters by name (engine/adapters.py): those of lora_modules, and any loaded while serving."""
         self.info = ModelInfo(self.model_name, self.max_model_len, hf.vocab_size, self.eos_token_ids,
                               self.hf_tokenizer, generation_defaults=generation_defaults(self.model_path),
                               chat_template_kwargs=dict(self.config.default_chat_template_kwargs or {}),
                               pooling=pooling_config(self.model_path),
-                              loras=tuple(name for name, _ in self.config.lora_adapters))
-        self.tokenizer.loras = self.info.loras
+                              loras=self.adapters.names)
+        self.tokenizer.loras = self.adapters.keys
         self.tokenizer.priorities = self.config.scheduling_policy == "priority"
         self.scheduler = Scheduler(self.config, self.runner.pool, self.max_model_len, hf.vocab_size,
                                    self.diagnostics, kv_window=kv_window(hf))
@@ -328,6 +332,21 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
+
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve the PEFT adapter folder at `path` as `name` from now on (replace: in place of the
+        adapter of that name): engine/adapters.py. RequestError, ModelLoadError."""
+        await self.start()
+        await self.adapters.load(name, path, replace, self.q_sched.put_nowait)
+        self.info = dataclasses.replace(self.info, loras=self.adapters.names)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter `name`; its open requests end with an error. LoraNotFound."""
+        await self.start()
+        try:
+            await self.adapters.unload(name, self.q_sched.put_nowait)
+        finally:
+            self.info = dataclasses.replace(self.info, loras=self.adapters.names)
 
     async def generate(self, request: GenerateRequest) -> RequestOutput:
         """Run one request to the end; the result holds all its token ids and text."""

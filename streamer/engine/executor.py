@@ -1,6 +1,6 @@
 """Executor actor: owns the ModelRunner; launches steps and collects their tokens.
 
-Inbox:  Batch, MaskFill (from the scheduler), Shutdown (the engine stops); an `Inbox`,
+Inbox:  Batch, MaskFill, LoraUpdate (from the scheduler), Shutdown (the engine stops); an `Inbox`,
         which hands a MaskFill straight to the launch thread instead of queueing it for
         the loop (and, at Shutdown, releases a step still waiting there for its masks).
 Outbox: StepOutput -> scheduler inbox, in the order of the batches; DraftsDrawn (a batch
@@ -17,7 +17,9 @@ Invariants:
     batch; with masks_await_drafts, once it has the DraftsDrawn sent here) and samples the moment it arrives: no hop through the event loop,
     which may be busy (streaming, detokenizing) while the device waits;
   - a failing step becomes a StepOutput with `error` set (its requests fail,
-    the engine lives on).
+    the engine lives on);
+  - a LoraUpdate changes the layers after the batches before it were launched and before
+    any after it (the launch thread's order); its `done` gets the outcome.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from streamer.engine.step_thread import StepThread
-from streamer.messages import Batch, DraftsDrawn, MaskFill, Shutdown, StepOutput, ToExecutor, ToScheduler
+from streamer.messages import (
+    Batch,
+    DraftsDrawn,
+    LoraUpdate,
+    MaskFill,
+    Shutdown,
+    StepOutput,
+    ToExecutor,
+    ToScheduler,
+)
 from streamer.model.launched import Launched
 from streamer.model.runner import ModelRunner
 
@@ -106,6 +117,16 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToS
                     if last is not None:
                         await last
                     return
+                if isinstance(msg, LoraUpdate):  # (between steps: the launch thread runs one thing at a time)
+                    try:
+                        await loop.run_in_executor(thread, runner.adapters.update, msg.key, msg.adapter)
+                    except Exception as e:  # noqa: BLE001 - the engine's caller gets it; nothing changed
+                        if not msg.done.done():
+                            msg.done.set_exception(e)
+                    else:
+                        if not msg.done.done():
+                            msg.done.set_result(None)
+                    continue
                 assert isinstance(msg, Batch)  # (a MaskFill goes to `fills`, never here)
                 item: Launched | StepOutput
                 try:

@@ -104,6 +104,15 @@ class LLM:
         norm = pooling.normalize if normalize is None else normalize
         return [unit(o.embedding) if norm else list(o.embedding) for o in outs]  # type: ignore[arg-type]
 
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve the PEFT adapter folder at `path` as `name` (SamplingParams.lora) from now on; needs
+        allow_runtime_lora_updating (AsyncEngine.load_lora)."""
+        self.call(self.engine.load_lora(name, path, replace))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter `name` (AsyncEngine.unload_lora)."""
+        self.call(self.engine.unload_lora(name))
+
     async def _run(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:
         return list(await asyncio.gather(*(self.engine.generate(r) for r in reqs)))
 

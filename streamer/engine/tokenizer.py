@@ -79,8 +79,9 @@ class Tokenizer:
         self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
         self.chat_template_kwargs: dict[str, Any] = {}
         """The server's defaults (--default-chat-template-kwargs); a request's own win."""
-        self.loras: tuple[str, ...] = ()
-        """The LoRA adapters' names (EngineConfig.lora_modules), which SamplingParams.lora may name."""
+        self.loras: dict[str, str] = {}
+        """The LoRA adapters' names, which SamplingParams.lora may name, and their keys (engine/adapters.py:
+        the engine's LoraRegistry.keys, changed by loads and unloads)."""
         self.priorities = False
         """EngineConfig.scheduling_policy is priority: SamplingParams.priority may be other than 0."""
 
@@ -120,13 +121,15 @@ class Tokenizer:
             raise RequestError(f"priority {params.priority} needs the priority scheduling policy (streamer serve "
                                "--scheduling-policy priority); this engine serves first come, first served")
         if params.lora is not None:
-            if params.lora not in self.loras:
+            key = self.loras.get(params.lora)
+            if key is None:
                 raise RequestError(f"no LoRA adapter is named {params.lora!r}"
                                    + (f" (this engine has {', '.join(self.loras)})" if self.loras else
                                       " (this engine serves none: --lora-modules)"))
-            # (its KV is the adapter's: a namespace of its own in the prefix cache)
-            salt = f"lora:{params.lora}" + ("" if params.cache_salt is None else f":{params.cache_salt}")
-            params = msgspec.structs.replace(params, cache_salt=salt)
+            # (from here on the adapter is its key; its KV is the adapter's: a namespace of its own
+            # in the prefix cache)
+            salt = f"lora:{key}" + ("" if params.cache_salt is None else f":{params.cache_salt}")
+            params = msgspec.structs.replace(params, cache_salt=salt, lora=key)
         ids = self.encode_prompt(req)
         if params.truncate_prompt_tokens is not None:  # (the last tokens: where the question is)
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens

@@ -41,6 +41,15 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 """The layers an adapter may change: attention's and the dense MLP's projections (Phi-3's come fused)."""
 
 
+def lora_key(name: str, n: int) -> str:
+    """The key of the n-th adapter an engine loads (engine/adapters.py says why keys)."""
+    return f"{name}@{n}"
+
+
+def lora_name(key: str) -> str:
+    return key.rpartition("@")[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Adapter:
     name: str
@@ -109,43 +118,82 @@ def read_adapter(name: str, path: str) -> Adapter:
     return Adapter(name, rank, scale, weights)
 
 
+class Adapters:
+    """The adapters a model serves, each under its key (`lora_key`: what a step's sequences name,
+    SamplingParams.lora as the engine's tokenizer rewrote it; engine/adapters.py): those of
+    EngineConfig.lora_modules loaded at start, the others while serving (`update`)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, modules: list[tuple[str, str]]) -> None:
+        self.model, self.dtype = model, dtype
+        self.loaded: dict[str, Adapter] = {lora_key(name, k): read_adapter(name, path)
+                                           for k, (name, path) in enumerate(modules)}
+        self.index: dict[str, int] = {}
+        """key -> the adapter's index in the layers (1..n; 0: the base model)."""
+        if self.loaded:
+            self._attach(self.loaded)
+
+    def update(self, key: str, adapter: Adapter | None) -> None:
+        """Load `adapter` under key, or unload key's (None); ModelLoadError leaves everything as it was."""
+        loaded = dict(self.loaded)
+        if adapter is None:
+            loaded.pop(key, None)
+        else:
+            loaded[key] = adapter
+        self._attach(loaded)
+
+    def _attach(self, loaded: dict[str, Adapter]) -> None:
+        attach(self.model, list(loaded.values()), self.dtype)
+        self.loaded = loaded
+        self.index = {key: k + 1 for k, key in enumerate(loaded)}
+
+
 def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> None:
-    """Give each Linear the adapters that target it (LoraWeights, in dtype: the activations');
-    ModelLoadError for a target that is not one of the model's linear layers."""
+    """Give each Linear the adapters that target it (LoraWeights, in dtype: the activations'), and
+    every other Linear none; ModelLoadError for a target that is not one of the model's linear
+    layers, with no layer changed."""
     targets: dict[str, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
     for k, adapter in enumerate(adapters):
         for layer, (a, b) in adapter.weights.items():
             name = layer.removeprefix("model.")
             fused = model.fused_module(name) if hasattr(model, "fused_module") else name
             targets.setdefault(fused, []).append((k, name, a, b.float() * adapter.scale))
-    for fused, parts in targets.items():
-        module = model.get_submodule(fused) if _has(model, fused) else None
-        # (model/layers.py's Linear holds `lora` and adds the delta; this module imports no model code)
-        adaptable = isinstance(module, nn.Linear) and hasattr(module, "lora")
-        if not adaptable or parts[0][1].rsplit(".", 1)[-1] not in TARGETS:
-            raise ModelLoadError(f"LoRA adapter {adapters[parts[0][0]].name!r}: {parts[0][1]!r} is not a linear "
-                                 f"layer this model can adapt ({type(module).__name__ if module else 'none'})")
-        # each adapter's columns: its parts' ranks side by side (q, k, v of a fused qkv_proj)
-        width = max(sum(a.shape[0] for j, _, a, _ in parts if j == k) for k in range(len(adapters)))
-        a_all = torch.zeros(len(adapters) * width, module.in_features)
-        b_all = torch.zeros(module.out_features, len(adapters) * width)
-        used = [0] * len(adapters)
-        for k, name, a, b in parts:
-            rows = (0, module.out_features) if fused == name else model.part_rows(name)
-            if a.shape[1] != module.in_features or b.shape[0] != rows[1]:
-                raise ModelLoadError(f"LoRA adapter {adapters[k].name!r}: {name!r} has A {tuple(a.shape)} and B "
-                                     f"{tuple(b.shape)}, the layer takes [r, {module.in_features}] and [{rows[1]}, r]")
-            col, r = k * width + used[k], a.shape[0]
-            a_all[col:col + r] = a.float()
-            b_all[rows[0]:rows[0] + rows[1], col:col + r] = b
-            used[k] += r
-        if fused.endswith("qkv_proj") and hasattr(model, "qkv_rows_permutation"):
-            perm = model.qkv_rows_permutation(module)  # (the rotary reordering the weights' rows took)
-            if perm is not None:
-                b_all = b_all[perm]
-        owner = torch.arange(1, len(adapters) + 1).repeat_interleave(width)
-        device = module.weight.device
-        module.lora = LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), owner.to(device))
+    built = {fused: _stacked(model, fused, parts, adapters, dtype) for fused, parts in targets.items()}
+    # (model/layers.py's Linear holds `lora` and adds the delta; this module imports no model code)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "lora"):
+            module.lora = built.get(name)
+
+
+def _stacked(model: nn.Module, fused: str, parts: list[tuple[int, str, torch.Tensor, torch.Tensor]],
+             adapters: list[Adapter], dtype: torch.dtype) -> LoraWeights:
+    """The LoraWeights of one layer: `parts` are (adapter index, checkpoint layer, A, scaled B)."""
+    module = model.get_submodule(fused) if _has(model, fused) else None
+    adaptable = isinstance(module, nn.Linear) and hasattr(module, "lora")
+    if not adaptable or parts[0][1].rsplit(".", 1)[-1] not in TARGETS:
+        raise ModelLoadError(f"LoRA adapter {adapters[parts[0][0]].name!r}: {parts[0][1]!r} is not a linear "
+                             f"layer this model can adapt ({type(module).__name__ if module else 'none'})")
+    assert isinstance(module, nn.Linear)
+    # each adapter's columns: its parts' ranks side by side (q, k, v of a fused qkv_proj)
+    width = max(sum(a.shape[0] for j, _, a, _ in parts if j == k) for k in range(len(adapters)))
+    a_all = torch.zeros(len(adapters) * width, module.in_features)
+    b_all = torch.zeros(module.out_features, len(adapters) * width)
+    used = [0] * len(adapters)
+    for k, name, a, b in parts:
+        rows = (0, module.out_features) if fused == name else model.part_rows(name)
+        if a.shape[1] != module.in_features or b.shape[0] != rows[1]:
+            raise ModelLoadError(f"LoRA adapter {adapters[k].name!r}: {name!r} has A {tuple(a.shape)} and B "
+                                 f"{tuple(b.shape)}, the layer takes [r, {module.in_features}] and [{rows[1]}, r]")
+        col, r = k * width + used[k], a.shape[0]
+        a_all[col:col + r] = a.float()
+        b_all[rows[0]:rows[0] + rows[1], col:col + r] = b
+        used[k] += r
+    if fused.endswith("qkv_proj") and hasattr(model, "qkv_rows_permutation"):
+        perm = model.qkv_rows_permutation(module)  # (the rotary reordering the weights' rows took)
+        if perm is not None:
+            b_all = b_all[perm]
+    owner = torch.arange(1, len(adapters) + 1).repeat_interleave(width)
+    device = module.weight.device
+    return LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), owner.to(device))
 
 
 def _has(model: nn.Module, name: str) -> bool:

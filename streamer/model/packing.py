@@ -41,7 +41,7 @@ def prepare(
 
     last_tokens, last_rows: the tokens the previous step sampled, still on the device, and
     each sampling request's row in them (PLACEHOLDER ids are read from there). loras: each LoRA
-    adapter's index (ModelRunner.loras); a step with an adapter's token runs eagerly, its
+    adapter's index by key (model/lora.py Adapters.index); a step with an adapter's token runs eagerly, its
     tokens' adapters in lora_ids (model/lora.py)."""
     ps = page_size
     seqs = batch.seqs

@@ -34,6 +34,7 @@ from streamer.model.kv_budget import make_pool
 from streamer.model.launched import Launched, RowValues
 from streamer.model.layers import Linear
 from streamer.model.loader import load_model
+from streamer.model.lora import Adapters
 from streamer.model.packing import prepare
 from streamer.model.tp_group import current as tensor_parallel
 from streamer.model.tp_group import unsharded
@@ -73,12 +74,9 @@ class ModelRunner:
                     m.decode_gemv = True
         self.max_model_len: int = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.dtype = self.model.embed_tokens.weight.dtype
-        self.loras = {name: k + 1 for k, (name, _) in enumerate(config.lora_adapters)}
-        """LoRA adapter name -> its index in the layers (model/lora.py; attached before the graphs)."""
-        if self.loras:
-            from streamer.model import lora
-
-            lora.attach(self.model, [lora.read_adapter(n, p) for n, p in config.lora_adapters], self.dtype)
+        self.adapters = Adapters(self.model, self.dtype, config.lora_adapters)
+        """The LoRA adapters served (model/lora.py): attached before the graphs, which run without
+        them; those loaded while serving come and go through update_lora."""
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
         """speculative_config's draft_model (model/draft.py) or EAGLE head (model/eagle_draft.py):
@@ -160,7 +158,7 @@ class ModelRunner:
             return prepare(
                 rows, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging,
                 graphs=g, extend_graphs=None, split_decode_tokens=self.split_decode_tokens,
-                last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.loras,
+                last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.adapters.index,
             )
         return prepare(
             batch,
@@ -172,7 +170,7 @@ class ModelRunner:
             split_decode_tokens=self.split_decode_tokens,
             last_tokens=self.last_tokens,
             last_rows=self.last_rows,
-            loras=self.loras,
+            loras=self.adapters.index,
         )
 
     def before_forward(self, batch: Batch) -> None:

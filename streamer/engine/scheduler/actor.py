@@ -2,6 +2,7 @@
 
 Inbox:  TokenizedRequest (new work, from the tokenizer), StepOutput and DraftsDrawn (from
         the executor), Abort (from callers), Finish (from the detokenizer: a stop string matched),
+        LoraUpdate (from the engine: an adapter loaded or unloaded, passed on to the executor),
         Shutdown (the engine stops: every request still here ends with "abort").
 Outbox: Batch, MaskFill -> executor; TokenBatch -> detokenizer.
 
@@ -33,6 +34,7 @@ from streamer.messages import (
     Batch,
     DraftsDrawn,
     Finish,
+    LoraUpdate,
     Shutdown,
     StepOutput,
     ToDetokenizer,
@@ -123,6 +125,11 @@ async def _loop(
                 d = sched.finish(msg.request_id, msg.reason)
                 if d is not None:
                     deltas.append(d)
+            elif isinstance(msg, LoraUpdate):
+                # (an adapter going away: its requests end now, before the executor drops it; the
+                # batches in flight that hold them were sent before this, and run first)
+                deltas.extend(sched.update_lora(msg.key, msg.adapter is not None))
+                to_executor.put_nowait(msg)
             elif isinstance(msg, Shutdown):
                 deltas.extend(sched.abort_all())
                 if deltas:

@@ -29,6 +29,7 @@ import numpy as np
 
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
+from streamer.engine.adapters import lora_key, unloaded
 from streamer.engine.request import Request, Status
 from streamer.engine.scheduler import results
 from streamer.engine.scheduler.batch import BatchBuilder
@@ -91,6 +92,8 @@ class Scheduler:
         self.jumps: list[tuple[Request, TokenDelta]] = []
         """Requests whose grammar may force text after the last process() (jump-forward)."""
         self.spec: SpeculativeConfig | None = config.speculative_config
+        self.loras: set[str] = {lora_key(name, k) for k, (name, _) in enumerate(config.lora_adapters)}
+        """The keys of the LoRA adapters served (engine/adapters.py): a request of another is refused."""
         """Speculative decoding (spec/rollback.py), or None."""
 
     # ---- arrivals and departures ------------------------------------------
@@ -99,6 +102,8 @@ class Scheduler:
         if self.early_aborts.pop(msg.request_id, None) is not None:
             return TokenDelta(msg.request_id, [], finish_reason="abort")
         p = msg.params
+        if p.lora is not None and p.lora not in self.loras:  # (tokenized before its adapter was unloaded)
+            return TokenDelta(msg.request_id, [], finish_reason="error", error=unloaded(p.lora))
         deadline = None if p.timeout is None else (msg.arrival or time.monotonic()) + p.timeout
         if deadline is not None and deadline <= time.monotonic():  # (it spent it in the tokenizer)
             return TokenDelta(msg.request_id, [], finish_reason="timeout", error=timed_out(p, "tokenized"))
@@ -141,6 +146,16 @@ class Scheduler:
                 self.early_aborts[request_id] = now
             return None
         return self.retire(req, reason)
+
+    def update_lora(self, key: str, loaded: bool) -> list[TokenDelta]:
+        """An adapter's key served from now on, or no longer: every request of it still here
+        ends with an error."""
+        if loaded:
+            self.loras.add(key)
+            return []
+        self.loras.discard(key)
+        return [self.retire(r, "error", error=unloaded(key)) for r in list(self.requests.values())
+                if r.params.lora == key]
 
     def abort_all(self) -> list[TokenDelta]:
         """Stopping: every request still here ends with "abort"."""
