@@ -57,8 +57,28 @@ class Failed(msgspec.Struct, tag=True):
     kind: str = "RuntimeError"
 
 
-ToEngine = Submit | Abort | Stop
-FromEngine = Ready | Outputs | Stats | Failed
+class Lora(msgspec.Struct, tag=True):
+    """Server -> engine: load the adapter folder at `path` as `name` (replace: in place of the
+    adapter of that name), or unload `name` (path None); its LoraDone has the same `id`."""
+
+    id: int
+    name: str
+    path: str | None
+    replace: bool = False
+
+
+class LoraDone(msgspec.Struct, tag=True):
+    """Engine -> server: the outcome of Lora `id`: the adapters served now, or the error (kind:
+    its class name in streamer.errors) and nothing changed."""
+
+    id: int
+    loras: list[str]
+    error: str | None = None
+    kind: str = "RequestError"
+
+
+ToEngine = Submit | Abort | Lora | Stop
+FromEngine = Ready | Outputs | Stats | LoraDone | Failed
 
 
 # ---- tensor parallelism: rank 0 -> the other ranks (streamer/distributed/step.py) ----------

@@ -18,7 +18,9 @@ Contract:
   - abort(request_id) ends a request wherever it is (a no-op for one that has ended).
   - dead / stalled: why the engine cannot serve (crashed; alive but making no progress),
     or None; new requests are refused while either is set (health.py says when).
-  - info: the served model as the server sees it (from start() on for EngineProcess).
+  - info: the served model as the server sees it (from start() on for EngineProcess); its
+    loras change with load_lora / unload_lora (engine/adapters.py: RequestError where the engine
+    does not allow it or a name is taken, ModelLoadError for a folder it cannot take, LoraNotFound).
 """
 
 from __future__ import annotations
@@ -77,3 +79,7 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None: ...
+
+    async def unload_lora(self, name: str) -> None: ...

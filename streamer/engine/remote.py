@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -48,7 +49,7 @@ from streamer.engine.protocol import ModelInfo
 from streamer.engine.remote_engine import LENGTH, engine_main, frame, read_frame, recv_exactly
 from streamer.engine.tokenizer import load_tokenizer
 from streamer.engine_stats import EngineStats
-from streamer.frames import Failed, FromEngine, Outputs, Ready, Stats, Stop, Submit, ToEngine
+from streamer.frames import Failed, FromEngine, Lora, LoraDone, Outputs, Ready, Stats, Stop, Submit, ToEngine
 from streamer.messages import ENGINE_DOWN, ENGINE_STALLED, Abort, GenerateRequest, RequestOutput
 from streamer.model.source import model_name
 
@@ -94,6 +95,8 @@ class EngineProcess:
         self._check = msgspec.msgpack.Decoder(ToEngine)
         self._stopping = False
         self._counter = 0
+        self._lora_waits: dict[int, asyncio.Future[LoraDone]] = {}
+        """Lora frames sent, by id, waiting for their LoraDone."""
         self.env: dict[str, str] = {}
         """Environment variables the engine process starts with, over this process's (a
         data-parallel replica's devices: router/devices.py)."""
@@ -161,6 +164,10 @@ class EngineProcess:
                             q.put_nowait(out)
                 elif isinstance(msg, Stats):
                     self._stats, self._stats_at = msg.stats, self._heard
+                elif isinstance(msg, LoraDone):
+                    wait = self._lora_waits.pop(msg.id, None)
+                    if wait is not None and not wait.done():
+                        wait.set_result(msg)
                 elif isinstance(msg, Failed):
                     reason = msg.error
                     break
@@ -179,6 +186,10 @@ class EngineProcess:
             log.error("engine down: %s", reason)
         for rid, q in self._queues.items():
             q.put_nowait(engine_failed(rid, reason, ENGINE_DOWN))
+        for wait in self._lora_waits.values():
+            if not wait.done():
+                wait.set_exception(RuntimeError(f"the engine is down: {reason}"))
+        self._lora_waits.clear()
 
     @property
     def stalled(self) -> str | None:
@@ -287,6 +298,26 @@ class EngineProcess:
         """Run one request to the end; the result holds all its token ids and text."""
         return await collect(request.request_id, self.submit(request))
 
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """AsyncEngine.load_lora in the engine process."""
+        await self._lora(name, path, replace)
+
+    async def unload_lora(self, name: str) -> None:
+        """AsyncEngine.unload_lora in the engine process."""
+        await self._lora(name, None, False)
+
+    async def _lora(self, name: str, path: str | None, replace: bool) -> None:
+        await self.start()
+        if self.dead:
+            raise RuntimeError(f"the engine is down: {self.dead}")
+        self._counter += 1
+        wait = self._lora_waits[self._counter] = asyncio.get_running_loop().create_future()
+        self._send(Lora(self._counter, name, path, replace))
+        done = await wait
+        self._info = dataclasses.replace(self.info, loras=tuple(done.loras))
+        if done.error is not None:
+            raise _error(done.kind, done.error)
+
 
 @contextlib.contextmanager
 def _environment(env: dict[str, str]) -> Iterator[None]:
@@ -309,7 +340,12 @@ _ENV_LOCK = threading.Lock()
 
 def _start_error(f: Failed) -> Exception:
     """The engine's start error as its own class when it is one of streamer.errors."""
-    cls = getattr(errors, f.kind, None)
+    return _error(f.kind, f.error, "the engine process failed to start: ")
+
+
+def _error(kind: str, error: str, context: str = "") -> Exception:
+    """An engine process's error as its own class when it is one of streamer.errors."""
+    cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.StreamerError):
-        return cls(f.error)
-    return RuntimeError(f"the engine process failed to start: {f.kind}: {f.error}")
+        return cls(error)
+    return RuntimeError(f"{context}{kind}: {error}")

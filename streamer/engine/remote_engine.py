@@ -1,7 +1,8 @@
 """The engine side of EngineProcess (engine/remote.py): the spawned process's main, around an
 AsyncEngine, and the frame format both sides use.
 
-  Inbox:  Submit (-> AsyncEngine.enqueue, every request with the same sink), Abort, Stop;
+  Inbox:  Submit (-> AsyncEngine.enqueue, every request with the same sink), Abort, Lora (->
+          AsyncEngine.load_lora / unload_lora, answered by a LoraDone), Stop;
           EOF (the server process went away) counts as Stop.
   Outbox: Ready once the engine has started (warm-up included), or Failed and exit;
           Outputs: every output of one event-loop iteration in one frame, never one frame
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamer.config import EngineConfig
-from streamer.frames import Failed, Outputs, Ready, Stats, Submit, ToEngine
+from streamer.errors import StreamerError
+from streamer.frames import Failed, Lora, LoraDone, Outputs, Ready, Stats, Submit, ToEngine
 from streamer.messages import Abort, RequestOutput
 
 if TYPE_CHECKING:
@@ -171,8 +173,22 @@ async def _obey(reader: asyncio.StreamReader, engine: AsyncEngine, outbox: _Outb
             engine.enqueue(msg.request, outbox)
         elif isinstance(msg, Abort):
             engine.abort(msg.request_id)
+        elif isinstance(msg, Lora):
+            asyncio.create_task(_update_lora(engine, msg, outbox))  # (steps go on meanwhile)
         else:
             return
+
+
+async def _update_lora(engine: AsyncEngine, msg: Lora, outbox: _Outbox) -> None:
+    try:
+        if msg.path is None:
+            await engine.unload_lora(msg.name)
+        else:
+            await engine.load_lora(msg.name, msg.path, msg.replace)
+    except StreamerError as e:
+        outbox.send(LoraDone(msg.id, list(engine.info.loras), str(e), type(e).__name__))
+    else:
+        outbox.send(LoraDone(msg.id, list(engine.info.loras)))
 
 
 async def _report(engine: AsyncEngine, outbox: _Outbox) -> None:

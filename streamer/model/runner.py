@@ -379,7 +379,7 @@ class ModelRunner:
             self.draft.release()
         self.draft = None
         self.pool = None  # type: ignore[assignment]
-        self.model = None  # type: ignore[assignment]
+        self.model = self.adapters.model = None  # type: ignore[assignment]
         self.last_tokens = torch.zeros(0, dtype=torch.long)
         if torch.cuda.is_available():
             # graphs caught in a reference cycle (a caller's wrapper of a replay) keep their memory

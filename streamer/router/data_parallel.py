@@ -118,6 +118,25 @@ class DataParallelEngine:
         self._counter += 1
         return f"req-{self._counter}"
 
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Every replica loads it; where one fails (a folder they all refuse fails on all), those that
+        loaded a new name unload it again, and the first error is raised."""
+        results = await asyncio.gather(*(r.load_lora(name, path, replace) for r in self.replicas),
+                                       return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            if not replace:
+                await asyncio.gather(*(r.unload_lora(name) for r, e in zip(self.replicas, results)
+                                       if not isinstance(e, BaseException)), return_exceptions=True)
+            raise errors[0]
+
+    async def unload_lora(self, name: str) -> None:
+        """Every replica unloads it (the first error, if any, is raised after all have tried)."""
+        results = await asyncio.gather(*(r.unload_lora(name) for r in self.replicas), return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+
     def usable(self) -> list[bool]:
         return [not r.dead and not r.stalled for r in self.replicas]
 

@@ -32,6 +32,7 @@ from streamer.engine.protocol import Engine
 from streamer.server import (
     anthropic_api,
     embeddings_api,
+    lora_api,
     native_api,
     openai_api,
     response_store_api,
@@ -126,6 +127,8 @@ def create_app(engine: Engine, server_config: ServerConfig) -> Starlette:
         Route("/v1/responses/{response_id}/input_items", response_store_api.input_items),
         Route("/v1/responses/{response_id}/cancel", response_store_api.cancel, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
+        Route("/v1/load_lora_adapter", lora_api.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", lora_api.unload_lora_adapter, methods=["POST"]),
         Route("/v1/score", score_api.score, methods=["POST"]),
         *[Route(path, score_api.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")],
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),

@@ -13,6 +13,7 @@ import msgspec
 from streamer.server.anthropic_api import CountTokensRequest, MessagesRequest
 from streamer.server.api_error import ErrorResponse
 from streamer.server.embeddings_api import EmbeddingRequest, EmbeddingResponse
+from streamer.server.lora_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from streamer.server.native_api import DetokenizeBody, DetokenizeResponse, TokenizeBody, VersionResponse
 from streamer.server.protocol import ChatCompletionRequest, CompletionRequest
 from streamer.server.responses import (
@@ -30,9 +31,10 @@ def openapi_document(version: str) -> dict[str, Any]:
     kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
              ModelList, ModelCard, ErrorResponse, TokenizeBody, DetokenizeBody, DetokenizeResponse, VersionResponse,
              ResponsesRequest, ResponseObject, EmbeddingRequest, EmbeddingResponse, MessagesRequest, CountTokensRequest,
-             ScoreRequest, ScoreResponse, RerankRequest, RerankResponse]
+             ScoreRequest, ScoreResponse, RerankRequest, RerankResponse, LoadLoraAdapterRequest,
+             UnloadLoraAdapterRequest]
     (req_c, req_ch, res_c, res_ch, models, card, err, tok, detok, detok_res, ver, req_r, res_r, req_e, res_e, req_m,
-     req_ct, req_s, res_s, req_rr, res_rr), comps = \
+     req_ct, req_s, res_s, req_rr, res_rr, req_load, req_unload), comps = \
         msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
 
     def error(status: int, why: str) -> dict:
@@ -79,6 +81,10 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/score": post(req_s, res_s, "Cosine similarity of text pairs' embeddings (vLLM's)", stream=False),
             "/v1/rerank": post(req_rr, res_rr, "Documents ordered by their embeddings' cosine similarity to the query "
                                "(vLLM's; also /rerank and /v2/rerank)", stream=False),
+            "/v1/load_lora_adapter": post(req_load, {"type": "string"}, "Load a LoRA adapter folder under a name "
+                                          "(vLLM's; needs --allow-runtime-lora-updating)", stream=False),
+            "/v1/unload_lora_adapter": post(req_unload, {"type": "string"}, "Unload a LoRA adapter (vLLM's; 404 for "
+                                            "a name none has)", stream=False),
             "/v1/messages": post(req_m, {"type": "object"}, "Anthropic's Messages API (errors in Anthropic's shape)"),
             "/v1/messages/count_tokens": post(req_ct, {"type": "object"}, "The prompt's tokens, as the engine runs it",
                                               stream=False),

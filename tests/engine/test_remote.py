@@ -62,7 +62,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(default_model) -> Iterator[Served]:
-    engine = EngineProcess(EngineConfig(model="default"))
+    engine = EngineProcess(EngineConfig(model="default", allow_runtime_lora_updating=True))
     app = create_app(engine, ServerConfig(served_model_name="smol"))
     with serve_in_thread(app, ws_ping_interval=None) as (port, loop):
         yield Served(engine, loop, f"http://127.0.0.1:{port}")
@@ -190,6 +190,28 @@ def test_sse_chat_through_the_engine_process(served: Served) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
     metrics = httpx.get(served.url + "/metrics").text
     assert "streamer_engine_steps" in metrics and "streamer_kv_pages_total 727.0" in metrics
+
+
+def test_lora_adapters_load_and_unload_in_the_engine_process(served: Served, default_model, tmp_path) -> None:
+    """Lora and LoraDone frames: the engine process loads the adapter and the server's info follows;
+    its errors come back as their own classes."""
+    from streamer.errors import LoraNotFound, ModelLoadError
+    from tests.model.lora_files import make_adapter
+
+    folder = make_adapter(tmp_path / "terse", default_model, ["q_proj", "v_proj"], rank=2, alpha=4, seed=1)
+    params = msgspec.structs.replace(GREEDY, lora="terse")
+    with pytest.raises(ModelLoadError, match="adapter_config.json"):
+        served.run(served.engine.load_lora("terse", str(tmp_path)))
+    served.run(served.engine.load_lora("terse", str(folder)))
+    assert served.engine.info.loras == ("terse",)
+    got = served.run(served.engine.generate(request("with-adapter", PROMPTS[0], params)))
+    assert got.error is None and got.completion_tokens == GREEDY.max_tokens
+    served.run(served.engine.unload_lora("terse"))
+    assert served.engine.info.loras == ()
+    with pytest.raises(LoraNotFound, match="terse"):
+        served.run(served.engine.unload_lora("terse"))
+    gone = served.run(served.engine.generate(request("adapter-gone", PROMPTS[0], params)))
+    assert gone.finish_reason == "error" and "terse" in gone.error
 
 
 def _stopped(served: Served, req: GenerateRequest) -> tuple[RequestOutput, float]:
@@ -333,3 +355,4 @@ def test_a_server_killed_while_the_model_loads_takes_its_engine_process_along(tm
         for pid in children:  # (a failed run leaves no orphan behind)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+

@@ -79,9 +79,8 @@ def test_load_inplace_replaces_an_adapter_and_ends_the_old_ones_requests(setup):
             with pytest.raises(RequestError, match="loaded already"):
                 await engine.load_lora("one", str(adapters["two"]))
             await engine.load_lora("one", str(adapters["two"]), replace=True)
-            last = first
-            async for last in running:
-                pass
+            rest = [out async for out in running]
+            last = rest[-1] if rest else first
             assert last.finished and last.finish_reason == "error" and "'one' was unloaded" in last.error
             assert len(last.token_ids) < 400
             out = await engine.generate(GenerateRequest(request_id="new", prompt_token_ids=prompt,

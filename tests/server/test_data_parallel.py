@@ -44,7 +44,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def dp(default_model) -> Iterator[Served]:
-    engine = DataParallelEngine(EngineConfig(model="default"), 2)
+    engine = DataParallelEngine(EngineConfig(model="default", allow_runtime_lora_updating=True), 2)
     app = create_app(engine, ServerConfig(served_model_name="smol", data_parallel_size=2))
     with serve_in_thread(app, ws_ping_interval=None) as (port, loop):
         yield Served(engine, loop, f"http://127.0.0.1:{port}")
@@ -204,6 +204,25 @@ def test_a_replica_that_fails_to_start_fails_the_launch_with_its_error(tmp_path)
         engine.launch()
     for replica in engine.replicas:  # every process has exited and was reaped
         assert replica.pid is not None and not os.path.exists(f"/proc/{replica.pid}")
+
+
+def test_a_lora_adapter_loads_and_unloads_on_every_replica(dp: Served, default_model, tmp_path) -> None:
+    from tests.model.lora_files import make_adapter
+
+    folder = make_adapter(tmp_path / "terse", default_model, ["q_proj"], rank=2, alpha=4, seed=1)
+    r = httpx.post(dp.url + "/v1/load_lora_adapter", json={"lora_name": "terse", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    assert [rep.info.loras for rep in dp.engine.replicas] == [(), ()]
+    r = httpx.post(dp.url + "/v1/load_lora_adapter", json={"lora_name": "terse", "lora_path": str(folder)})
+    assert r.status_code == 200, r.text
+    assert [rep.info.loras for rep in dp.engine.replicas] == [("terse",), ("terse",)]
+    for k in range(4):  # (distinct prompts: the router spreads them)
+        r = httpx.post(dp.url + "/v1/completions", json={"model": "terse", "prompt": f"Item {k}:", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "terse", r.text
+    r = httpx.post(dp.url + "/v1/unload_lora_adapter", json={"lora_name": "terse"})
+    assert r.status_code == 200, r.text
+    assert [rep.info.loras for rep in dp.engine.replicas] == [(), ()]
 
 
 def test_a_dead_replica_fails_its_own_requests_and_health_reports_it(dp: Served) -> None:
