@@ -127,7 +127,6 @@ def _decode_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    EARLY: tl.constexpr = False,
 ):
     # the lengths and the page table come from the step's inputs, not from the kernel before this
     # one (rotary_store writes q and the new token's K and V): read before the PDL wait, their
@@ -164,20 +163,6 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
-    pt_row = pt_ptr + b64 * stride_ptb
-    if EARLY:
-        # the split's first key block, before the wait: the kernel just before this one
-        # (rotary_store) writes only the new token's K/V, which is read again after it; the
-        # other keys were written by kernels that have completed (pdl_enter). A batch of a few
-        # sequences is latency-bound: the block's two dependent loads (page ids, then K/V)
-        # then overlap that kernel instead of following it.
-        toks0 = start + offs_n
-        mask0 = toks0 < end
-        page0 = _load_pages(pt_row, toks0, mask0, PAGE_SIZE)
-        k0, v0 = _load_kv_block(
-            k_ptr, v_ptr, page0, toks0, mask0, kvh, offs_d, d_mask,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
-        )  # fmt: skip
     _pdl_enter(PDL)
     q = tl.load(
         q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -191,6 +176,7 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_row = pt_ptr + b64 * stride_ptb
     if SUBTILE:
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
@@ -247,22 +233,7 @@ def _decode_kernel(
             k_cur = k_nx
             v_cur = v_nx
     else:
-        first = start
-        if EARLY:
-            # the new token's row, where this block holds it, as rotary_store left it (one row read)
-            new = mask0 & (toks0 == seq_len - 1)
-            k_new, v_new = _load_kv_block(
-                k_ptr, v_ptr, page0, toks0, new, kvh, offs_d, d_mask,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE,
-            )  # fmt: skip
-            if start < end:  # (a split left empty computes nothing, as the loop below)
-                k0 = tl.where(new[:, None], k_new, k0)
-                v0 = tl.where(new[:, None], v_new, v0)
-                m_i, l_i, acc = _decode_step(
-                    q, k0, v0, mask0, m_i, l_i, acc, qk_scale, IN_DTYPE, COMPUTE, PRECISION, INTERP, True, SOFTCAP
-                )
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             toks = n0 + offs_n
             t_mask = toks < end
             page = _load_pages(pt_row, toks, t_mask, PAGE_SIZE)
@@ -291,9 +262,6 @@ def _decode_kernel(
 
 
 # decode kernel variant defaults (see paged_decode)
-EARLY_BATCH = 8
-"""Batches up to this size read each split's first key block before the PDL wait (EARLY in
-_decode_kernel): few programs, each a chain of dependent loads, so the kernel's time is its latency."""
 _DECODE_PREFETCH = False
 _DECODE_HEAD_MAJOR = True  # measured faster on H200 (3.0 vs 2.5 TB/s at B=64, L=2048)
 
@@ -320,7 +288,6 @@ def paged_decode(
     softcap: float = 0.0,
     split_batch: int | None = None,
     sinks: torch.Tensor | None = None,
-    early: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V. q: [B, H, D] -> [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride over D).
@@ -344,9 +311,6 @@ def paged_decode(
     split_batch: choose the split count as for a batch of this size (1: the rows of a verify
     step, each split as a lone decode of its length is, so that their outputs are that
     decode's bit for bit; the key ranges of a split depend on the row's own length only).
-    early: read each split's first key block before the PDL wait (default: batches up to
-    EARLY_BATCH, not verify rows, whose earlier keys the kernel before may have written; the plain
-    variant only: not prefetch, not subtile). The same bits either way.
     """
     batch, h, d = q.shape
     _, page_size, kvh, dk = k_cache.shape
@@ -379,9 +343,6 @@ def paged_decode(
         prefetch = _DECODE_PREFETCH
     if head_major is None:
         head_major = _DECODE_HEAD_MAJOR
-    if early is None:
-        early = batch <= EARLY_BATCH and split_batch is None
-    early = early and not prefetch and not subtile
     if num_warps is None:
         # float8 pages: one warp per program, no cross-warp softmax and operand exchange per
         # key block (that, not bytes, bound 4 warps: 355 us at batch 256 and 1,500 tokens with
@@ -427,7 +388,6 @@ def paged_decode(
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        EARLY=early,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
