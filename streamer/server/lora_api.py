@@ -30,7 +30,7 @@ class LoadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
 class UnloadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_int_id: int | None = None
-    """vLLM's id of the adapter; unused (an adapter is its name here), accepted as vLLM's clients send it."""
+    """vLLM's integer id of an adapter: adapters have names alone here, so one given is refused."""
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -47,6 +47,9 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     body = decode_body(await request.body(), UnloadLoraAdapterRequest)
+    if body.lora_int_id is not None:
+        raise ApiError("lora_int_id: this server knows its adapters by lora_name alone (give that)",
+                       param="lora_int_id")
     try:
         await server(request).engine.unload_lora(body.lora_name)
     except LoraNotFound as e:

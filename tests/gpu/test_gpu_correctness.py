@@ -218,3 +218,29 @@ def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
     part = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if part is not None:  # (bf16: only a near-tie may part the two)
         assert abs(logps[part][got[part]] - logps[part][want[part]]) <= 5e-2, (part, got, want)
+
+
+def test_bf16_lora_loaded_while_serving_equals_one_loaded_at_start(tiny_models, tmp_path):
+    """An adapter loaded at run time (engine/adapters.py: its layers changed between steps, after
+    the CUDA graphs were captured) gives the tokens and logprobs of the same adapter loaded at
+    start, and once unloaded the base model's graphed steps are those of an engine without it."""
+    from tests.model.lora_files import make_adapter
+
+    base = tiny_models["qwen3"]
+    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
+                           std=0.05)
+    batch = prompts(4)
+    plain_p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    lora = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3, lora="one")
+    with LLM(str(base), dtype="bfloat16", num_pages=4096, lora_modules=(f"one={adapter}",)) as llm:
+        at_start = llm.generate(batch, lora)
+    with LLM(str(base), dtype="bfloat16", num_pages=4096, allow_runtime_lora_updating=True) as llm:
+        plain = llm.generate(batch, plain_p)
+        llm.load_lora("one", str(adapter))
+        loaded = llm.generate(batch, lora)
+        llm.unload_lora("one")
+        after = llm.generate(batch, plain_p)
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in at_start]
+    assert [[lp.top_logprobs for lp in o.logprobs] for o in loaded] == \
+        [[lp.top_logprobs for lp in o.logprobs] for o in at_start]
+    assert [o.token_ids for o in after] == [o.token_ids for o in plain]

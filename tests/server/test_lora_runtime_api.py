@@ -49,6 +49,8 @@ def test_a_loaded_adapter_serves_requests_until_it_is_unloaded(served):
     r = c.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": folder, "load_inplace": True})
     assert r.status_code == 200, r.text
     r = c.post("/v1/unload_lora_adapter", json={"lora_name": "sql", "lora_int_id": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_int_id"
+    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
     r = c.post("/v1/completions", json={**COMPLETION, "model": "sql"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
