@@ -205,10 +205,12 @@ class EngineConfig:
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ConfigError(f"lora_modules: each adapter needs a name of its own, not {', '.join(names)}")
-        for what, on in (("lora_modules", bool(names)), ("allow_runtime_lora_updating", self.allow_runtime_lora_updating)):
-            if on and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
-                raise ConfigError(f"{what}: LoRA adapters are not supported with tensor_parallel_size > 1 or "
-                                  "speculative decoding (speculative_config)")
+        if names and self.speculative_config is not None:
+            raise ConfigError("lora_modules: LoRA adapters are not supported with speculative decoding "
+                              "(speculative_config)")
+        if self.allow_runtime_lora_updating and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
+            raise ConfigError("allow_runtime_lora_updating: adapters loaded while serving are not supported with "
+                              "tensor_parallel_size > 1 or speculative decoding (speculative_config)")
 
     @property
     def lora_adapters(self) -> list[tuple[str, str]]:  # (in the order given: adapter k is the k-th)

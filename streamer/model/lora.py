@@ -18,7 +18,8 @@ graphs serve the base model's batches.
 Refused by name (ModelLoadError): DoRA, biases, modules_to_save, fan_in_fan_out, a rank or alpha
 pattern per layer, targets that are not this model's linear layers (embeddings, the LM head,
 experts, quantized int4 layers, MLA's latent projections: what is not in TARGETS). A float8 base
-layer is fine: the delta is added to its output.
+layer is fine: the delta is added to its output. Under tensor parallelism each rank holds its part
+of every adapter (`_rank_part`), as the layer's weight is split.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
+from streamer.model.tp_group import current as tensor_parallel
 
 PREFIX = "base_model.model."
 """PEFT's prefix of the base model's names."""
@@ -152,9 +154,12 @@ def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> Non
     every other Linear none; ModelLoadError for a target that is not one of the model's linear
     layers, with no layer changed."""
     targets: dict[str, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
+    group = tensor_parallel()
     for k, adapter in enumerate(adapters):
         for layer, (a, b) in adapter.weights.items():
             name = layer.removeprefix("model.")
+            if group is not None:
+                a, b = _rank_part(group, model, adapter.name, name, a, b)
             fused = model.fused_module(name) if hasattr(model, "fused_module") else name
             targets.setdefault(fused, []).append((k, name, a, b.float() * adapter.scale))
     built = {fused: _stacked(model, fused, parts, adapters, dtype) for fused, parts in targets.items()}
@@ -194,6 +199,25 @@ def _stacked(model: nn.Module, fused: str, parts: list[tuple[int, str, torch.Ten
     owner = torch.arange(1, len(adapters) + 1).repeat_interleave(width)
     device = module.weight.device
     return LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), owner.to(device))
+
+
+def _rank_part(group: Any, model: nn.Module, adapter: str, name: str, a: torch.Tensor, b: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of an adapter of layer `name`: B's rows of its output rows
+    (a column-parallel layer: q/k/v, gate/up), or A's columns of its input columns (a row-parallel
+    layer: o, down; each rank's delta x_r A_r^T B^T is then part of the partial sum the layer's
+    all-reduce adds up). Adapters of checkpoint-fused layers (Phi-3's qkv_proj, gate_up_proj) are
+    refused: their B rows would need the q | k | v split of the weight's."""
+    from streamer.model.tp_layers import linear_split
+
+    if name.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):
+        raise ModelLoadError(f"LoRA adapter {adapter!r}: {name!r} is a fused layer in the checkpoint; its "
+                             "adapters are not supported with tensor_parallel_size > 1")
+    split = linear_split(group, model, name)
+    if split is None:  # (a layer every rank holds whole: the whole delta on each)
+        return a, b
+    axis, first, n = split
+    return (a, b[first:first + n]) if axis == 0 else (a[:, first:first + n], b)
 
 
 def _has(model: nn.Module, name: str) -> bool:

@@ -103,7 +103,7 @@ def test_an_adapter_of_a_layer_that_is_not_linear_is_refused(tiny_models, tmp_pa
 @pytest.mark.parametrize(("kw", "word"), [
     ({"lora_modules": ("nopath",)}, "NAME=PATH"),
     ({"lora_modules": ("a=/x", "a=/y")}, "name of its own"),
-    ({"lora_modules": ("a=/x",), "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"allow_runtime_lora_updating": True, "tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"lora_modules": ("a=/x",), "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative"),
 ])
