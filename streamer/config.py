@@ -208,9 +208,9 @@ class EngineConfig:
         if names and self.speculative_config is not None:
             raise ConfigError("lora_modules: LoRA adapters are not supported with speculative decoding "
                               "(speculative_config)")
-        if self.allow_runtime_lora_updating and (self.tensor_parallel_size > 1 or self.speculative_config is not None):
-            raise ConfigError("allow_runtime_lora_updating: adapters loaded while serving are not supported with "
-                              "tensor_parallel_size > 1 or speculative decoding (speculative_config)")
+        if self.allow_runtime_lora_updating and self.speculative_config is not None:
+            raise ConfigError("allow_runtime_lora_updating: LoRA adapters are not supported with speculative "
+                              "decoding (speculative_config)")
 
     @property
     def lora_adapters(self) -> list[tuple[str, str]]:  # (in the order given: adapter k is the k-th)

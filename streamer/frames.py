@@ -107,6 +107,15 @@ class RankStep(msgspec.Struct, tag=True):
     whose request still waits runs on beside their steps, as on rank 0)."""
 
 
+class RankLora(msgspec.Struct, tag=True):
+    """A LoRA adapter loaded (path) or unloaded (None) while serving, between two steps: each rank
+    reads the folder itself, then all agree (TPGroup.min_int) or all leave the adapters as they were."""
+
+    key: str
+    name: str
+    path: str | None
+
+
 class RankPing(msgspec.Struct, tag=True):
     """Keep-alive while the engine is idle (the ranks wait on a collective with a timeout)."""
 
@@ -115,4 +124,4 @@ class RankStop(msgspec.Struct, tag=True):
     """The engine stops: the rank leaves the group and exits."""
 
 
-ToRank = RankStep | RankPing | RankStop
+ToRank = RankStep | RankLora | RankPing | RankStop

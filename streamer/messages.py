@@ -98,6 +98,8 @@ class LoraUpdate(msgspec.Struct):
     name: str
     adapter: Any
     done: Any
+    path: str | None = None
+    """The adapter's folder (tensor parallelism: the other ranks read it themselves)."""
 
 
 class Finish(msgspec.Struct):

@@ -8,7 +8,8 @@ host pages; each step sends them, every rank starts them on its shard, and waits
 only at the step rank 0 may read its pages in (TierFollower). A
 speculative draft (draft_model, eagle3) is whole and on rank 0 alone: it
 proposes before the step is sent, so the other ranks receive the verify chunks' tokens. The other ranks (follow_steps) run each step they receive and take the
-tokens; they never schedule nor sample.
+tokens; they never schedule nor sample. A LoRA adapter loaded or unloaded while serving goes
+to them between two steps (RankLora): each rank reads the folder, and all agree on the outcome.
 
 Invariant: every rank issues the same collectives in the same order (same batch, same
 code). A step that fails on rank 0 may leave the others inside a collective: it is fatal
@@ -26,9 +27,10 @@ from typing import Any
 import torch
 
 from streamer.distributed.step import StepChannel, for_ranks
-from streamer.frames import RankStep, RankStop, TierCopy
+from streamer.errors import ModelLoadError
+from streamer.frames import RankLora, RankStep, RankStop, TierCopy
 from streamer.kv.host import HostTier
-from streamer.messages import Batch
+from streamer.messages import Batch, LoraUpdate
 from streamer.model.launched import Launched, RowValues
 from streamer.model.runner import ModelRunner, row_ids
 from streamer.model.tp_group import TPGroup
@@ -95,6 +97,25 @@ class TPRunner(ModelRunner):
             self.loads_ready += 1
         self.channel.send(RankStep(for_ranks(batch), self.split_decode_tokens, copies, self.loads_ready))
 
+    def update_lora(self, update: LoraUpdate) -> None:
+        """Every rank loads (reads the folder itself) or unloads the adapter; then they agree, or
+        every rank leaves its adapters as they were and the error is raised here."""
+        if self.failed is not None:
+            raise RuntimeError(f"the tensor-parallel group is down: {self.failed}")
+        self.channel.send(RankLora(update.key, update.name, update.path))
+        error: Exception | None = None
+        try:
+            super().update_lora(update)
+        except Exception as e:  # noqa: BLE001 - agreed on below, then raised
+            error = e
+        if self.group.min_int(int(error is None)) == 1:
+            return
+        if error is None:  # another rank failed: this one undoes its load
+            self.adapters.update(update.key, None)
+            error = ModelLoadError(f"LoRA adapter {update.name!r}: another tensor-parallel rank could not load "
+                                   f"{update.path} (a folder every node must be able to read)")
+        raise error
+
     def _sample(self, batch: Batch, logits: torch.Tensor, values: RowValues,
                 plan: Any = None, proposed: Any = None) -> Launched:
         try:
@@ -140,6 +161,9 @@ def follow_steps(runner: ModelRunner, channel: StepChannel, tier: HostTier | Non
         msg = channel.recv()
         if isinstance(msg, RankStop):
             return
+        if isinstance(msg, RankLora):
+            _follow_lora(runner, group, msg)
+            continue
         if not isinstance(msg, RankStep):
             continue  # a keep-alive
         if msg.tier_copies or msg.loads_ready:
@@ -153,6 +177,20 @@ def follow_steps(runner: ModelRunner, channel: StepChannel, tier: HostTier | Non
         if rids:
             group.broadcast(tokens)
         runner.last_tokens, runner.last_rows = tokens, {rid: i for i, rid in enumerate(rids)}
+
+
+def _follow_lora(runner: ModelRunner, group: TPGroup, msg: RankLora) -> None:
+    """Rank 0's adapter update on this rank (TPRunner.update_lora), agreed on by every rank."""
+    from streamer.model.lora import read_adapter
+
+    ok = True
+    try:
+        runner.adapters.update(msg.key, None if msg.path is None else read_adapter(msg.name, msg.path))
+    except Exception:  # noqa: BLE001 - rank 0 reports it to the caller
+        log.warning("tensor parallelism: LoRA adapter %r not loaded on this rank", msg.name, exc_info=True)
+        ok = False
+    if group.min_int(int(ok)) == 0 and ok and msg.path is not None:
+        runner.adapters.update(msg.key, None)
 
 
 class TierFollower:

@@ -65,7 +65,7 @@ class LoraRegistry:
             adapter = await asyncio.get_running_loop().run_in_executor(None, read_adapter, name, path)
             key = lora_key(name, self._loaded)
             self._loaded += 1
-            await _update(send, LoraUpdate(key, name, adapter, None))
+            await _update(send, LoraUpdate(key, name, adapter, None, path))
             self.keys[name] = key
             if old is not None:
                 await _update(send, LoraUpdate(old, name, None, None))
@@ -84,5 +84,5 @@ class LoraRegistry:
 
 async def _update(send: Callable[[LoraUpdate], None], msg: LoraUpdate) -> None:
     done = asyncio.get_running_loop().create_future()
-    send(LoraUpdate(msg.key, msg.name, msg.adapter, done))
+    send(LoraUpdate(msg.key, msg.name, msg.adapter, done, msg.path))
     await done

@@ -119,7 +119,7 @@ async def run(runner: ModelRunner, inbox: Inbox, to_scheduler: asyncio.Queue[ToS
                     return
                 if isinstance(msg, LoraUpdate):  # (between steps: the launch thread runs one thing at a time)
                     try:
-                        await loop.run_in_executor(thread, runner.adapters.update, msg.key, msg.adapter)
+                        await loop.run_in_executor(thread, runner.update_lora, msg)
                     except Exception as e:  # noqa: BLE001 - the engine's caller gets it; nothing changed
                         if not msg.done.done():
                             msg.done.set_exception(e)

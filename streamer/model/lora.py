@@ -127,6 +127,8 @@ class Adapters:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, modules: list[tuple[str, str]]) -> None:
         self.model, self.dtype = model, dtype
+        self.group = tensor_parallel()
+        """The tensor-parallel group the model was built in (None: one rank), for adapters loaded later."""
         self.loaded: dict[str, Adapter] = {lora_key(name, k): read_adapter(name, path)
                                            for k, (name, path) in enumerate(modules)}
         self.index: dict[str, int] = {}
@@ -144,17 +146,16 @@ class Adapters:
         self._attach(loaded)
 
     def _attach(self, loaded: dict[str, Adapter]) -> None:
-        attach(self.model, list(loaded.values()), self.dtype)
+        attach(self.model, list(loaded.values()), self.dtype, self.group)
         self.loaded = loaded
         self.index = {key: k + 1 for k, key in enumerate(loaded)}
 
 
-def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype) -> None:
+def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype, group: Any = None) -> None:
     """Give each Linear the adapters that target it (LoraWeights, in dtype: the activations'), and
     every other Linear none; ModelLoadError for a target that is not one of the model's linear
-    layers, with no layer changed."""
+    layers, with no layer changed. group: the model's tensor-parallel group (each rank its part)."""
     targets: dict[str, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
-    group = tensor_parallel()
     for k, adapter in enumerate(adapters):
         for layer, (a, b) in adapter.weights.items():
             name = layer.removeprefix("model.")

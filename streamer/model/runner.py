@@ -24,7 +24,7 @@ from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
 from streamer.env import blas_library, use_l2_prefetch, use_pdl
 from streamer.errors import ConfigError
-from streamer.messages import Batch, SampledToken, StepOutput
+from streamer.messages import Batch, LoraUpdate, SampledToken, StepOutput
 from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
 from streamer.model.eagle_draft import EagleDraft
@@ -229,6 +229,10 @@ class ModelRunner:
                 embeddings[rid] = row
         logits = self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]]
         return logits, RowValues(prompt_logprobs, prompt_tops, prompt_ranks, embeddings)
+
+    def update_lora(self, update: LoraUpdate) -> None:
+        """Load or unload a LoRA adapter between steps (engine/adapters.py); ModelLoadError: nothing changed."""
+        self.adapters.update(update.key, update.adapter)
 
     def launch(self, batch: Batch) -> Launched:
         """Queue one step on the device. Greedy batches keep their tokens there (no sync),

@@ -40,6 +40,30 @@ def test_two_ranks_answer_adapters_as_one(tmp_path, family):
     assert len({tuple(t) for t, _ in one[:3]}) > 1, "the adapters change the output"
 
 
+def test_an_adapter_loaded_while_two_ranks_serve_answers_as_one_loaded_at_start(tmp_path):
+    """RankLora: every rank reads the folder between two steps; unloaded, the name is refused."""
+    base = make_tiny_model(tmp_path / "base", "LlamaForCausalLM", None)
+    adapters = {"one": make_adapter(tmp_path / "one", base, ALL, rank=4, alpha=8, seed=1)}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 29, 70)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1, lora="one")
+    kw = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 32}
+    with LLM(str(base), lora_modules=(f"one={adapters['one']}",), **kw) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(str(base), tensor_parallel_size=2, allow_runtime_lora_updating=True, **kw) as llm:
+        with pytest.raises(ModelLoadError, match="adapter_config.json"):
+            llm.load_lora("one", str(tmp_path))
+        llm.load_lora("one", str(adapters["one"]))
+        got = llm.generate(prompts, params)
+        llm.unload_lora("one")
+        gone = llm.generate(prompts[:1], params)[0]
+        after = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))[0]
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert gone.finish_reason == "error" and "'one'" in gone.error and after.error is None
+
+
 def test_an_adapter_of_a_fused_checkpoint_layer_is_refused_under_tensor_parallelism(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -103,7 +103,8 @@ def test_an_adapter_of_a_layer_that_is_not_linear_is_refused(tiny_models, tmp_pa
 @pytest.mark.parametrize(("kw", "word"), [
     ({"lora_modules": ("nopath",)}, "NAME=PATH"),
     ({"lora_modules": ("a=/x", "a=/y")}, "name of its own"),
-    ({"allow_runtime_lora_updating": True, "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"allow_runtime_lora_updating": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "speculative"),
     ({"lora_modules": ("a=/x",), "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative"),
 ])
