@@ -161,16 +161,9 @@ class ModelRunner:
                 last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.adapters.index,
             )
         return prepare(
-            batch,
-            page_size=self.pool.page_size,
-            device=self.device,
-            staging=self.inputs_staging,
-            graphs=self.graphs,
-            extend_graphs=self.extend_graphs,
-            split_decode_tokens=self.split_decode_tokens,
-            last_tokens=self.last_tokens,
-            last_rows=self.last_rows,
-            loras=self.adapters.index,
+            batch, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging, graphs=self.graphs,
+            extend_graphs=self.extend_graphs, split_decode_tokens=self.split_decode_tokens,
+            last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.adapters.index,
         )
 
     def before_forward(self, batch: Batch) -> None:
