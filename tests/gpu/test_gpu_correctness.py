@@ -4,6 +4,7 @@ CUDA-graph and eager runs give identical tokens. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -187,6 +188,18 @@ def test_bf16_embeddings_follow_transformers_beside_graphed_decodes(tiny_models)
     assert all(o.cached_tokens > 0 for o in again if o.prompt_tokens > 16)
 
 
+def lora_case(tiny_models, tmp_path, max_tokens: int, logprobs: int):
+    """The tiny Qwen3, an adapter of q, v and down (moderate weights: bf16), four prompts, and greedy
+    params without and with the adapter."""
+    from tests.model.lora_files import make_adapter
+
+    base = tiny_models["qwen3"]
+    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
+                           std=0.05)
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+    return base, adapter, prompts(4), plain, msgspec.structs.replace(plain, lora="one")
+
+
 def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
     """LoRA on the GPU (model/lora.py): a batch with an adapter's tokens runs eagerly, the base
     model's alone from the graphs. Base requests replayed from the graphs give the tokens of an
@@ -195,14 +208,9 @@ def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
     graphed runs up to a near-tie; the adapter's logits follow the merged model's (transformers,
     bf16) up to a near-tie, and differ from the base model's."""
     from tests.distributed.workload import assert_follows_until_near_tie
-    from tests.model.lora_files import make_adapter, merged
+    from tests.model.lora_files import merged
 
-    base = tiny_models["qwen3"]
-    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
-                           std=0.05)
-    batch = prompts(4)
-    plain_p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-    lora = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5, lora="one")
+    base, adapter, batch, plain_p, lora = lora_case(tiny_models, tmp_path, 24, 5)
     with LLM(str(base), dtype="bfloat16", num_pages=4096) as llm:
         plain = llm.generate(batch, plain_p)
     with LLM(str(base), dtype="bfloat16", num_pages=4096, lora_modules=(f"one={adapter}",)) as llm:
@@ -224,14 +232,7 @@ def test_bf16_lora_loaded_while_serving_equals_one_loaded_at_start(tiny_models, 
     """An adapter loaded at run time (engine/adapters.py: its layers changed between steps, after
     the CUDA graphs were captured) gives the tokens and logprobs of the same adapter loaded at
     start, and once unloaded the base model's graphed steps are those of an engine without it."""
-    from tests.model.lora_files import make_adapter
-
-    base = tiny_models["qwen3"]
-    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
-                           std=0.05)
-    batch = prompts(4)
-    plain_p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
-    lora = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3, lora="one")
+    base, adapter, batch, plain_p, lora = lora_case(tiny_models, tmp_path, 16, 3)
     with LLM(str(base), dtype="bfloat16", num_pages=4096, lora_modules=(f"one={adapter}",)) as llm:
         at_start = llm.generate(batch, lora)
     with LLM(str(base), dtype="bfloat16", num_pages=4096, allow_runtime_lora_updating=True) as llm:
