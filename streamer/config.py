@@ -205,12 +205,6 @@ class EngineConfig:
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ConfigError(f"lora_modules: each adapter needs a name of its own, not {', '.join(names)}")
-        if names and self.speculative_config is not None:
-            raise ConfigError("lora_modules: LoRA adapters are not supported with speculative decoding "
-                              "(speculative_config)")
-        if self.allow_runtime_lora_updating and self.speculative_config is not None:
-            raise ConfigError("allow_runtime_lora_updating: LoRA adapters are not supported with speculative "
-                              "decoding (speculative_config)")
 
     @property
     def lora_adapters(self) -> list[tuple[str, str]]:  # (in the order given: adapter k is the k-th)

@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.config import ConfigError, EngineConfig
 from streamer.engine.engine import AsyncEngine
 from streamer.errors import LoraNotFound, ModelLoadError, RequestError
 from streamer.messages import GenerateRequest
@@ -117,9 +116,3 @@ def test_what_cannot_be_loaded_or_unloaded_is_refused_by_name_and_changes_nothin
             llm.load_lora(" one", str(adapters["one"]))
         assert llm.engine.info.loras == ()
         assert llm.generate([[5, 6, 7]], greedy(n=2))[0].error is None
-
-
-def test_runtime_updating_is_refused_where_adapters_cannot_run():
-    with pytest.raises(ConfigError, match="allow_runtime_lora_updating"):
-        EngineConfig(allow_runtime_lora_updating=True,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -126,7 +126,7 @@ def verify_chunk(
     start = req.num_computed
     k = len(draft)
     chunk = SeqChunk(req.request_id, [req.tokens[start], *draft], start, req.pages[: pool_pages_for(start + 1 + k)],
-                     True, num_draft=k)
+                     True, num_draft=k, lora=req.params.lora)
     p = req.params
     needed = p.reads_history
     out = req.output
