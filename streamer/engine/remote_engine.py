@@ -185,7 +185,9 @@ async def _update_lora(engine: AsyncEngine, msg: Lora, outbox: _Outbox) -> None:
             await engine.unload_lora(msg.name)
         else:
             await engine.load_lora(msg.name, msg.path, msg.replace)
-    except StreamerError as e:
+    except Exception as e:  # noqa: BLE001 - the server's caller gets it (not one of streamer.errors: a RuntimeError)
+        if not isinstance(e, StreamerError):
+            log.warning("LoRA adapter %r: update failed", msg.name, exc_info=True)
         outbox.send(LoraDone(msg.id, list(engine.info.loras), str(e), type(e).__name__))
     else:
         outbox.send(LoraDone(msg.id, list(engine.info.loras)))
