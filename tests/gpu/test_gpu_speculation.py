@@ -90,3 +90,24 @@ def test_eagle3_on_cuda_graphs_keeps_every_proposal_of_a_head_that_agrees(tmp_pa
         s = llm.stats()
         llm.check()
     assert [len(o.token_ids) for o in out] == [41, 41] and s.spec_verifies > 0
+
+
+def test_bf16_lora_requests_with_ngram_speculation_follow_them_without(models, tmp_path):
+    """A LoRA request's verify steps (eager: the graphs hold the base model alone) run with its
+    adapter: its greedy output follows the adapter's without speculation, up to a near-tie."""
+    from tests.distributed.workload import assert_follows_until_near_tie
+    from tests.model.lora_files import make_adapter
+
+    path = models["qwen3"]
+    adapter = make_adapter(tmp_path / "one", path, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=1,
+                           std=0.05)
+    batch = prompts()
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=5, lora="one")
+    kw = {"dtype": "bfloat16", "lora_modules": (f"one={adapter}",)}
+    with LLM(str(path), **kw) as llm:
+        plain = [llm.generate([p], params)[0] for p in batch]
+    with LLM(str(path), speculative_config=SPEC, **kw) as llm:
+        got = [llm.generate([p], params)[0] for p in batch]
+        s = llm.stats()
+    assert s.spec_accepted_tokens > 0
+    assert_follows_until_near_tie(got, plain)
