@@ -82,7 +82,9 @@ class LoraWeights:
 
 REFUSED_CONFIG = {"use_dora": "DoRA adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) weights",
                   "modules_to_save": "modules_to_save (fully trained layers)", "rank_pattern": "a rank per layer",
-                  "alpha_pattern": "an alpha per layer", "layers_to_transform": "layers_to_transform"}
+                  "alpha_pattern": "an alpha per layer", "layers_to_transform": "layers_to_transform",
+                  "lora_bias": "biases on lora_B (lora_bias)", "layer_replication": "layer_replication (copied layers)",
+                  "trainable_token_indices": "trainable_token_indices (trained embedding rows)"}
 
 
 def read_adapter(name: str, path: str) -> Adapter:

@@ -81,6 +81,8 @@ def test_a_server_without_adapters_refuses_a_requests_adapter(tiny_models):
     ({"bias": "all"}, ["q_proj"], "bias"),
     ({"modules_to_save": ["lm_head"]}, ["q_proj"], "modules_to_save"),
     ({"peft_type": "IA3"}, ["q_proj"], "IA3"),
+    ({"lora_bias": True}, ["q_proj"], "lora_bias"),
+    ({"layer_replication": [[0, 2]]}, ["q_proj"], "layer_replication"),
 ])
 def test_what_an_adapter_cannot_be_is_refused_by_name(tiny_models, tmp_path, extra, targets, word):
     base = tiny_models["qwen3"]
