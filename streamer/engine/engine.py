@@ -336,17 +336,23 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter folder at `path` as `name` from now on (replace: in place of the
         adapter of that name): engine/adapters.py. RequestError, ModelLoadError."""
-        await self.start()
+        await self._serving()
         await self.adapters.load(name, path, replace, self.q_sched.put_nowait)
         self.info = dataclasses.replace(self.info, loras=self.adapters.names)
 
     async def unload_lora(self, name: str) -> None:
         """Stop serving the adapter `name`; its open requests end with an error. LoraNotFound."""
-        await self.start()
+        await self._serving()
         try:
             await self.adapters.unload(name, self.q_sched.put_nowait)
         finally:
             self.info = dataclasses.replace(self.info, loras=self.adapters.names)
+
+    async def _serving(self) -> None:
+        """Started, and with its actors alive (an update sent to a dead executor would wait forever)."""
+        await self.start()
+        if self.dead:
+            raise RuntimeError(f"the engine is down: {self.dead}")
 
     async def generate(self, request: GenerateRequest) -> RequestOutput:
         """Run one request to the end; the result holds all its token ids and text."""
