@@ -304,3 +304,29 @@ def test_graph_replays_of_the_target_and_the_head_give_the_eager_output(pair, mo
     assert got == want
     assert proposals == eager, "the head proposes from the graphs' buffers as it does eagerly"
     assert replays["head"] > 0 and replays["target"] > 0, replays
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_a_lora_adapters_requests_keep_their_greedy_output_with_an_eagle_head(pair, tmp_path, method):
+    """The head proposes from the target's hidden states (with the request's adapter) and is not
+    adapted itself: only the acceptance depends on it; the verify chunks run with the adapter."""
+    import torch
+
+    from tests.model.lora_files import make_adapter
+    from tests.model.test_lora import ALL
+
+    target, head = pair
+    if method == "eagle":
+        head = make_eagle1_head(tmp_path / "eagle1", target)
+    one = make_adapter(tmp_path / "one", target, ALL, rank=4, alpha=8, seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30, 60)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, lora=name) for name in ("one", None, "one")]
+    kw = {"dtype": "float32", "device": "cpu", "lora_modules": (f"one={one}",)}
+    with LLM(str(target), **kw) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    with LLM(str(target), speculative_config=spec, **kw) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats().spec_draft_tokens > 0
+    assert [o.token_ids for o in outs] == want
