@@ -73,3 +73,21 @@ def test_an_adapter_of_a_fused_checkpoint_layer_is_refused_under_tensor_parallel
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     with pytest.raises(ModelLoadError, match="fused layer"):
         LLM(str(base), dtype="float32", device="cpu", tensor_parallel_size=2, lora_modules=(f"fused={folder}",))
+
+
+def test_two_ranks_with_a_draft_model_keep_an_adapters_greedy_output(tmp_path):
+    """Tensor parallelism, speculative decoding (the draft whole on rank 0) and an adapter together:
+    the verify chunks, sent to every rank, carry the request's adapter."""
+    base = make_tiny_model(tmp_path / "base", "LlamaForCausalLM", None)
+    one = make_adapter(tmp_path / "one", base, ALL, rank=4, alpha=8, seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 50, (n,), generator=g).tolist() * 3 for n in (5, 12, 20)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, lora=name) for name in ("one", None, "one")]
+    kw = {"dtype": "float32", "device": "cpu", "lora_modules": (f"one={one}",)}
+    with LLM(str(base), **kw) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 3}
+    with LLM(str(base), speculative_config=spec, tensor_parallel_size=2, **kw) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats().spec_draft_tokens > 0
+    assert [o.token_ids for o in outs] == want
