@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.errors import LoraNotFound, RequestError
@@ -65,10 +66,10 @@ class LoraRegistry:
             adapter = await asyncio.get_running_loop().run_in_executor(None, read_adapter, name, path)
             key = lora_key(name, self._loaded)
             self._loaded += 1
-            await _update(send, LoraUpdate(key, name, adapter, None, path))
+            await _update(send, key, name, adapter, path)
             self.keys[name] = key
             if old is not None:
-                await _update(send, LoraUpdate(old, name, None, None))
+                await _update(send, old, name)
 
     async def unload(self, name: str, send: Callable[[LoraUpdate], None]) -> None:
         """Stop serving `name`: its requests still running end with an error. LoraNotFound."""
@@ -79,10 +80,12 @@ class LoraRegistry:
             if key is None:
                 have = f" (loaded: {', '.join(self.keys)})" if self.keys else " (none is loaded)"
                 raise LoraNotFound(f"no LoRA adapter is named {name!r}{have}")
-            await _update(send, LoraUpdate(key, name, None, None))
+            await _update(send, key, name)
 
 
-async def _update(send: Callable[[LoraUpdate], None], msg: LoraUpdate) -> None:
+async def _update(send: Callable[[LoraUpdate], None], key: str, name: str, adapter: Any = None,
+                  path: str | None = None) -> None:
+    """Send the LoraUpdate (adapter None: unload key) and wait for the executor's outcome."""
     done = asyncio.get_running_loop().create_future()
-    send(LoraUpdate(msg.key, msg.name, msg.adapter, done, msg.path))
+    send(LoraUpdate(key, name, adapter, done, path))
     await done
