@@ -118,6 +118,7 @@ def _router_kernel(
     FMAX: tl.constexpr = 448.0,
     TINY: tl.constexpr = 1e-12,
     PREFETCH: tl.constexpr = 0,
+    W_FIRST: tl.constexpr = False,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
@@ -129,15 +130,18 @@ def _router_kernel(
     promoted dtype): every program normalizes the row itself (a row of the hidden size, from L2)
     and program (t, 0) stores it and the sum, for the experts and the next layer. QUANT (H <=
     BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
-    and scale (kernels/quant.py quantize_row), for float8 experts."""
+    and scale (kernels/quant.py quantize_row), for float8 experts. W_FIRST (H <= BLOCK_K): the
+    program's router rows are loaded before the PDL wait, while the kernels before still run."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
     if tl.program_id(0) == 0:  # (the router's weights, once: no kernel before writes them)
         _prefetch_l2(w_ptr + clamped.to(tl.int64) * stride_w, H, PREFETCH)
-    _pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + clamped[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    if W_FIRST:
+        w_first = tl.load(w_ptrs, mask=(offs_k < H)[None, :], other=0.0)
+    _pdl_enter(PDL)
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     rstd = 0.0
     if NORM:  # the row's statistic first (H > BLOCK_K: a pass over its chunks)
@@ -166,7 +170,11 @@ def _router_kernel(
                 if tl.program_id(1) == 0:
                     row = tl.sum(tl.where(keep, xv, 0.0), axis=0)
                     quantize_row(row, q_ptr + t * H + offs_k, mask_k, scale_ptr + t, FMAX, TINY, INTERP)
-        acc += tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0).to(tl.float32) * xv
+        if W_FIRST:
+            wv = w_first
+        else:
+            wv = tl.load(w_ptrs + k, mask=mask_k[None, :], other=0.0)
+        acc += wv.to(tl.float32) * xv
     z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
     tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
     tl.debug_barrier()  # every thread's logits stored before the count says so
@@ -284,6 +292,7 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
         LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
         X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
         QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, PREFETCH=_prefetch_lines(hidden * weight.element_size(), pdl),
-        num_warps=num_warps, launch_pdl=pdl,
+        W_FIRST=hidden <= block_k,
+        num_warps=num_warps, launch_pdl=bool(pdl),
     )  # fmt: skip
     return weights, ids, normed, new_res, rows

@@ -18,6 +18,7 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
+from kernels.common import pdl_inputs as _pdl_inputs
 from kernels.common import round_to as _round_to
 
 
@@ -216,7 +217,7 @@ def rotary(
             INTERP=_interpreting(),
             PDL=pdl,
             num_warps=4,
-            launch_pdl=pdl,
+            launch_pdl=bool(pdl),
         )
     return q_out, k_out
 
@@ -271,8 +272,9 @@ def _rotary_store_kernel(
     program ran the chains one after the other."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    # the position, its cos/sin row and the slot are step inputs and a table (no kernel before this
-    # one writes them): two dependent loads read before the PDL wait, while the q/k/v GEMV ends
+    # the position, its cos/sin row and the slot are step inputs and a table: two dependent loads
+    # read before the PDL wait (under PDL_ON), while the q/k/v GEMV ends
+    _pdl_inputs(PDL)
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     _pdl_enter(PDL)
@@ -357,6 +359,6 @@ def rotary_store(
             NORM=qk_norm is not None,
             NORM_OFFSET=float(offset),
             num_warps=4,
-            launch_pdl=pdl,
+            launch_pdl=bool(pdl),
         )
     return q_out

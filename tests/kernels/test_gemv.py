@@ -379,3 +379,54 @@ def test_the_engine_can_turn_the_prefetch_off(monkeypatch):
 
     monkeypatch.setattr(common, "PREFETCH_BYTES", 0)
     assert common.prefetch_lines(8192, pdl=True) == 0
+
+
+# ---------------------------------------------------------------- W columns loaded before the PDL wait
+
+
+@pytest.mark.parametrize("preload", [64, 128, 4096])
+@pytest.mark.parametrize("cfg", ["default", "split3", "acc1d_split2"])
+def test_gemv_with_preloaded_columns_matches_linear(monkeypatch, cfg, preload):
+    """kernels.common.PRELOAD_COLUMNS (STREAMER_GEMV_PRELOAD): each program's first columns of W
+    loaded into registers before its PDL wait, summed apart, then the usual chunks. The
+    product stays F.linear's to within the summation order, split-K, ragged K and 1-D
+    accumulators included, for 1-4 rows."""
+    from kernels import common
+
+    monkeypatch.setattr(common, "PRELOAD_COLUMNS", preload)
+    gen = torch.Generator().manual_seed(preload)
+    for m, k in ((1, 300), (3, 256), (4, 200)):
+        x = _rand(m, k, dtype=torch.float32, gen=gen)
+        w = _rand(37, k, dtype=torch.float32, gen=gen, scale=k**-0.5)
+        _close(G.gemv(x, w, CONFIGS[cfg]), linear(x, w), TOL[torch.float32])
+
+
+def test_preloaded_columns_are_a_power_of_two_and_a_multiple_of_the_step(monkeypatch):
+    """PRE_K: the largest power of two up to PRELOAD_COLUMNS and the split's length, and only if
+    the loop's step divides it (the loop then starts there); 0 turns it off."""
+    from kernels import common
+    from kernels.gemv.linear import _preload_columns
+
+    monkeypatch.setattr(common, "PRELOAD_COLUMNS", 1024)
+    assert _preload_columns(1024, 2048) == 1024
+    assert _preload_columns(256, 3000) == 1024
+    assert _preload_columns(1024, 1024) == 1024
+    assert _preload_columns(2048, 4096) == 0  # (a float8 step longer than the preload)
+    monkeypatch.setattr(common, "PRELOAD_COLUMNS", 4096)
+    assert _preload_columns(1024, 3072) == 2048
+    monkeypatch.setattr(common, "PRELOAD_COLUMNS", 0)
+    assert _preload_columns(64, 4096) == 0
+
+
+def test_per_row_gemv_with_preloaded_columns_keeps_each_rows_bits(monkeypatch):
+    """With the preload, every row still takes the same operations in any program, so a verify
+    step's rows (per_row) equal the lone-row decode GEMV bit for bit."""
+    from kernels import common
+
+    monkeypatch.setattr(common, "PRELOAD_COLUMNS", 1024)
+    gen = torch.Generator().manual_seed(7)
+    x = _rand(5, 2048, dtype=torch.bfloat16, gen=gen)
+    w = _rand(37, 2048, dtype=torch.bfloat16, gen=gen, scale=2048**-0.5)
+    rows = G.gemv(x, w, per_row=True)
+    for i in range(5):
+        assert torch.equal(rows[i], G.gemv(x[i : i + 1], w)[0]), i
