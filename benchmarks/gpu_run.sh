@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | early)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -519,17 +519,6 @@ if [ "$part" = ab ]; then
   bench $m --json "$OUT/ab_tree.json" | tail -1
   (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
-fi
-if [ "$part" = early ]; then
-  # issue 30: STREAMER_PDL=early (the next kernel launches before a kernel's wait) and the GEMVs' W columns loaded
-  # before their wait (STREAMER_GEMV_PRELOAD), W2 on the Qwen3-30B-A3B shape (AB_MODEL) for each setting, one machine
-  # (~1 min each). EARLY_VARIANTS: "pdl,preload,l2prefetch" triples.
-  m="--workload W2 --no-peer --model-dir ${AB_MODEL:-benchmarks/configs/qwen3-30b-a3b}"
-  for v in ${EARLY_VARIANTS:-1,0,0 1,1024,0 early,0,0 early,1024,0 early,2048,0 early,0,65536}; do
-    IFS=, read -r pdl pre l2 <<< "$v"
-    STREAMER_PDL=$pdl STREAMER_GEMV_PRELOAD=$pre STREAMER_L2_PREFETCH=$l2 bench $m --json "$OUT/early_${pdl}_${pre}_$l2.json" \
-        | tail -1 | sed "s/^/pdl=$pdl preload=$pre l2=$l2: /"
-  done
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

@@ -156,7 +156,7 @@ def _gated(x: torch.Tensor, block: int | None, num_warps: int, gelu: bool, fp8: 
             FMAX=FP8_MAX,
             TINY=FP8_TINY,
             num_warps=num_warps,
-            launch_pdl=bool(pdl),
+            launch_pdl=pdl,
         )
     out = out.view(*x.shape[:-1], inter)
     return out if quant is None else (out, quant)

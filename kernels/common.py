@@ -17,17 +17,10 @@ TL_DTYPES = {
 }
 
 
-PDL_OFF, PDL_ON, PDL_EARLY = 0, 1, 2
-"""The modes of programmatic dependent launch (`pdl_enabled` returns one, kernels take it as
-their PDL constexpr). PDL_ON: a kernel waits for the one before it, then lets the next one
-launch, so at most two kernels of a step are resident at once. PDL_EARLY: it lets the next one
-launch first, then waits, so a chain of short kernels (rotary, attention, its merge) has the
-GEMV after it resident, its weights on their way, while the chain still runs (`pdl_enter`)."""
-
-PDL = PDL_ON
-"""The mode where the GPU has PDL. This package does not read the engine's settings (it does
-not import streamer): the engine sets this from STREAMER_PDL (0: off, early: PDL_EARLY;
-streamer.env.pdl_mode) before it captures its graphs."""
+PDL = True
+"""Programmatic dependent launch where the GPU has it. This package does not read the
+engine's settings (it does not import streamer): the engine sets this from its config
+(STREAMER_PDL=0 turns it off, streamer.config.use_pdl) before it captures its graphs."""
 
 
 def sm_count(device: torch.device | int) -> int:
@@ -43,20 +36,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pdl_enabled(x: torch.Tensor) -> int:
-    """Launch the kernels reading `x` with programmatic dependent launch (PDL), and how: a mode
-    (PDL_OFF, PDL_ON or PDL_EARLY, truthy when on) for the kernels' PDL constexpr; their
-    `launch_pdl` takes bool() of it.
+def pdl_enabled(x: torch.Tensor) -> bool:
+    """Launch the kernels reading `x` with programmatic dependent launch (PDL)?
 
     On sm_90+ a kernel launched with PDL may start (its programs become resident, run
     their prologue) while the kernel before it in the stream finishes; `pdl_enter` makes
     it wait for that kernel's completion before touching memory that kernel may produce
     or read. A decode step at batch 1 is a chain of ~300 short kernels, each of which
-    otherwise pays its launch and ramp-up in full. Off where `PDL` is PDL_OFF."""
+    otherwise pays its launch and ramp-up in full. Off where `PDL` is False."""
     if not PDL or not x.is_cuda or interpreting():
-        return PDL_OFF
-    on = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
-    return int(PDL) if on else PDL_OFF
+        return False
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,40 +57,17 @@ def _capability(device_index: int) -> int:
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """In a kernel launched with `launch_pdl=PDL`: wait until the kernel before it has completed
-    and its writes are visible, and let the next kernel launch (PDL_ON: after the wait;
-    PDL_EARLY: before it). Without PDL it is nothing. Every program passes here before any
-    store and before any load of what the kernel just before it writes. Loads of what no
-    kernel ever writes (weights) may come first. Loads of the step's inputs and of what kernels
-    further back wrote may come first only under PDL_ON, where this kernel launches once every
-    program of the one before passed its own wait, i.e. after those completed: such loads go
-    after `pdl_inputs`. Every program must pass here: a grid whose programs all skipped the wait
-    could complete before its predecessor and release its successor early.
-
-    Under PDL_EARLY a kernel waits for its predecessor, which completes only after its own
-    wait, so everything after the wait still follows every kernel before it. No deadlock: a
-    kernel launches only once every program of the one before has started, so only the newest
-    kernel can be waiting for room on the SMs, and the ones before it run to completion."""
-    if PDL == 2:  # (PDL_EARLY)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    and its writes are visible, then let the next kernel launch. Without PDL it is nothing.
+    Every program passes here before any store and before any load of what the kernel just
+    before it writes. Loads of what no kernel of the step writes (weights, the step's inputs)
+    may come first, and so may loads of what kernels further back wrote: this kernel launches
+    only once every program of the one before passed its own wait, i.e. after those completed.
+    Every program must pass here: a grid whose programs all skipped the wait could complete
+    before its predecessor and release its successor early."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def pdl_inputs(PDL: tl.constexpr):
-    """Before a load, ahead of `pdl_enter`, of the step's inputs (positions, lengths, slots:
-    a kernel of the step may write them, e.g. a draft model's loop) or of what a kernel before
-    the one just before wrote: under PDL_EARLY this kernel may launch before those complete,
-    so it waits here (the later `pdl_enter` then waits no more). Nothing under PDL_ON."""
-    if PDL == 2:
-        pdl_enter(PDL)
-
-
-PRELOAD_COLUMNS = 0
-"""Columns of each of its W rows a GEMV program (kernels/gemv/linear.py) loads into registers
-before its PDL wait (0: none; the engine sets it from STREAMER_GEMV_PRELOAD)."""
 
 DEFAULT_PREFETCH_BYTES = 2048
 PREFETCH_BYTES = DEFAULT_PREFETCH_BYTES

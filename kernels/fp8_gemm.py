@@ -124,6 +124,6 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
         q, weight, sx, sw, out, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, COMPUTE=compute, PRECISION="ieee" if interp else "tf32",
         DTYPE=TL_DTYPES[out_dtype], INTERP=interp, PDL=pdl, PREFETCH=prefetch_lines(k, pdl), num_warps=num_warps,
-        num_stages=num_stages or STAGES.get(bk, 4), launch_pdl=bool(pdl),
+        num_stages=num_stages or STAGES.get(bk, 4), launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -123,5 +123,5 @@ def store_kv(
         PDL=pdl,
         HAS_V=has_v,
         num_warps=4,
-        launch_pdl=bool(pdl),
+        launch_pdl=pdl,
     )

@@ -206,7 +206,7 @@ def mla_decode(
         V=v_dim, R=r, PAGE=page, BLOCK_H=HEAD_BLOCK, BLOCK_N=32 if v_dim <= 256 else 16, SPLIT=num_splits > 1,
         COMPUTE=compute, OUT_DTYPE=TL_DTYPES[q.dtype], PRECISION="ieee" if compute == tl.float32 else "tf32",
         ROPE_DOT=r >= 16, INTERP=interpreting(), PDL=pdl,
-        num_warps=4, launch_pdl=bool(pdl),
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(part_o, part_lse, out, out, False, pdl)

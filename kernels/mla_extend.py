@@ -152,6 +152,6 @@ def mla_extend(
         TILE_M=block_m if tiles is not None else block_t, TILED=tiles is not None,
         COMPUTE=compute, OUT_DTYPE=TL_DTYPES[q.dtype], PRECISION="ieee" if compute == tl.float32 else "tf32",
         ROPE_DOT=r >= 16, INTERP=interpreting(), PDL=pdl,
-        num_warps=num_warps, launch_pdl=bool(pdl),
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -35,7 +35,6 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
-from kernels.common import pdl_inputs as _pdl_inputs
 from kernels.common import prefetch_l2 as _prefetch_l2
 from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
@@ -204,7 +203,6 @@ def _down_kernel(
     # Before the PDL wait: the ids are the router's, which completed before the kernel before this one
     # (the gate_up GEMV, or the quantization after it) passed its own wait, so they are final; read
     # from L2 (.cg), and the experts' rows asked of L2 while that kernel ends.
-    _pdl_inputs(PDL)  # (the router is two kernels back)
     expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
     w_rows = w_ptr + expert * stride_we + n.to(tl.int64) * stride_wn
     _prefetch_l2(w_rows, INTER, PREFETCH)
@@ -306,7 +304,7 @@ def moe_gemv(
         sw_gu.stride(0), grid_rows[0], sx.stride(0),
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, GROUP_N=group_n, GROUP_K=group_k,
         **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
-        num_warps=4, num_stages=1, launch_pdl=bool(pdl),
+        num_warps=4, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     sh = h
     if scaled:
@@ -318,6 +316,6 @@ def moe_gemv(
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
         GROUP_N=group_n, GROUP_K=group_k,
         HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
-        PREFETCH=_prefetch_lines(inter * w_down.element_size(), pdl), num_warps=d_warps, num_stages=1, launch_pdl=bool(pdl),
+        PREFETCH=_prefetch_lines(inter * w_down.element_size(), pdl), num_warps=d_warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -293,6 +293,6 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
         X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
         QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, PREFETCH=_prefetch_lines(hidden * weight.element_size(), pdl),
         W_FIRST=hidden <= block_k,
-        num_warps=num_warps, launch_pdl=bool(pdl),
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids, normed, new_res, rows

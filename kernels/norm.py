@@ -124,7 +124,7 @@ def _launch(x, residual, weight, eps, num_warps=None, offset=0.0, fp8=False):
             FMAX=FP8_MAX,
             TINY=FP8_TINY,
             num_warps=num_warps,
-            launch_pdl=bool(pdl),
+            launch_pdl=pdl,
         )
     out = out.view(*x.shape[:-1], hidden)
     return out, None if residual is None else new_res.view(*x.shape[:-1], hidden), quant

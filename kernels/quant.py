@@ -101,6 +101,6 @@ def quantize_rows_fp8(
         PDL=pdl,
         LIVE_DIV=div,
         num_warps=max(1, min(16, block // 512)),
-        launch_pdl=bool(pdl),
+        launch_pdl=pdl,
     )  # fmt: skip
     return q, scale

@@ -18,7 +18,6 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
-from kernels.common import pdl_inputs as _pdl_inputs
 from kernels.common import round_to as _round_to
 
 
@@ -217,7 +216,7 @@ def rotary(
             INTERP=_interpreting(),
             PDL=pdl,
             num_warps=4,
-            launch_pdl=bool(pdl),
+            launch_pdl=pdl,
         )
     return q_out, k_out
 
@@ -272,9 +271,8 @@ def _rotary_store_kernel(
     program ran the chains one after the other."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    # the position, its cos/sin row and the slot are step inputs and a table: two dependent loads
-    # read before the PDL wait (under PDL_ON), while the q/k/v GEMV ends
-    _pdl_inputs(PDL)
+    # the position, its cos/sin row and the slot are step inputs and a table (no kernel before this
+    # one writes them): two dependent loads read before the PDL wait, while the q/k/v GEMV ends
     cos, sin = _cos_sin_of(pos_ptr, cs_ptr, t, stride_cos, HALF, BLOCK_HALF, DTYPE, INTERP)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     _pdl_enter(PDL)
@@ -359,6 +357,6 @@ def rotary_store(
             NORM=qk_norm is not None,
             NORM_OFFSET=float(offset),
             num_warps=4,
-            launch_pdl=bool(pdl),
+            launch_pdl=pdl,
         )
     return q_out

@@ -6,10 +6,8 @@ typed accessors below (env_str, env_flag, env_ints):
   STREAMER_PROFILE_STEPS   DiagnosticsConfig.profile_steps: steps run under torch.profiler...
   STREAMER_PROFILE_OUT     ...their kernel tables go to this file (kernel_profile.jsonl)
   STREAMER_LOG_COMPILES    DiagnosticsConfig.log_compiles: log each Triton variant built
-  STREAMER_PDL             pdl_mode(): programmatic dependent launch on sm_90+ (default on; early: the next
-                           kernel launches before a kernel's wait)
-  STREAMER_L2_PREFETCH     l2_prefetch_bytes(): decode GEMVs ask L2 for weights before their PDL wait (default off)
-  STREAMER_GEMV_PRELOAD    gemv_preload_columns(): W columns a decode GEMV loads before its PDL wait (default 0)
+  STREAMER_PDL             use_pdl(): programmatic dependent launch on sm_90+ (default on)
+  STREAMER_L2_PREFETCH     use_l2_prefetch(): decode GEMVs ask L2 for weights before their PDL wait (default off)
   STREAMER_DUMMY_INIT      dummy_init(): the values of load_format="dummy" weights (normal, or uniform as vLLM's)
   STREAMER_BLAS            blas_library(): which cuBLAS library torch's GEMMs prefer (default: torch's choice)
   MASTER_ADDR, MASTER_PORT rendezvous_env(): node 0 of a multi-node tensor-parallel engine
@@ -56,35 +54,18 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     return Path.home() / ".cache" / "streamer"
 
 
-def pdl_mode() -> int:
+def use_pdl() -> bool:
     """STREAMER_PDL (default on): launch the Triton kernels with programmatic dependent launch
-    where the GPU has it (sm_90+), as kernels.common's PDL_ON, or with "early" as PDL_EARLY (the
-    next kernel launches before a kernel's wait). The model runner hands it to kernels.common.PDL
-    (kernels/ does not import streamer); 0 turns it off, to measure what it gains."""
-    value = env_str("PDL").lower()
-    if value == "early":
-        return 2
-    return 1 if env_flag("PDL", True) else 0
+    where the GPU has it (sm_90+). The model runner hands it to kernels.common.PDL (kernels/
+    does not import streamer); 0 turns it off, to measure what it gains."""
+    return env_flag("PDL", True)
 
 
-def l2_prefetch_bytes() -> int:
+def use_l2_prefetch() -> bool:
     """STREAMER_L2_PREFETCH (default off): 1 makes the decode GEMVs, the float8 GEMM and the MoE
-    router ask L2 for their first 2,048 bytes of each weight row before their PDL wait, a larger
-    number for that many bytes (kernels.common.PREFETCH_BYTES). Off: it gained nothing measured
-    (benchmarks/RESULTS.md, thirty-seventh session)."""
-    value = env_str("L2_PREFETCH")
-    if value.isdigit() and int(value) > 1:
-        return int(value)
-    return 2048 if env_flag("L2_PREFETCH", False) else 0
-
-
-def gemv_preload_columns() -> int:
-    """STREAMER_GEMV_PRELOAD (default 0): the W columns of each row a decode GEMV program loads
-    into registers before its PDL wait (kernels.common.PRELOAD_COLUMNS); 0: none."""
-    value = env_str("GEMV_PRELOAD", "0")
-    if not value.isdigit():
-        raise ConfigError(f"STREAMER_GEMV_PRELOAD must be a number of columns, got {value!r}")
-    return int(value)
+    router ask L2 for their first weight bytes before their PDL wait (kernels.common.PREFETCH_BYTES).
+    Off: it gained nothing measured (benchmarks/RESULTS.md, thirty-seventh session)."""
+    return env_flag("L2_PREFETCH", False)
 
 
 DUMMY_INITS = ("normal", "uniform")

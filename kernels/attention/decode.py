@@ -38,7 +38,6 @@ from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
 from kernels.common import pdl_enter as _pdl_enter
-from kernels.common import pdl_inputs as _pdl_inputs
 from kernels.common import round_to as _round_to
 
 
@@ -130,8 +129,8 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr,
 ):
     # the lengths and the page table come from the step's inputs, not from the kernel before this
-    # one (rotary_store writes q and the new token's K and V): read before the PDL wait (under
-    # PDL_ON), their latency overlaps that kernel's end
+    # one (rotary_store writes q and the new token's K and V): read before the PDL wait, their
+    # latency overlaps that kernel's end
     if HEAD_MAJOR:  # the KV heads of one sequence are neighbouring programs
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -139,7 +138,6 @@ def _decode_kernel(
         b = tl.program_id(0)
         kvh = tl.program_id(1)
     split = tl.program_id(2)
-    _pdl_inputs(PDL)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if WINDOW > 0:
         # the query (at seq_len - 1) sees keys lo .. seq_len - 1; the splits divide those, from
@@ -390,7 +388,7 @@ def paged_decode(
         IN_DTYPE=_TL_DTYPES[q.dtype], COMPUTE=compute, OUT_DTYPE=_TL_DTYPES[q.dtype],
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         INTERP=interp, PDL=pdl, WINDOW=int(window), SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:

@@ -373,7 +373,7 @@ def paged_extend(
         HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=bool(pdl),
+        launch_pdl=pdl,
     )
     return out
 

@@ -103,5 +103,5 @@ def merge_splits(
         part_o, part_lse, sinks, out, out.stride(0), out.stride(1),
         H=h, HEAD_DIM=d, num_splits=num_splits, BLOCK_S=block_s, BLOCK_D=block_d, OUT_DTYPE=TL_DTYPES[out.dtype],
         INTERP=interpreting(), PDL=pdl, HAS_SINKS=has_sinks,
-        num_warps=4 if block_d * num_splits >= 2048 else 1, launch_pdl=bool(pdl),
+        num_warps=4 if block_d * num_splits >= 2048 else 1, launch_pdl=pdl,
     )  # fmt: skip

@@ -178,6 +178,6 @@ def gemv_glu(
         PREFETCH=_prefetch_lines(k * weight.element_size(), pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=bool(pdl),
+        launch_pdl=pdl,
     )
     return out.view(*x.shape[:-1], n)

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import common as _common
 from kernels.common import TL_DTYPES as _TL_DTYPES
 from kernels.common import interpreting as _interpreting
 from kernels.common import pdl_enabled as _pdl_enabled
@@ -34,16 +33,6 @@ def _x_chunk(row_ptr, offs_n, offs_k, k_left, EVEN_K: tl.constexpr):
         v = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0, eviction_policy="evict_last")
         v = v.to(tl.float32)
     return v
-
-
-@triton.jit
-def _preloaded(acc, w_pre, x_row, offs_n, offs_p, k_left, offs_k, EVEN_K: tl.constexpr, ACC_1D: tl.constexpr):
-    """acc plus the product of the W columns loaded before the PDL wait (w_pre, fp32, [BLOCK_N,
-    PRE_K]) with x's, summed along K into the accumulator's column 0 (or its only one: ACC_1D)."""
-    part = tl.sum(w_pre * _x_chunk(x_row, offs_n, offs_p, k_left, EVEN_K), axis=1)
-    if ACC_1D:
-        return acc + part
-    return acc + tl.where(offs_k[None, :] == 0, part[:, None], 0.0)
 
 
 @triton.jit
@@ -115,12 +104,7 @@ def _gemv_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
-    PRE_K: tl.constexpr = 0,
 ):
-    """PRE_K (> 0, a multiple of BLOCK_K * UNROLL, at most k_split): the first PRE_K columns of
-    the program's W rows are loaded into registers before the PDL wait (under PDL_EARLY the
-    kernels before this one may still be running: their time is the loads'). Every row of x
-    takes the same operations whatever BLOCK_M, so gemv(per_row=True) keeps its bits."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -131,10 +115,6 @@ def _gemv_kernel(
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read row N-1; the store masks them
     w_rows = w_ptr + rows.to(tl.int64) * stride_wn + k0
     _prefetch_l2(w_rows, k_len, PREFETCH)  # (weights: no kernel before writes them)
-    if PRE_K > 0:
-        offs_p = tl.arange(0, PRE_K)
-        w_pre = tl.load(w_rows[:, None] + offs_p[None, :], mask=(offs_p < k_len)[None, :], other=0.0,
-                        eviction_policy="evict_first")
     _pdl_enter(PDL)
     w_ptrs = w_rows[:, None] + offs_k[None, :]
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k0
@@ -148,16 +128,7 @@ def _gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    if PRE_K > 0:
-        w_pre = w_pre.to(tl.float32)
-        acc0 = _preloaded(acc0, w_pre, x0, offs_n, offs_p, k_len, offs_k, EVEN_K, ACC_1D)
-        if BLOCK_M > 1:
-            acc1 = _preloaded(acc1, w_pre, x1, offs_n, offs_p, k_len, offs_k, EVEN_K, ACC_1D)
-        if BLOCK_M > 2:
-            acc2 = _preloaded(acc2, w_pre, x2, offs_n, offs_p, k_len, offs_k, EVEN_K, ACC_1D)
-        if BLOCK_M > 3:
-            acc3 = _preloaded(acc3, w_pre, x3, offs_n, offs_p, k_len, offs_k, EVEN_K, ACC_1D)
-    for k in range(PRE_K, k_split, BLOCK_K * UNROLL):
+    for k in range(0, k_split, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             kk = k + u * BLOCK_K
             if EVEN_K:
@@ -298,27 +269,18 @@ def gemv(
         INTERP=interp,
         PDL=pdl,
         PREFETCH=_prefetch_lines(k_split * weight.element_size(), pdl),
-        PRE_K=_preload_columns(step, k_split),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=bool(pdl),
+        launch_pdl=pdl,
     )
     if splits > 1:
         total = m * n
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(total, block),)](
             ws, out, total, SPLITS=splits, BLOCK=block, OUT_DTYPE=dtype, INTERP=interp, PDL=pdl, num_warps=4,
-            launch_pdl=bool(pdl),
+            launch_pdl=pdl,
         )
     return out.view(*x.shape[:-1], n)
-
-
-def _preload_columns(step: int, k_split: int) -> int:
-    """PRE_K: the columns of each W row loaded before the PDL wait: the largest power of two up
-    to kernels.common.PRELOAD_COLUMNS and k_split, if that is a multiple of the loop's step (else
-    0). The same whatever the PDL mode, so that the mode changes no bit."""
-    cols = 1 << (max(1, min(_common.PRELOAD_COLUMNS, k_split)).bit_length() - 1)
-    return cols if _common.PRELOAD_COLUMNS > 0 and cols >= step else 0
 
 
 def _scale_args(scales, m: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 import kernels.common
 from streamer.config import EngineConfig
 from streamer.diagnostics import Diagnostics
-from streamer.env import blas_library, gemv_preload_columns, l2_prefetch_bytes, pdl_mode
+from streamer.env import blas_library, use_l2_prefetch, use_pdl
 from streamer.errors import ConfigError
 from streamer.messages import Batch, LoraUpdate, SampledToken, StepOutput
 from streamer.model.context import run_eager
@@ -53,9 +53,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, diagnostics: Diagnostics | None = None) -> None:
         self.config = config
         self.device = pick_device(config.device)
-        kernels.common.PDL = pdl_mode()  # (before any kernel runs or a graph is captured)
-        kernels.common.PREFETCH_BYTES = l2_prefetch_bytes()
-        kernels.common.PRELOAD_COLUMNS = gemv_preload_columns()
+        kernels.common.PDL = use_pdl()  # (before any kernel runs or a graph is captured)
+        kernels.common.PREFETCH_BYTES = kernels.common.DEFAULT_PREFETCH_BYTES if use_l2_prefetch() else 0
         if (blas := blas_library()) is not None and self.device.type == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)  # (process-wide: an A/B switch)
         torch.manual_seed(config.seed)

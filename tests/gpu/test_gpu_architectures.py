@@ -122,23 +122,3 @@ def test_block_fp8_linear_equals_its_fp32_reference(m, n, k):
     cs = quant.cublas_block_scale(scale.cuda())
     got = quant.block_fp8_linear(x.cuda(), wq.cuda(), scale.cuda(), (128, 128), None, cublas_scale=cs)
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-
-
-def test_early_pdl_keeps_the_moe_step_bits(models, monkeypatch):
-    """Under STREAMER_PDL=early a kernel may launch before the kernels two back complete, so the
-    MoE down GEMV reads the router's ids (two kernels back) only after its wait: a tiny
-    Qwen3-MoE's graphed batch-1 and batched steps give PDL_ON's bits."""
-    import kernels.common
-
-    for name in ("PDL", "PREFETCH_BYTES", "PRELOAD_COLUMNS"):  # (the engines below set them)
-        monkeypatch.setattr(kernels.common, name, getattr(kernels.common, name))
-    batch = prompts(4)
-
-    def run(pdl):
-        monkeypatch.setenv("STREAMER_PDL", pdl)
-        with LLM(str(models["qwen3_moe"]), dtype="bfloat16", num_pages=4096, max_num_seqs=8) as llm:
-            return [llm.generate([p], PARAMS)[0] for p in batch] + llm.generate(batch, PARAMS)
-
-    for x, e in zip(run("1"), run("early")):
-        assert x.token_ids == e.token_ids
-        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in e.logprobs]

@@ -102,37 +102,35 @@ def test_cuda_graphs_and_eager_give_identical_tokens(tiny_models):
 
 def test_programmatic_dependent_launch_changes_no_bit(tiny_models, monkeypatch):
     """With PDL (kernels.common.pdl_enabled) each Triton kernel of a step may start while
-    the one before it finishes (early: while the ones before that still run), and waits for
-    it before reading: the same arithmetic, so the same bits. A missing wait would read a
-    half-written input, at batch 1 (decode graphs of GEMVs) as in a batch. What kernels read
-    before their wait (weights asked of L2, STREAMER_L2_PREFETCH, or loaded, STREAMER_GEMV_PRELOAD;
-    under PDL_ON also the step's lengths, positions and slots and the router's ids in the MoE
-    down GEMV) changes no bit either."""
+    the one before it finishes, and waits for it before reading: the same arithmetic, so
+    the same bits. A missing wait would read a half-written input, at batch 1 (decode
+    graphs of GEMVs) as in a batch. What kernels read before their wait (weights asked of
+    L2, STREAMER_L2_PREFETCH; the step's lengths, positions and slots; the router's ids in
+    the MoE down GEMV) changes no bit either."""
     path = tiny_models["llama3"]
     batch = prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 
     import kernels.common
-    from kernels.common import PDL_EARLY, PDL_OFF, PDL_ON, pdl_enabled
+    from kernels.common import pdl_enabled
 
-    for name in ("PDL", "PREFETCH_BYTES", "PRELOAD_COLUMNS"):  # (the engines below set them)
-        monkeypatch.setattr(kernels.common, name, getattr(kernels.common, name))
+    monkeypatch.setattr(kernels.common, "PDL", kernels.common.PDL)  # (the engines below set it)
+    monkeypatch.setattr(kernels.common, "PREFETCH_BYTES", kernels.common.PREFETCH_BYTES)
 
     def run(pdl, prefetch="1"):
-        monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.env.pdl_mode)
+        monkeypatch.setenv("STREAMER_PDL", pdl)  # (read when an engine is built: streamer.env.use_pdl)
         monkeypatch.setenv("STREAMER_L2_PREFETCH", prefetch)
         with LLM(str(path), dtype="bfloat16", max_num_seqs=8, num_pages=2048) as llm:
-            mode = {"1": PDL_ON, "early": PDL_EARLY}.get(pdl, PDL_OFF)
-            want = mode if torch.cuda.get_device_capability()[0] >= 9 else PDL_OFF
-            assert pdl_enabled(torch.zeros(1, device="cuda")) == want
+            on = pdl == "1" and torch.cuda.get_device_capability()[0] >= 9
+            assert pdl_enabled(torch.zeros(1, device="cuda")) == on
             assert (kernels.common.PREFETCH_BYTES > 0) == (prefetch == "1")
             return [llm.generate([p], params)[0] for p in batch] + llm.generate(batch, params)
 
-    on, off, on_no_prefetch, early = run("1"), run("0"), run("1", prefetch="0"), run("early")
-    for x, y, z, e in zip(on, off, on_no_prefetch, early):
-        assert x.token_ids == y.token_ids == z.token_ids == e.token_ids
-        for other in (y, z, e):
-            assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in other.logprobs]
+    on, off, on_no_prefetch = run("1"), run("0"), run("1", prefetch="0")
+    for x, y, z in zip(on, off, on_no_prefetch):
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in y.logprobs]
+        assert [lp.top_logprobs for lp in x.logprobs] == [lp.top_logprobs for lp in z.logprobs]
 
 
 def test_fp8_linear_layers_follow_transformers_with_the_same_roundings(tiny_models):
