@@ -38,7 +38,7 @@ DEVICE = "cuda"
 ROTATE_BYTES = 200e6
 MIN_CALLS = 20
 MS = (1, 2, 4)
-# (name, N, K): Llama-3.1-8B, then Qwen3-0.6B
+# (name, N, K): Llama-3.1-8B, Qwen3-0.6B, then the attention GEMVs of Qwen3-30B-A3B (issue 30's batch-1 step)
 SHAPES = [
     ("o", 4096, 4096),
     ("qkv", 6144, 4096),
@@ -49,6 +49,8 @@ SHAPES = [
     ("q06.gate_up", 6144, 1024),
     ("q06.o", 1024, 2048),
     ("q06.down", 1024, 3072),
+    ("moe.qkv", 5120, 2048),
+    ("moe.o", 2048, 4096),
 ]
 TILES = [(4, 4), (8, 8), (8, 4), (2, 2), (16, 8)]  # (block_n, num_warps)
 UNROLLS = (2, 4, 8)
@@ -191,8 +193,10 @@ def bench_gemv(args, budget: Budget, gen: torch.Generator, best_table: dict) -> 
         f"{'spd':>4} {'config':14} | {'best':>6} {'TB/s':>4} {'config':16} | {'err':>7} {'e32 g/c':>15}"
     )
     for name, n, k in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
         ws = _weights(n, k, gen)
-        for m in MS:
+        for m in args.rows or MS:
             x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
             nbytes = (n * k + m * k + m * n) * 2
             tb = lambda us, nbytes=nbytes: nbytes / us / 1e6
@@ -350,6 +354,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full", action="store_true", help="sweep every tile x unroll x split x acc_1d")
     p.add_argument("--only", choices=("gemv", "glu", "fp8"), help="one table only")
     p.add_argument("--budget", type=float, default=None, help="seconds after which sweeping stops")
+    p.add_argument("--shapes", type=lambda v: v.split(","), default=None,
+                   help="comma-separated shape names of the gemv table (default: all)")
+    p.add_argument("--rows", type=lambda v: [int(m) for m in v.split(",")], default=None,
+                   help="comma-separated M of the gemv table (default: 1,2,4)")
 
 
 def main(args: argparse.Namespace) -> None:
