@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -519,6 +519,15 @@ if [ "$part" = ab ]; then
   bench $m --json "$OUT/ab_tree.json" | tail -1
   (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
+fi
+if [ "$part" = moeb1 ]; then
+  # issue 30's next questions at batch 1 (~4 min): the attention GEMVs' configs (bench gemv sweep, M = 1), decode
+  # attention with Qwen3-30B-A3B's 4 KV heads by split count (W2's 2,048-token graphs, then a server's 40,960), and the
+  # MoE GEMV tiles (moe_layer.py, one token)
+  python3 -m streamer bench gemv --only gemv --shapes moe.qkv,moe.o --rows 1 --full --budget 90 2>&1 | tail -8
+  python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
+  python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
+  python3 benchmarks/moe_layer.py --tokens 1 2>&1 | tee "$OUT/moe_layer.txt" | tail -30
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

@@ -120,7 +120,7 @@ def bench_attn() -> None:
               + ", ".join(f"{t:.1f}us s{s} n{bn} w{nw} st{ns}" for t, s, bn, nw, ns in rows[:3]), flush=True)
 
 
-def bench_attn_b1() -> None:
+def bench_attn_b1(kvh: int = 8, max_len: int = 2048) -> None:
     """Paged decode attention at batch 1 (the W2 regime): latency per call by launch config.
 
     At batch 1 the kernel moves little data (1.5 MB at 384 tokens) and is bound by latency:
@@ -128,12 +128,15 @@ def bench_attn_b1() -> None:
     is timed as a decode step sees it: a CUDA graph of 32 back-to-back calls (one per layer),
     each on its own KV cache so that no call finds its keys in L2 (in a real step the layer's
     weights flush it between calls). `default` is what paged_decode picks for the decode graph
-    of a 2048-token context (max_seq_len = 2048), Llama-3.1-8B heads, contexts 256-1024."""
+    of a 2048-token context (max_seq_len = 2048), Llama-3.1-8B heads, contexts 256-1024.
+    --kv-heads 4: Qwen3-30B-A3B's heads, as W2 on the MoE shape runs them (bench offline's
+    max_model_len of 2,048 sizes its graphs' page table); --max-seq-len 40960: as a server with
+    that model's whole context would (the split count follows the table's width, not the context)."""
     from kernels import attention
 
     LAYERS = 32
-    H, KVH, D, PAGE = 32, 8, 128, 16
-    WIDTH = 2048 // PAGE
+    H, KVH, D, PAGE = 32, kvh, 128, 16
+    WIDTH = max_len // PAGE
     g = torch.Generator(device="cuda").manual_seed(0)
     pages = WIDTH + 1
     kc = [torch.randn(pages, PAGE, KVH, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
@@ -142,17 +145,17 @@ def bench_attn_b1() -> None:
     q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     configs: list[dict | None] = [None] + [
         dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st)
-        for s, bn, w, st in itertools.product((8, 16, 32), (16, 32, 64), (2, 4), (1, 3))
-        if s * bn <= 2048
+        for s, bn, w, st in itertools.product((4, 8, 16, 32, 64), (16, 32, 64), (2, 4), (1, 3))
+        if s * bn <= max_len
     ]
     for ctx in (256, 384, 1024):
         sl = torch.tensor([ctx], device="cuda", dtype=torch.int32)
-        ref = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=2048)
+        ref = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=max_len)
         rows = []
         for cfg in configs:
             kw = cfg or {}
             try:
-                out = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=2048, **kw)
+                out = attention.paged_decode(q, kc[0], vc[0], pt, sl, 0.088, max_seq_len=max_len, **kw)
                 if (out.float() - ref.float()).abs().max().item() > 2e-2:
                     print(f"  {kw}: WRONG", flush=True)
                     continue
@@ -160,12 +163,12 @@ def bench_attn_b1() -> None:
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
                     for i in range(LAYERS):
-                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=2048, **kw)
+                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=max_len, **kw)
                 torch.cuda.current_stream().wait_stream(s)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for i in range(LAYERS):
-                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=2048, **kw)
+                        attention.paged_decode(q, kc[i], vc[i], pt, sl, 0.088, max_seq_len=max_len, **kw)
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 graph.replay()
                 times = []
@@ -1119,6 +1122,8 @@ def main() -> None:
                                     "overlap", "gemm-rows", "gemm-layouts", "step", "mixed", "w1cpu", "serve", "grammar",
                                     "ttft"])
     p.add_argument("--kv-cache-dtype", default="auto", help="step: the engine's KV cache dtype")
+    p.add_argument("--kv-heads", type=int, default=8, help="attn-b1: KV heads (32 query heads)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="attn-b1: the page table's width in tokens")
     p.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"),
                    help="grammar: a model folder with a tokenizer; ttft: the model (dummy weights)")
     p.add_argument("--launch", action="store_true", help="ttft: the runner's step alone, with a cProfile")
@@ -1131,7 +1136,7 @@ def main() -> None:
     p.add_argument("--case", type=int, default=None, help="step: only this case (0: 8B batch 1, 1: 8B batch 128, 2: 0.6B, 3: 8B batch 256, 4: 8B batch 480, "
                         "5: Qwen3-30B-A3B batch 1, 6: Qwen3-30B-A3B batch 128)")
     a = p.parse_args()
-    plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-b1": bench_attn_b1, "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
+    plain = {"gemm": bench_gemm, "attn": bench_attn, "attn-b1": lambda: bench_attn_b1(a.kv_heads, a.max_seq_len), "attn-kv": bench_attn_kv, "attn-occ": bench_attn_occupancy,
              "attn-order": bench_attn_order, "attn-subtile": bench_attn_subtile, "attn-w3": bench_attn_w3, "attn-one": bench_attn_one, "power": bench_power, "small-ops": bench_small_ops,
              "gemm-fp8": bench_gemm_fp8, "gemm-layouts": bench_gemm_layouts, "overlap": bench_overlap}
     if a.part == "gemm-rows":
