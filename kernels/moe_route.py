@@ -131,7 +131,8 @@ def _router_kernel(
     and program (t, 0) stores it and the sum, for the experts and the next layer. QUANT (H <=
     BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
     and scale (kernels/quant.py quantize_row), for float8 experts. W_FIRST (H <= BLOCK_K): the
-    program's router rows are loaded before the PDL wait, while the kernels before still run."""
+    program's router rows are loaded before the PDL wait, while the kernel before still runs
+    (W2 on the Qwen3-30B-A3B shape: 3.04 against 3.05-3.06 ms/token on an H100)."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
