@@ -521,13 +521,23 @@ if [ "$part" = ab ]; then
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
 fi
 if [ "$part" = moeb1 ]; then
-  # issue 30's next questions at batch 1 (~4 min): the attention GEMVs' configs (bench gemv sweep, M = 1), decode
-  # attention with Qwen3-30B-A3B's 4 KV heads by split count (W2's 2,048-token graphs, then a server's 40,960), and the
-  # MoE GEMV tiles (moe_layer.py, one token)
+  # issue 30's next questions at batch 1 (~4 min; ~6 with .route): the attention GEMVs' configs (bench gemv sweep,
+  # M = 1), decode attention with Qwen3-30B-A3B's 4 KV heads by split count (W2's 2,048-token graphs, then a server's
+  # 40,960), and the MoE GEMV tiles (moe_layer.py, one token)
   python3 -m streamer bench gemv --only gemv --shapes moe.qkv,moe.o --rows 1 --full --budget 90 2>&1 | tail -8
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
   python3 benchmarks/moe_layer.py --tokens 1 2>&1 | tee "$OUT/moe_layer.txt" | tail -30
+  # with .route (git archive exp/route-in-gate-up streamer kernels benchmarks pyproject.toml, carried): W2 for the
+  # tree, then for that branch (routing in the MoE GEMV's first kernel, the router without a last program), twice
+  if [ -d .route ]; then
+    m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
+    for r in 1 2; do
+      bench $m --json "$OUT/w2_tree_$r.json" | tail -1 | sed "s/^/tree  /"
+      (cd .route && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/w2_route_$r.json" 2>&1 \
+          | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route /")
+    done
+  fi
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
