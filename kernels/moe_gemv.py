@@ -46,7 +46,6 @@ from kernels.moe_operands import (
     quantize_groups,
     quantize_rows,
 )
-from kernels.moe_topk import topk as _topk
 
 MAX_TOKENS = 16
 """Tokens up to which `moe_gemv` replaces the grouped GEMM (measured on the H200 for the
@@ -111,35 +110,13 @@ def _gate_up_kernel(
     DTYPE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
-    logits_ptr=None,
-    rw_ptr=None,
-    E=1,
-    ROUTE: tl.constexpr = False,
-    BLOCK_E: tl.constexpr = 1,
-    RENORM: tl.constexpr = True,
-    R_ROUND: tl.constexpr = False,
-    R_DTYPE: tl.constexpr = tl.float32,
 ):
     """inter[p, n] = moe_glu(x[p // k] . Wg_e[n] + bg_e[n], x[p // k] . Wu_e[n] + bu_e[n]) for
     BLOCK_N rows n, e = ids[p] (the biases [E, 2I] with HAS_BIAS). Float8 (SCALED): per-row
-    scales, or with GROUP_K (> 0) [GROUP_N, GROUP_K] block scales (kernels/moe.py's layout).
-    ROUTE: e is routed here, from the router's logits (kernels/moe_topk.py, every program its
-    token's whole top-k; the router's kernel then needs no last program): the programs of the
-    first row block store each pair's expert (ids) and weight (rw) for GEMM 2."""
+    scales, or with GROUP_K (> 0) [GROUP_N, GROUP_K] block scales (kernels/moe.py's layout)."""
     _pdl_enter(PDL)  # (ids and x come from the kernels before)
     p = tl.program_id(0).to(tl.int64)
-    if ROUTE:
-        offs_e = tl.arange(0, BLOCK_E)
-        valid = offs_e < E
-        z = tl.load(logits_ptr + (p // TOPK) * BLOCK_E + offs_e, mask=valid, other=float("-inf"))
-        w_all, ids_all = _topk(z, offs_e, valid, TOPK, BLOCK_E, RENORM, R_ROUND, R_DTYPE, INTERP)
-        pick = offs_e == (p % TOPK)
-        expert = tl.sum(tl.where(pick, ids_all, 0), axis=0).to(tl.int64)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + p, expert.to(tl.int32))
-            tl.store(rw_ptr + p, tl.sum(tl.where(pick, w_all, 0.0), axis=0))
-    else:
-        expert = tl.load(ids_ptr + p).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, INTER - 1)  # tail rows re-read row INTER-1; the store masks them
     offs_k = tl.arange(0, BLOCK_K)
@@ -212,21 +189,17 @@ def _down_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
-    IDS_LATE: tl.constexpr = False,
 ):
     """out[t, n] for BLOCK_N rows n (each slot's product plus its expert's bias [E, H] with
     HAS_BIAS): the tile's rows are (slot j, row n) pairs, r = j * BLOCK_N + i, so the k
     slots' W rows (k experts) stream at once rather than one slot after the other
-    (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s). IDS_LATE:
-    the kernel before wrote the ids (GEMM 1 routed): they are read after the PDL wait."""
+    (at batch 1 a slot's 4 rows x I columns were too few bytes in flight: 1.5 TB/s)."""
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     r = tl.arange(0, TOPK_PAD * BLOCK_N)
     slot = r // BLOCK_N
     n = tl.minimum(n0 + r % BLOCK_N, H - 1)  # tail rows re-read row H-1; the store masks them
     p = t * TOPK + tl.minimum(slot, TOPK - 1)  # padding slots re-read the last one, weighted 0
-    if IDS_LATE:
-        _pdl_enter(PDL)
     # Before the PDL wait: the ids are the router's, which completed before the kernel before this one
     # (the gate_up GEMV, or the quantization after it) passed its own wait, so they are final; read
     # from L2 (.cg), and the experts' rows asked of L2 while that kernel ends.
@@ -284,7 +257,6 @@ def moe_gemv(
     swiglu_limit: float = reference.SWIGLU_LIMIT,
     block: tuple[int, int] | None = None,
     x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    route: tuple[torch.Tensor, int, bool, torch.dtype | None] | None = None,
 ) -> torch.Tensor:
     """kernels.reference_moe.fused_moe for a few tokens: x [T, H]; w_gate_up [E, 2I, H]; w_down
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int -> [T, H] in x's dtype.
@@ -295,10 +267,7 @@ def moe_gemv(
     block_n, block_k, unroll: GEMM 1's tiles; down: GEMM 2's (block_n, block_k, unroll,
     num_warps), default DOWN. activation, swiglu_alpha, swiglu_limit and the expert biases
     (w_gate_up_bias [E, 2I], w_down_bias [E, H]): the reference's, the biases added in the
-    GEMMs' epilogues. x_rows: x's float8 rows and scales made by the caller (per-row experts).
-    route = (logits [T, next_power_of_2(E)] float32, E, renormalize, round_to): GEMM 1 routes each
-    token from its router logits (kernels/moe_route.py norm_logits) and writes topk_weights and
-    topk_ids (then outputs, [T, k] float32 and int32 contiguous) for GEMM 2; 16-bit experts only."""
+    GEMMs' epilogues. x_rows: x's float8 rows and scales made by the caller (per-row experts)."""
     act = act_constants(activation, swiglu_alpha, swiglu_limit)
     t, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
@@ -322,17 +291,8 @@ def moe_gemv(
         d_k, d_unroll = d_tile, d_unroll * max(1, d_k // d_tile)
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
-    if route is not None:
-        assert not scaled and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
-        assert topk_ids.is_contiguous() and topk_weights.is_contiguous()
-        ids, weights = topk_ids.view(-1), topk_weights.view(-1)
-        logits, n_experts, renorm, r_round = route
-        r_args = dict(logits_ptr=logits, rw_ptr=weights, E=n_experts, ROUTE=True, BLOCK_E=logits.shape[1],
-                      RENORM=renorm, R_ROUND=r_round is not None, R_DTYPE=_TL_DTYPES[r_round or torch.float32])
-    else:
-        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        r_args = {}
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     dtype = _TL_DTYPES[out.dtype]
     interp = _interpreting()
     pdl = _pdl_enabled(x)
@@ -344,7 +304,7 @@ def moe_gemv(
         sw_gu.stride(0), grid_rows[0], sx.stride(0),
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, GROUP_N=group_n, GROUP_K=group_k,
         **act, HAS_BIAS=w_gate_up_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
-        **r_args, num_warps=4, num_stages=1, launch_pdl=pdl,
+        num_warps=4, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     sh = h
     if scaled:
@@ -356,7 +316,6 @@ def moe_gemv(
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=d_n, BLOCK_K=d_k, UNROLL=d_unroll,
         GROUP_N=group_n, GROUP_K=group_k,
         HAS_BIAS=w_down_bias is not None, SCALED=scaled, DTYPE=dtype, INTERP=interp, PDL=pdl,
-        PREFETCH=0 if route is not None else _prefetch_lines(inter * w_down.element_size(), pdl),
-        IDS_LATE=route is not None, num_warps=d_warps, num_stages=1, launch_pdl=pdl,
+        PREFETCH=_prefetch_lines(inter * w_down.element_size(), pdl), num_warps=d_warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -17,7 +17,6 @@ from kernels.common import prefetch_l2 as _prefetch_l2
 from kernels.common import prefetch_lines as _prefetch_lines
 from kernels.common import round_to as _round_to
 from kernels.moe_gemv import MAX_TOKENS, tile_row, use_gemv
-from kernels.moe_topk import topk as _topk
 from kernels.quant import empty_rows, quantize_row
 from kernels.quant import quantize_rows_fp8 as _quantize_rows_fp8
 from kernels.reference import FP8_MAX, FP8_TINY
@@ -26,10 +25,38 @@ from kernels.reference import FP8_MAX, FP8_TINY
 @triton.jit
 def _topk_store(z, offs, valid, weight_ptr, ids_ptr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
                 RENORM: tl.constexpr, ROUND: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
-    """kernels/moe_topk.py's routing of one token, stored in slot order."""
-    w, ids = _topk(z, offs, valid, TOPK, BLOCK_E, RENORM, ROUND, DTYPE, INTERP)
-    tl.store(weight_ptr + offs, w, mask=offs < TOPK)
-    tl.store(ids_ptr + offs, ids, mask=offs < TOPK)
+    """Softmax (fp32) over one token's logits z [BLOCK_E] (valid: the E real ones), the top k
+    (of equal probabilities the lower expert id first; torch.topk leaves their order
+    unspecified), renormalized to sum 1 (RENORM), rounded to DTYPE (ROUND), stored in order.
+    Each pick is one max over int64 keys (the probability's bits, which order as the
+    non-negative floats do, above the complement of the id), not a max and then a min."""
+    z = z - tl.max(z, axis=0)
+    num = tl.where(valid, tl.exp(z), 0.0)
+    probs = num / tl.sum(num, axis=0)
+    # a row of NaN or infinite logits (hidden states gone non-finite) would pick no real
+    # expert, and an id past the experts makes the GEMMs' index ops assert on the device,
+    # which ends the whole process. Such a row routes to the lowest experts instead (its
+    # output is non-finite anyway).
+    probs = tl.where(probs == probs, probs, 0.0)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - offs), -1)
+    slots = offs  # (k <= E <= BLOCK_E: the picks kept in a vector of the logits' shape)
+    picked = tl.zeros([BLOCK_E], dtype=tl.float32)
+    picked_ids = tl.zeros([BLOCK_E], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        key = tl.max(keys, axis=0)
+        idx = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+        best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        total += best
+        picked = tl.where(slots == j, best, picked)
+        picked_ids = tl.where(slots == j, idx, picked_ids)
+        keys = tl.where(offs == idx, -1, keys)
+    w = picked / total if RENORM else picked
+    if ROUND:
+        w = _round_to(w, DTYPE, INTERP).to(tl.float32)
+    tl.store(weight_ptr + slots, w, mask=slots < TOPK)
+    tl.store(ids_ptr + slots, picked_ids, mask=slots < TOPK)
 
 
 @triton.jit
@@ -92,7 +119,6 @@ def _router_kernel(
     TINY: tl.constexpr = 1e-12,
     PREFETCH: tl.constexpr = 0,
     W_FIRST: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
 ):
     """Program (t, r): BLOCK_R router logits of token t (x . W_e, rounded to x's dtype as
     F.linear's output), into the workspace; the last of the token's programs to finish (an
@@ -106,8 +132,7 @@ def _router_kernel(
     BLOCK_K: the row in one chunk): program (t, 0) also stores the normalized row's float8 rows
     and scale (kernels/quant.py quantize_row), for float8 experts. W_FIRST (H <= BLOCK_K): the
     program's router rows are loaded before the PDL wait, while the kernel before still runs
-    (W2 on the Qwen3-30B-A3B shape: 3.04 against 3.05-3.06 ms/token on an H100). DEFER: the
-    logits only, no routing (kernels/moe_gemv.py's gate_up kernel routes from them)."""
+    (W2 on the Qwen3-30B-A3B shape: 3.04 against 3.05-3.06 ms/token on an H100)."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     clamped = tl.minimum(rows, E - 1)
@@ -153,8 +178,6 @@ def _router_kernel(
         acc += wv.to(tl.float32) * xv
     z = _round_to(tl.sum(acc, axis=1), LOGIT_DTYPE, INTERP).to(tl.float32)
     tl.store(logits_ptr + t * BLOCK_E + rows, z, mask=rows < E)
-    if DEFER:
-        return
     tl.debug_barrier()  # every thread's logits stored before the count says so
     done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
     if done == tl.num_programs(1) - 1:
@@ -205,7 +228,7 @@ def route(
     live in one zeroed buffer per device, left zeroed by every call, so calls on one device
     must not run concurrently (the engine runs its model on one stream). num_warps: per program
     (tuning: the last program's top-k reduces across them k times)."""
-    weights, ids, _, _, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps, None)
+    weights, ids, _, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps, None)
     return weights, ids
 
 
@@ -217,21 +240,9 @@ def norm_route(
     normalized rows, in one kernel: (weights, ids, the normalized rows, x + residual). A decode
     step of a mixture of experts saves the norm's launch (the router's programs each normalize
     the row they read anyway)."""
-    weights, ids, normed, new_res, _, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps,
-                                                  (residual, norm_weight, eps))
+    weights, ids, normed, new_res, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps,
+                                               (residual, norm_weight, eps))
     return weights, ids, normed, new_res
-
-
-def norm_logits(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    num_warps: int = ROUTER_WARPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """norm_route without the routing: (the router's logits [T, next_power_of_2(E)] float32, each
-    rounded as F.linear's output in the norm's dtype, the padding columns unwritten; the
-    normalized rows; x + residual), for moe_gemv(route=...) to route in its first kernel."""
-    _, _, normed, new_res, _, logits = _launch(x, weight, 1, True, None, num_warps, (residual, norm_weight, eps),
-                                               defer=True)
-    return logits, normed, new_res
 
 
 def norm_route_fp8(
@@ -241,12 +252,12 @@ def norm_route_fp8(
     """norm_route and the normalized rows' float8 rows and scales (kernels.reference.quantize_rows_fp8's
     bits), for float8 experts: in the same kernel where a row fits one load (ROUTER_K columns),
     else one quantization launch after it."""
-    weights, ids, normed, new_res, rows, _ = _launch(x, weight, top_k, renormalize, round_to, num_warps,
+    weights, ids, normed, new_res, rows = _launch(x, weight, top_k, renormalize, round_to, num_warps,
                                                   (residual, norm_weight, eps), quant=True)
     return weights, ids, normed, new_res, rows if rows is not None else _quantize_rows_fp8(normed)
 
 
-def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=False, defer=False):
+def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=False):
     t, hidden = x.shape
     experts = weight.shape[0]
     assert use_gemv(t) and weight.shape == (experts, hidden)
@@ -282,7 +293,7 @@ def _launch(x, weight, top_k, renormalize, round_to, num_warps, norm, quant=Fals
         LOGIT_DTYPE=_TL_DTYPES[in_dtype], INTERP=_interpreting(), PDL=pdl, NORM=norm is not None,
         X_DTYPE=_TL_DTYPES[x.dtype], q_ptr=x if rows is None else rows[0], scale_ptr=x if rows is None else rows[1],
         QUANT=rows is not None, FMAX=FP8_MAX, TINY=FP8_TINY, PREFETCH=_prefetch_lines(hidden * weight.element_size(), pdl),
-        W_FIRST=hidden <= block_k, DEFER=defer,
+        W_FIRST=hidden <= block_k,
         num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
-    return weights, ids, normed, new_res, rows, logits
+    return weights, ids, normed, new_res, rows

@@ -253,29 +253,6 @@ def norm_route(
     return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
 
 
-def norm_route_moe(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    top_k: int, renormalize: bool, round_to: torch.dtype | None, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-    activation: str = "silu",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """norm_route, then fused_moe of the normalized rows with 16-bit experts: (the experts' output,
-    the normalized rows, x + residual). A few tokens on the GPU: the router's kernel makes only
-    the logits and the experts' first kernel routes from them (kernels/moe_gemv.py route), so no
-    program of the router waits for the others."""
-    if _triton(x):
-        from kernels import moe_gemv, moe_route
-
-        if moe_gemv.use_gemv(x.shape[0]):
-            logits, normed, new_res = moe_route.norm_logits(x, residual, norm_weight, eps, weight)
-            weights = torch.empty((x.shape[0], top_k), dtype=torch.float32, device=x.device)
-            ids = torch.empty((x.shape[0], top_k), dtype=torch.int32, device=x.device)
-            out = moe_gemv.moe_gemv(normed, w_gate_up, w_down, weights, ids, activation,
-                                    route=(logits, weight.shape[0], renormalize, round_to))
-            return out, normed, new_res
-    weights, ids, normed, new_res = norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
-    return fused_moe(normed, w_gate_up, w_down, weights, ids, activation), normed, new_res
-
-
 def norm_route_fp8(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     top_k: int, renormalize: bool, round_to: torch.dtype | None = None,

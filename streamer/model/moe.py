@@ -90,11 +90,6 @@ class SparseMoE(nn.Module):
         if type(self).route is SparseMoE.route and norm.offset == 0.0:
             args = (x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                     x.dtype if self.weights_in_hidden_dtype else None)
-            ex = self.experts
-            if type(self).mix is SparseMoE.mix and ex.gate_up_proj_scale is None and ex.int4 is None:
-                # (16-bit experts: the experts' first kernel routes, from the router's logits)
-                out, _, residual = ops.norm_route_moe(*args, ex.gate_up_proj, ex.down_proj, self.activation)
-                return (out if self.tp is None else self.tp.all_reduce(out)), residual
             if norm.fp8_rows:  # (float8 experts: the router's kernel also makes x's float8 rows)
                 weights, ids, x, residual, rows = ops.norm_route_fp8(*args)
                 quant.attach_rows(x, rows)

@@ -171,33 +171,3 @@ def test_moe_gemv_model_sized(t):
     w, ids = MR.route_topk(logits, 8, True, torch.bfloat16)
     rw, rids = RM.route_topk(logits, 8, True, torch.bfloat16)
     _same_routing(w, ids, rw, rids, 2**-8)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t,e,k,renormalize", [(1, 128, 8, True), (3, 16, 2, False), (2, 8, 1, True)],
-                         ids=["qwen3_moe_like", "raw_k2", "k1"])
-def test_routing_in_the_experts_kernel_gives_norm_route_then_moe_gemv(dtype, t, e, k, renormalize):
-    """The few-token path of ops.norm_route_moe: the router's kernel stores only the logits
-    (norm_logits) and GEMM 1 of moe_gemv routes each pair from them. Bit for bit what norm_route
-    then moe_gemv give: the normalized rows and the sum, the output, and the weights and ids it
-    leaves for GEMM 2. (ops.norm_route_moe on the CPU: the references, within their tolerance.)"""
-    from kernels import ops
-
-    gen = torch.Generator().manual_seed(t * e + k)
-    h, inter = 64, 24
-    x, res = (torch.randn(t, h, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
-    nw = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).to(DEVICE)
-    w = torch.randn(e, h, generator=gen).to(dtype).to(DEVICE)
-    w_gu = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).to(dtype).to(DEVICE)
-    w_d = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).to(dtype).to(DEVICE)
-    round_to = dtype if dtype != torch.float32 else None
-    rw, rids, normed, summed = MR.norm_route(x, res, nw, 1e-6, w, k, renormalize, round_to)
-    want = G.moe_gemv(normed, w_gu, w_d, rw, rids)
-    logits, got_normed, got_sum = MR.norm_logits(x, res, nw, 1e-6, w)
-    assert torch.equal(got_normed, normed) and torch.equal(got_sum, summed)
-    weights = torch.empty(t, k, dtype=torch.float32, device=DEVICE)
-    ids = torch.empty(t, k, dtype=torch.int32, device=DEVICE)
-    out = G.moe_gemv(normed, w_gu, w_d, weights, ids, route=(logits, e, renormalize, round_to))
-    assert torch.equal(out, want) and torch.equal(ids, rids) and torch.equal(weights, rw)
-    out, got_normed, got_sum = ops.norm_route_moe(x, res, nw, 1e-6, w, k, renormalize, round_to, w_gu, w_d)
-    assert_like_reference(out, want)
