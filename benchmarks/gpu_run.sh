@@ -528,8 +528,8 @@ if [ "$part" = moeb1 ]; then
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
   python3 benchmarks/moe_layer.py --tokens 1 2>&1 | tee "$OUT/moe_layer.txt" | tail -30
-  # with .route (git archive exp/route-in-gate-up streamer kernels benchmarks pyproject.toml, carried): W2 for the
-  # tree, then for that branch (routing in the MoE GEMV's first kernel, the router without a last program), twice
+  # with .route (git archive 7b8ce14 streamer kernels benchmarks pyproject.toml, carried): W2 for the
+  # tree, then for that commit (routing in the MoE GEMV's first kernel, the router without a last program), twice
   if [ -d .route ]; then
     m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
     for r in 1 2; do
