@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -538,6 +538,23 @@ if [ "$part" = moeb1 ]; then
           | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route /")
     done
   fi
+fi
+if [ "$part" = chain ]; then
+  # issue 30: the MoE MLP's two GEMVs in one launch (kernels/moe_chain.py): its compiled tests, the variants
+  # against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B shape: moe_gemv, the chain, the chain
+  # with the down tiles' first chunk preloaded, and .route (git archive 7b8ce14, carried) if present, twice (~6 min)
+  python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2
+  python3 benchmarks/moe_layer.py --chain --tokens 1,4 2>&1 | tee "$OUT/moe_chain.txt" | tail -20
+  m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
+  for r in 1 2; do
+    bench $m --json "$OUT/w2_tree_$r.json" | tail -1 | sed "s/^/gemv    /"
+    STREAMER_MOE_CHAIN=1 bench $m --json "$OUT/w2_chain_$r.json" | tail -1 | sed "s/^/chain   /"
+    STREAMER_MOE_CHAIN=preload bench $m --json "$OUT/w2_preload_$r.json" | tail -1 | sed "s/^/preload /"
+    if [ -d .route ]; then
+      (cd .route && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/w2_route_$r.json" 2>&1 \
+          | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route   /")
+    fi
+  done
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

@@ -221,6 +221,13 @@ def fused_moe(
         from kernels import moe, moe_gemv
 
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
+            from kernels import moe_chain
+
+            if moe_chain.ENABLED and w_gate_up_scale is None and block is None and w_gate_up.dtype == x.dtype:
+                return moe_chain.moe_chain(x, w_gate_up, w_down, topk_weights, topk_ids, activation,
+                                           w_gate_up_bias=w_gate_up_bias, w_down_bias=w_down_bias,
+                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                           preload=moe_chain.PRELOAD)
             return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
         return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
     return reference_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
