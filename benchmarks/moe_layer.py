@@ -146,6 +146,17 @@ def chain(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int, a
                 print(f"      chain {kw}: {type(ex).__name__}")
                 continue
             print(f"      chain {kw}: {us:6.1f} us a layer ({us - base:+.1f}){'' if same else ' (bits differ)'}")
+        # the router too: norm_route + moe_gemv against one launch (kernels/moe_chain.py norm_route_chain)
+        res, nw = torch.randn_like(x), torch.ones(x.shape[1], device=x.device, dtype=dt)
+        r_args = (x, res, nw, 1e-6, router[:16], k, True, None)
+
+        def three_launches(gu: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+            weights, ids, normed, _ = moe_route.norm_route(*r_args)
+            return moe_gemv.moe_gemv(normed, gu, d, weights, ids)
+
+        three = time_us(lambda: [three_launches(gu, d) for gu, d in groups]) / 8
+        one = time_us(lambda: [moe_chain.norm_route_chain(*r_args, gu, d) for gu, d in groups]) / 8
+        print(f"      router + experts: norm_route then moe_gemv {three:6.1f} us a layer, one launch {one:6.1f}")
 
 
 SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)

@@ -260,6 +260,33 @@ def norm_route(
     return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
 
 
+def chains_norm_route_moe(x: torch.Tensor) -> bool:
+    """Whether `norm_route_moe` runs as one launch here (kernels/moe_chain.py, an experiment:
+    STREAMER_MOE_CHAIN=route; a few tokens on the GPU)."""
+    if not _triton(x):
+        return False
+    from kernels import moe_chain, moe_gemv
+
+    return moe_chain.ROUTE and moe_gemv.use_gemv(x.shape[0])
+
+
+def norm_route_moe(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, round_to: torch.dtype | None, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_route, then fused_moe of the normalized rows with 16-bit experts: (the experts'
+    output, x + residual); in one launch where `chains_norm_route_moe`."""
+    if chains_norm_route_moe(x):
+        from kernels import moe_chain
+
+        out, _, new_res = moe_chain.norm_route_chain(x, residual, norm_weight, eps, weight, top_k, renormalize,
+                                                     round_to, w_gate_up, w_down, activation)
+        return out, new_res
+    weights, ids, normed, new_res = norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
+    return fused_moe(normed, w_gate_up, w_down, weights, ids, activation), new_res
+
+
 def norm_route_fp8(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     top_k: int, renormalize: bool, round_to: torch.dtype | None = None,

@@ -55,3 +55,42 @@ def test_chain_model_sized(t, preload):
     ref = G.moe_gemv(*args, down=(*G.DOWN[:3], C.WARPS))  # (the down tiles' warps: the same sums)
     for _ in range(3):
         assert torch.equal(C.moe_chain(*args, preload=preload), ref)
+
+
+@pytest.mark.parametrize("t,h,e,k", [(1, 40, 16, 8), (3, 48, 4, 2)], ids=["one", "three"])
+def test_norm_route_chain_is_norm_route_then_moe_gemv(t, h, e, k):
+    """The router's tiles in the same launch (ROUTE): the normalized rows, the new residual and
+    the experts' output all bit for bit as norm_route then moe_gemv."""
+    from kernels import moe_route as MR
+
+    dtype = torch.bfloat16
+    x, w_gu, w_d, _, _ = _problem(t, h, 24, e, k, dtype, seed=t + e)
+    gen = torch.Generator().manual_seed(t)
+    residual = torch.randn(t, h, generator=gen).to(x)
+    norm_w = (1 + 0.1 * torch.randn(h, generator=gen)).to(x)
+    router = (torch.randn(e, h, generator=gen) * h**-0.5).to(x)
+    args = (x, residual, norm_w, 1e-6, router, k, True, dtype)
+    weights, ids, normed, new_res = MR.norm_route(*args)
+    ref = G.moe_gemv(normed, w_gu, w_d, weights, ids)
+    for preload in (False, True):
+        out, c_normed, c_res = C.norm_route_chain(*args, w_gu, w_d, preload=preload)
+        assert torch.equal(c_normed, normed) and torch.equal(c_res, new_res)
+        assert torch.equal(out, ref)
+        assert not C._syncs[out.device].any()
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 4])
+def test_norm_route_chain_model_sized(t):
+    """Qwen3-30B-A3B's MoE block at decode (H 2048, I 768, 128 experts, top-8), compiled, three calls."""
+    from kernels import moe_route as MR
+
+    x, w_gu, w_d, _, _ = _problem(t, 2048, 768, 128, 8, torch.bfloat16, seed=t)
+    residual, norm_w = torch.randn_like(x), (1 + 0.1 * torch.randn(2048, device=x.device)).to(x)
+    router = (torch.randn(128, 2048, device=x.device) * 2048**-0.5).to(x)
+    args = (x, residual, norm_w, 1e-6, router, 8, True, None)
+    weights, ids, normed, new_res = MR.norm_route(*args)
+    ref = G.moe_gemv(normed, w_gu, w_d, weights, ids, down=(*G.DOWN[:3], C.WARPS))
+    for _ in range(3):
+        out, c_normed, c_res = C.norm_route_chain(*args, w_gu, w_d)
+        assert torch.equal(c_normed, normed) and torch.equal(c_res, new_res) and torch.equal(out, ref)
