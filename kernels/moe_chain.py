@@ -80,15 +80,11 @@ def _topk(z, offs, valid, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.
 
 
 @triton.jit
-def _routed(sync_ptr, logits_ptr, t, E, MAX_T: tl.constexpr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-            RENORM: tl.constexpr, R_ROUND: tl.constexpr, R_DTYPE: tl.constexpr, INTERP: tl.constexpr):
-    """Token t's (weights, ids) [BLOCK_E] once its E router tiles have stored their logits."""
-    while tl.load(sync_ptr + 2 + MAX_T + t, volatile=True) < E:
+def _wait_routed(sync_ptr, t, MAX_T: tl.constexpr):
+    """Until token t is routed (its ids and weights stored: sync[2 + 2 * MAX_T + t])."""
+    while tl.load(sync_ptr + 2 + 2 * MAX_T + t, volatile=True) == 0:
         pass
-    tl.atomic_add(sync_ptr + 2 + MAX_T + t, 0, sem="acquire")
-    offs_e = tl.arange(0, BLOCK_E)
-    z = tl.load(logits_ptr + t * BLOCK_E + offs_e, mask=offs_e < E, other=float("-inf"), cache_modifier=".cg")
-    return _topk(z, offs_e, offs_e < E, TOPK, BLOCK_E, RENORM, R_ROUND, R_DTYPE, INTERP)
+    tl.atomic_add(sync_ptr + 2 + 2 * MAX_T + t, 0, sem="acquire")
 
 
 @triton.jit
@@ -128,6 +124,24 @@ def _router_tile(x_ptr, res_ptr, nw_ptr, wr_ptr, logits_ptr, normed_ptr, new_res
 
 
 @triton.jit
+def _route_last(sync_ptr, logits_ptr, ids_ptr, weight_ptr, t, E, MAX_T: tl.constexpr, TOPK: tl.constexpr,
+                BLOCK_E: tl.constexpr, RENORM: tl.constexpr, R_ROUND: tl.constexpr, R_DTYPE: tl.constexpr,
+                INTERP: tl.constexpr):
+    """After a router tile of token t stored its logit: the last of t's E tiles routes t (as
+    moe_route's router kernel: `_topk`), stores its ids and weights, then raises its flag."""
+    tl.debug_barrier()  # every thread's stores before the count says so
+    done = tl.atomic_add(sync_ptr + 2 + MAX_T + t, 1, sem="acq_rel")
+    if done == E - 1:
+        offs = tl.arange(0, BLOCK_E)
+        z = tl.load(logits_ptr + t * BLOCK_E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
+        w, ids = _topk(z, offs, offs < E, TOPK, BLOCK_E, RENORM, R_ROUND, R_DTYPE, INTERP)
+        tl.store(weight_ptr + t * TOPK + offs, w, mask=offs < TOPK)
+        tl.store(ids_ptr + t * TOPK + offs, ids, mask=offs < TOPK)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 2 + 2 * MAX_T + t, 1, sem="release")
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, wgu_ptr, ids_ptr, h_ptr, bgu_ptr, ticket, H, INTER, stride_x, stride_gue, stride_gun, up_off,
                   stride_h, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
                   ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -135,14 +149,13 @@ def _gate_up_tile(x_ptr, wgu_ptr, ids_ptr, h_ptr, bgu_ptr, ticket, H, INTER, str
                   ROUTE: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, R_ROUND: tl.constexpr,
                   R_DTYPE: tl.constexpr):
     """moe_gemv's _gate_up_kernel program (p, n-block) for ticket p * cdiv(I, BLOCK_N) + n-block
-    (16-bit experts); returns the token. ROUTE: the slot's expert from the token's logits once
-    routed (`_routed`), and x (the normalized rows, stored in this launch) read through L2."""
+    (16-bit experts); returns the token. ROUTE: the slot's expert once its token is routed
+    (`_wait_routed`, read through L2), and x (the normalized rows, stored in this launch) read through L2."""
     n_gu = tl.cdiv(INTER, BLOCK_N)
     p = (ticket // n_gu).to(tl.int64)
     if ROUTE:
-        _, ids_all = _routed(sync_ptr, logits_ptr, p // TOPK, E, MAX_T, TOPK, BLOCK_E, RENORM, R_ROUND, R_DTYPE,
-                             INTERP)
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_E) == p % TOPK, ids_all, 0), axis=0).to(tl.int64)
+        _wait_routed(sync_ptr, p // TOPK, MAX_T)
+        expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
     else:
         expert = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = (ticket % n_gu) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,8 +196,8 @@ def _down_tile(wd_ptr, ids_ptr, weight_ptr, h_ptr, out_ptr, bd_ptr, sync_ptr, d,
                R_DTYPE: tl.constexpr):
     """moe_gemv's _down_kernel program (t, n-block) for down ticket d = t * cdiv(H, D_N) + n-block,
     once token t's `need` gate_up tiles have finished (sync[1 + t]); h read through L2 (.cg:
-    other SMs wrote it in this launch). ROUTE: the slots' experts and weights from the token's
-    logits once routed (`_routed`)."""
+    other SMs wrote it in this launch). ROUTE: the slots' experts and weights once the token
+    is routed (`_wait_routed`, read through L2)."""
     n_d = tl.cdiv(H, D_N)
     t = (d // n_d).to(tl.int64)
     n0 = (d % n_d) * D_N
@@ -193,10 +206,9 @@ def _down_tile(wd_ptr, ids_ptr, weight_ptr, h_ptr, out_ptr, bd_ptr, sync_ptr, d,
     n = tl.minimum(n0 + r % D_N, H - 1)
     p = t * TOPK + tl.minimum(slot, TOPK - 1)
     if ROUTE:
-        w_all, ids_all = _routed(sync_ptr, logits_ptr, t, E, MAX_T, TOPK, BLOCK_E, RENORM, R_ROUND, R_DTYPE, INTERP)
-        at = tl.arange(0, BLOCK_E)[None, :] == tl.minimum(slot, TOPK - 1)[:, None]
-        expert = tl.sum(tl.where(at, ids_all[None, :], 0), axis=1).to(tl.int64)
-        weight = tl.sum(tl.where(at, w_all[None, :], 0.0), axis=1)
+        _wait_routed(sync_ptr, t, MAX_T)
+        expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
+        weight = tl.load(weight_ptr + p, cache_modifier=".cg")
     else:
         expert = tl.load(ids_ptr + p).to(tl.int64)
         weight = tl.load(weight_ptr + p)
@@ -317,10 +329,11 @@ def _chain_kernel(
     R_PREFETCH: tl.constexpr = 0,
 ):
     """sync: [0] the tickets drawn, [1 + t] token t's finished gate_up tiles, [1 + MAX_T] the
-    programs finished, [2 + MAX_T + t] token t's router tiles finished (SYNC_PAD: a power of two
-    >= 2 * MAX_T + 2). ROUTE: tickets below T * E are router tiles (`_router_tile`: xin the
+    programs finished, [2 + MAX_T + t] token t's router tiles finished, [2 + 2 * MAX_T + t] token t
+    routed (SYNC_PAD: a power of two >= 3 * MAX_T + 2). ROUTE: tickets below T * E are router tiles (`_router_tile`: xin the
     attention's output, res the residual, nw the norm's weight, wr the router's; x is then where
-    the normalized rows go, for the gate_up tiles), and the gate_up and down tiles route."""
+    the normalized rows go, for the gate_up tiles; ids and weights are written by the last router
+    tile of each token, `_route_last`)."""
     if ROUTE:  # (a hint only: the router's rows asked of L2 while the kernel before ends)
         pid = tl.program_id(0)
         if pid < T * E:
@@ -331,8 +344,8 @@ def _chain_kernel(
         if ticket < T * E:
             t = _router_tile(xin_ptr, res_ptr, nw_ptr, wr_ptr, logits_ptr, x_ptr, new_res_ptr, eps, ticket, E, H,
                              stride_xin, stride_r, stride_wr, stride_x, BLOCK_E, RK, X_DTYPE, DTYPE, INTERP)
-            tl.debug_barrier()  # every thread's stores before the count says so
-            tl.atomic_add(sync_ptr + 2 + MAX_T + t, 1, sem="release")
+            _route_last(sync_ptr, logits_ptr, ids_ptr, weight_ptr, t, E, MAX_T, TOPK, BLOCK_E, RENORM, R_ROUND,
+                        R_DTYPE, INTERP)
         else:
             _expert_tile(x_ptr, wgu_ptr, wd_ptr, ids_ptr, weight_ptr, h_ptr, out_ptr, bgu_ptr, bd_ptr, sync_ptr,
                          ticket - T * E, T, H, INTER, stride_x, stride_gue, stride_gun, up_off, stride_h, stride_de,
@@ -348,7 +361,7 @@ def _chain_kernel(
     finished = tl.atomic_add(sync_ptr + 1 + MAX_T, 1, sem="acq_rel")
     if finished == tl.num_programs(0) - 1:  # the last program: every count back to 0 for the next call
         z = tl.arange(0, SYNC_PAD)
-        tl.store(sync_ptr + z, 0, mask=z < 2 * MAX_T + 2)
+        tl.store(sync_ptr + z, 0, mask=z < 3 * MAX_T + 2)
 
 
 _syncs: dict[torch.device, torch.Tensor] = {}
@@ -391,8 +404,8 @@ def norm_route_chain(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_route.norm_route then moe_gemv of the normalized rows with 16-bit experts, in one
     launch: (the experts' output, the normalized rows, x + residual), the same bits. The router
-    tiles come first (one per token and expert), and each gate_up and down tile routes its token
-    itself from the logits once they are all stored."""
+    tiles come first (one per token and expert); the last of a token's router tiles routes it, and
+    its gate_up and down tiles wait for that (a flag) before they read its experts."""
     t, hidden = x.shape
     experts = weight.shape[0]
     assert weight.shape == (experts, hidden) and residual.shape == x.shape and norm_weight.shape == (hidden,)
@@ -411,8 +424,9 @@ def norm_route_chain(
         "R_DTYPE": _TL_DTYPES[round_to or torch.float32], "X_DTYPE": _TL_DTYPES[x.dtype],
         "R_PREFETCH": _prefetch_lines(hidden * weight.element_size(), _pdl_enabled(x)),
     }  # fmt: skip
-    ids = torch.empty(t * top_k, dtype=torch.int32, device=x.device)  # (unread: the tiles route themselves)
-    out = _launch(normed, w_gate_up, w_down, ids, ids, top_k, activation,
+    ids = torch.empty(t * top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(t * top_k, dtype=torch.float32, device=x.device)
+    out = _launch(normed, w_gate_up, w_down, ids, weights, top_k, activation,
                   (BLOCK_N, BLOCK_K, UNROLL, DOWN[:3], num_warps, preload), {}, route, t * experts)
     return out, normed, new_res
 
@@ -427,7 +441,7 @@ def _launch(x, w_gate_up, w_down, ids, weights, topk, activation, tiles, kw, rou
                         kw.get("swiglu_limit", reference.SWIGLU_LIMIT))
     sync = _syncs.get(x.device)
     if sync is None:
-        sync = _syncs[x.device] = torch.zeros(2 * MAX_TOKENS + 2, dtype=torch.int32, device=x.device)
+        sync = _syncs[x.device] = torch.zeros(3 * MAX_TOKENS + 2, dtype=torch.int32, device=x.device)
     out = torch.empty_like(x)
     h = torch.empty((t * topk, inter), dtype=x.dtype, device=x.device)
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
@@ -441,7 +455,7 @@ def _launch(x, w_gate_up, w_down, ids, weights, topk, activation, tiles, kw, rou
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
         D_N=d_n, D_K=d_k, D_UNROLL=d_unroll, MAX_T=MAX_TOKENS, **act, HAS_BIAS=b_gu is not None,
-        DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), PDL=pdl, SYNC_PAD=triton.next_power_of_2(2 * MAX_TOKENS + 2),
+        DTYPE=_TL_DTYPES[x.dtype], INTERP=_interpreting(), PDL=pdl, SYNC_PAD=triton.next_power_of_2(3 * MAX_TOKENS + 2),
         PRELOAD=preload, **route, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out
