@@ -541,23 +541,25 @@ if [ "$part" = moeb1 ]; then
 fi
 if [ "$part" = chain ]; then
   # issue 30: the MoE MLP's two GEMVs in one launch (kernels/moe_chain.py), most telling first (a call cut short
-  # keeps what it printed): the variants against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B
-  # shape: moe_gemv, the router and experts in one launch (STREAMER_MOE_CHAIN=route), the experts in one launch,
-  # the same with the down tiles' first chunk preloaded, twice; .route (git archive 7b8ce14, carried) if present;
-  # the compiled tests last (~8 min)
-  python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 | tee "$OUT/moe_chain.txt" | tail -12
+  # keeps what it printed; each step under a timeout, as a spinning kernel that never ends would end the call):
+  # the variants against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B shape: moe_gemv, the router
+  # and experts in one launch (STREAMER_MOE_CHAIN=route), the experts in one launch, the same with the down tiles'
+  # first chunk preloaded, twice; .route (git archive 7b8ce14, carried) if present; the compiled tests last (~8 min)
+  timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 | tee "$OUT/moe_chain.txt" | tail -12
   m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
+  w2() { STREAMER_MOE_CHAIN=$1 timeout 120 python3 -m streamer bench offline $m --json "$OUT/w2_$2.json" 2>&1 \
+      | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$2 /"; }
   for r in 1 2; do
-    bench $m --json "$OUT/w2_tree_$r.json" | tail -1 | sed "s/^/gemv    /"
-    STREAMER_MOE_CHAIN=route bench $m --json "$OUT/w2_routechain_$r.json" | tail -1 | sed "s/^/r-chain /"
-    STREAMER_MOE_CHAIN=1 bench $m --json "$OUT/w2_chain_$r.json" | tail -1 | sed "s/^/chain   /"
-    STREAMER_MOE_CHAIN=preload bench $m --json "$OUT/w2_preload_$r.json" | tail -1 | sed "s/^/preload /"
+    w2 0 gemv_$r
+    w2 route routechain_$r
+    w2 1 chain_$r
+    w2 preload preload_$r
   done
   if [ -d .route ]; then
-    (cd .route && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/w2_route.json" 2>&1 \
-        | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route   /")
+    (cd .route && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m streamer bench offline $m \
+        --json "$OUT/w2_route.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route /")
   fi
-  python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2
+  timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
