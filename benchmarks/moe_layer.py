@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import moe, moe_chain, moe_gemv, moe_int4, moe_route, moe_tiles, reference, reference_moe
+from kernels import moe, moe_gemv, moe_int4, moe_route, moe_tiles, reference, reference_moe
 
 BANDWIDTH = 4.25e12
 
@@ -61,8 +61,6 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time fused_moe's tile configs at decode and prefill sizes")
     p.add_argument("--fp8", action="store_true", help="--sweep with float8 experts (per-row scales)")
     p.add_argument("--int4", action="store_true", help="int4 experts (group 128): GEMV tiles, or --sweep's")
-    p.add_argument("--chain", action="store_true", help="moe_gemv against kernels/moe_chain.py's one launch, "
-                   "by variant (warps, gate_up tile, the down tiles' preload), 48 layers' weights in turn")
     p.add_argument("--write", type=Path, help="--sweep: merge the fastest tiles per bucket of rows per expert "
                    "into this table (kernels/moe_tiles.py; e.g. kernels/moe_tiles/<card>.json)")
     a = p.parse_args()
@@ -75,9 +73,6 @@ def main() -> None:
     print(f"H {h} I {i} E {e} k {k}: {per_expert / 1e6:.2f} MB per expert")
     if a.int4:
         int4_layer(w_gu, w_d, router, k, a)
-        return
-    if a.chain:
-        chain(w_gu, w_d, router, k, a)
         return
     if a.sweep:
         scales = None
@@ -120,43 +115,6 @@ def main() -> None:
                 print(f"      gemv down {down}: {type(ex).__name__}")
                 continue
             print(f"      gemv down (n, k, unroll, warps) {down}: {us:7.1f} us ({floor / us:5.1%} of floor)")
-
-
-def chain(w_gu: torch.Tensor, w_d: torch.Tensor, router: torch.Tensor, k: int, a: argparse.Namespace) -> None:
-    """Each graph replays the MoE MLP of 8 layers in turn, each on its own experts (the 128
-    experts' tensors cut in 8 groups of 16, so no layer finds the one before's rows in L2),
-    as a decode step chains them; us per layer."""
-    dt = w_gu.dtype
-    groups = [(w_gu[j::8], w_d[j::8]) for j in range(8)]
-    for t in [int(x) for x in a.tokens.split(",")]:
-        x = torch.randn(t, w_gu.shape[2], device=w_gu.device).to(dt)
-        weights, ids = reference_moe.route_topk(torch.nn.functional.linear(x, router[:16]), k, True, dt)
-        ref = moe_gemv.moe_gemv(x, *groups[0], weights, ids)
-        base = time_us(lambda: [moe_gemv.moe_gemv(x, gu, d, weights, ids) for gu, d in groups]) / 8
-        print(f"T {t}: moe_gemv {base:6.1f} us a layer")
-        for warps, bn, down, preload in ((4, 2, (4, 128, 2), False), (4, 2, (4, 128, 2), True),
-                                         (8, 4, (4, 128, 2), False), (8, 4, (4, 128, 2), True),
-                                         (8, 2, (4, 128, 2), True), (4, 2, (2, 128, 3), True),
-                                         (8, 8, (4, 256, 1), True), (4, 4, (4, 128, 2), True)):
-            kw = {"num_warps": warps, "block_n": bn, "down": down, "preload": preload}
-            try:
-                same = torch.equal(moe_chain.moe_chain(x, *groups[0], weights, ids, **kw), ref)
-                us = time_us(lambda: [moe_chain.moe_chain(x, gu, d, weights, ids, **kw) for gu, d in groups]) / 8
-            except Exception as ex:  # noqa: BLE001 - e.g. out of registers
-                print(f"      chain {kw}: {type(ex).__name__}")
-                continue
-            print(f"      chain {kw}: {us:6.1f} us a layer ({us - base:+.1f}){'' if same else ' (bits differ)'}")
-        # the router too: norm_route + moe_gemv against one launch (kernels/moe_chain.py norm_route_chain)
-        res, nw = torch.randn_like(x), torch.ones(x.shape[1], device=x.device, dtype=dt)
-        r_args = (x, res, nw, 1e-6, router[:16], k, True, None)
-
-        def three_launches(gu: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-            weights, ids, normed, _ = moe_route.norm_route(*r_args)
-            return moe_gemv.moe_gemv(normed, gu, d, weights, ids)
-
-        three = time_us(lambda: [three_launches(gu, d) for gu, d in groups]) / 8
-        one = time_us(lambda: [moe_chain.norm_route_chain(*r_args, gu, d) for gu, d in groups]) / 8
-        print(f"      router + experts: norm_route then moe_gemv {three:6.1f} us a layer, one launch {one:6.1f}")
 
 
 SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)

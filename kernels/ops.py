@@ -221,13 +221,6 @@ def fused_moe(
         from kernels import moe, moe_gemv
 
         if moe_gemv.use_gemv(x.shape[0]):  # a few tokens: no alignment, the slots summed in the kernel
-            from kernels import moe_chain
-
-            if moe_chain.ENABLED and w_gate_up_scale is None and block is None and w_gate_up.dtype == x.dtype:
-                return moe_chain.moe_chain(x, w_gate_up, w_down, topk_weights, topk_ids, activation,
-                                           w_gate_up_bias=w_gate_up_bias, w_down_bias=w_down_bias,
-                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                           preload=moe_chain.PRELOAD)
             return moe_gemv.moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
         return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, x_rows=x_rows, **kw)
     return reference_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, **kw)
@@ -258,33 +251,6 @@ def norm_route(
             return moe_route.norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (*route(normed, weight, top_k, renormalize, round_to), normed, residual)
-
-
-def chains_norm_route_moe(x: torch.Tensor) -> bool:
-    """Whether `norm_route_moe` runs as one launch here (kernels/moe_chain.py, an experiment:
-    STREAMER_MOE_CHAIN=route; a few tokens on the GPU)."""
-    if not _triton(x):
-        return False
-    from kernels import moe_chain, moe_gemv
-
-    return moe_chain.ROUTE and moe_gemv.use_gemv(x.shape[0])
-
-
-def norm_route_moe(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    top_k: int, renormalize: bool, round_to: torch.dtype | None, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-    activation: str = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_route, then fused_moe of the normalized rows with 16-bit experts: (the experts'
-    output, x + residual); in one launch where `chains_norm_route_moe`."""
-    if chains_norm_route_moe(x):
-        from kernels import moe_chain
-
-        out, _, new_res = moe_chain.norm_route_chain(x, residual, norm_weight, eps, weight, top_k, renormalize,
-                                                     round_to, w_gate_up, w_down, activation)
-        return out, new_res
-    weights, ids, normed, new_res = norm_route(x, residual, norm_weight, eps, weight, top_k, renormalize, round_to)
-    return fused_moe(normed, w_gate_up, w_down, weights, ids, activation), new_res
 
 
 def norm_route_fp8(

@@ -90,10 +90,6 @@ class SparseMoE(nn.Module):
         if type(self).route is SparseMoE.route and norm.offset == 0.0:
             args = (x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                     x.dtype if self.weights_in_hidden_dtype else None)
-            ex = self.experts
-            if (type(self).mix is SparseMoE.mix and ex.gate_up_proj_scale is None and ex.int4 is None
-                    and ex.gate_up_proj.dtype == x.dtype and self.tp is None and ops.chains_norm_route_moe(x)):
-                return ops.norm_route_moe(*args, ex.gate_up_proj, ex.down_proj, self.activation)
             if norm.fp8_rows:  # (float8 experts: the router's kernel also makes x's float8 rows)
                 weights, ids, x, residual, rows = ops.norm_route_fp8(*args)
                 quant.attach_rows(x, rows)
