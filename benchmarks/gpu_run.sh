@@ -550,7 +550,7 @@ if [ "$part" = chain ]; then
   (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
       | tee "$OUT/moe_chain.txt" | tail -12)
   m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
-  w2() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m streamer bench offline \
+  w2() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
       $m --json "$OUT/w2_$3.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$3 /"); }
   for r in 1 2; do
     w2 . 0 gemv_$r
