@@ -110,6 +110,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
+# W2 of issue 30's MoE shape in the tree at $1 (. or a carried git archive) with STREAMER_MOE_CHAIN=$2, into
+# $OUT/w2_$3.json, its last line labelled $3; under a timeout, as a kernel that never ends would end the call
+w2moe() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
+    --workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b --json "$OUT/w2_$3.json" 2>&1 \
+    | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$3 /"); }
 # until the server on port $1 answers /health (true), or its process $2 is gone or 5 minutes passed (false)
 wait_up() {
   for _ in $(seq 300); do
@@ -532,11 +537,9 @@ if [ "$part" = moeb1 ]; then
   # with .route (git archive 7b8ce14 streamer kernels benchmarks pyproject.toml, carried): W2 for the
   # tree, then for that commit (routing in the MoE GEMV's first kernel, the router without a last program), twice
   if [ -d .route ]; then
-    m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
     for r in 1 2; do
-      bench $m --json "$OUT/w2_tree_$r.json" | tail -1 | sed "s/^/tree  /"
-      (cd .route && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/w2_route_$r.json" 2>&1 \
-          | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/route /")
+      w2moe . 0 tree_$r
+      w2moe .route 0 route_$r
     done
   fi
 fi
@@ -549,14 +552,11 @@ if [ "$part" = chain ]; then
   # same with the down tiles' first chunk preloaded (=preload), twice; the compiled tests last (~8 min)
   (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
       | tee "$OUT/moe_chain.txt" | tail -12)
-  m="--workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b"
-  w2() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
-      $m --json "$OUT/w2_$3.json" 2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$3 /"); }
   for r in 1 2; do
-    w2 . 0 gemv_$r
-    w2 .chain route routechain_$r
-    w2 .chain 1 chain_$r
-    w2 .chain preload preload_$r
+    w2moe . 0 gemv_$r
+    w2moe .chain route routechain_$r
+    w2moe .chain 1 chain_$r
+    w2moe .chain preload preload_$r
   done
   (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2)
 fi
