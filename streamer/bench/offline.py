@@ -181,7 +181,8 @@ class Progress:
             print(("\r" if sys.stderr.isatty() else "") + line, end=end, file=sys.stderr)
 
 
-async def _run_engine(llm: Any, w: Workload, label: str) -> tuple[float, list[float], list[float]]:
+async def _run_engine(llm: Any, w: Workload, label: str, lora: str | None = None
+                      ) -> tuple[float, list[float], list[float]]:
     from streamer.messages import GenerateRequest, SamplingParams
 
     engine = llm.engine
@@ -190,7 +191,7 @@ async def _run_engine(llm: Any, w: Workload, label: str) -> tuple[float, list[fl
     last: list[float] = []
 
     async def one(i: int) -> None:
-        params = SamplingParams(max_tokens=w.outputs[i], temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=w.outputs[i], temperature=0, ignore_eos=True, lora=lora)
         req = GenerateRequest(request_id=f"{label}-{i}", prompt_token_ids=w.prompts[i], params=params)
         t_first = None
         async for out in engine.submit(req):
@@ -207,8 +208,8 @@ async def _run_engine(llm: Any, w: Workload, label: str) -> tuple[float, list[fl
     return time.perf_counter() - t0, first, last
 
 
-def run_engine(llm: Any, w: Workload, label: str):
-    return llm.call(_run_engine(llm, w, label))
+def run_engine(llm: Any, w: Workload, label: str, lora: str | None = None):
+    return llm.call(_run_engine(llm, w, label, lora))
 
 
 def warm_up(llm: Any, vocab: int) -> None:
@@ -246,12 +247,22 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
     )
+    lora = None
+    if args.lora_rank:  # every request through one random adapter (bench/lora.py)
+        import tempfile
+
+        from streamer.bench.lora import random_adapter
+
+        if args.peer:
+            raise SystemExit("--lora-rank: the peers run the base model; pass --no-peer")
+        folder = random_adapter(model_dir, args.lora_rank, Path(tempfile.mkdtemp(prefix="streamer-lora-")))
+        common["lora_modules"], lora = (f"bench={folder}",), "bench"
     bw = bandwidth()  # (before the engine takes the memory)
     llm = LLM(str(model_dir), **common)
     try:
         warm_up(llm, cfg["vocab_size"])
         s0 = llm.stats()
-        dt, first, last = run_engine(llm, w, name)
+        dt, first, last = run_engine(llm, w, name, lora)
         stats = llm.stats()
         total = sum(w.outputs)
         res = Result(name, len(w.prompts), total, dt, total / dt, cache_hit_rate=stats.cache_hit_rate)
@@ -276,7 +287,7 @@ def bench(args: argparse.Namespace, name: str) -> Result:
         cold = LLM(str(model_dir), enable_prefix_caching=False, **{**common, "host_kv_cache_gb": 0.0})
         try:
             warm_up(cold, cfg["vocab_size"])
-            dt_off, _, _ = run_engine(cold, w, "W4-cache-off")
+            dt_off, _, _ = run_engine(cold, w, "W4-cache-off", lora)
         finally:
             cold.close()
         groups = len(w.prompts) // 16
@@ -328,6 +339,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded over")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="every request through a random LoRA adapter of this rank on every layer's projections "
+                        "(attention's only for a mixture of experts); 0: none")
     p.add_argument("--json", default=None, help="write results here")
 
 

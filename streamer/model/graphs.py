@@ -40,16 +40,18 @@ def token_ladder(max_tokens: int) -> list[int]:
 
 
 def capture_ladder(
-    sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any
+    sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any, serving: bool = False
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor], Any]:
     """A graph of run(size) for each size, and its output tensor. Largest first: the
-    smaller graphs reuse its memory pool (and `pool`, if given, is shared with others)."""
+    smaller graphs reuse its memory pool (and `pool`, if given, is shared with others).
+    serving: captured while the engine serves (DecodeGraphs' lazy sizes), so a CUDA call another
+    thread makes meanwhile (the host tier's copies) is not an error of this capture."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
     for n in reversed(sizes):
         run(n)  # warm up (Triton compiles, the allocator settles)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local" if serving else "global"):
             outputs[n] = run(n)
         if pool is None:
             pool = g.pool()
@@ -88,14 +90,21 @@ class DecodeGraphs:
     """rows_as_decode: graphs whose every row computes as a lone decode row does (the GEMVs with
     M = 1's config, row by row; attention split as at batch 1), for the rows of a speculative
     verify step at batch 1 (exact_verify.verify_rows), from 2 rows up to max_bs: the verified tokens'
-    logits are then plain decoding's bit for bit, and so is greedy output."""
+    logits are then plain decoding's bit for bit, and so is greedy output.
+
+    loras: graphs of decode steps with LoRA adapters' tokens (model/lora.py: each row's adapter in a
+    static lora_ids buffer, 0 for the base model's rows and the padding). They hold the adapters'
+    tensors as they were at capture, so the runner drops them when an adapter comes or goes; and
+    each size is captured the first time a step needs it (`replay`), not all at start: a server
+    may never see an adapter's batch of most sizes, and a reload would otherwise recapture them all."""
 
     def __init__(self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_bs: int, max_pages: int,
-                 rows_as_decode: bool = False) -> None:
+                 rows_as_decode: bool = False, loras: bool = False, pool: Any = None) -> None:
         dev = k_cache.device
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
         self.rows_as_decode = rows_as_decode
+        self.lora_ids = torch.zeros(max_bs if loras else 0, dtype=torch.long, device=dev)
         self.sizes = [s for s in (2, 4, 8) if s < max_bs] + [max_bs] if rows_as_decode else ladder(max_bs)
         self.max_bs = self.sizes[-1]
         n = self.max_bs
@@ -109,10 +118,27 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         """Each graph's static model.graph_outputs (keep_outputs)."""
-        self.pool = None
+        self.pool = pool
+        """Shared with the base model's graphs for LoRA graphs: a lazy capture then takes its
+        intermediates from memory the pool already holds, not from what the KV budget left."""
+
+    @property
+    def loras(self) -> bool:
+        return self.lora_ids.numel() > 0
 
     def capture(self) -> None:
         self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
+
+    def _capture_size(self, bs: int) -> None:
+        """Capture size bs while serving: the static inputs are reset first, as the warm-up run
+        writes K/V at their slots (rows of an earlier step's, whose pages may be another's now)."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.page_table.zero_()
+        self.lora_ids.zero_()
+        graphs, hidden, self.pool = capture_ladder([bs], self._run, self.pool, serving=True)
+        self.graphs.update(graphs)
+        self.hidden.update(hidden)
 
     def _run(self, bs: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -123,6 +149,7 @@ class DecodeGraphs:
             max_q_len=1,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
+            lora_ids=self.lora_ids[:bs] if self.loras else None,
         )
         set_context(ctx)
         try:
@@ -140,6 +167,12 @@ class DecodeGraphs:
         """Logits [B, vocab] of a decode batch prepared by ModelRunner.prepare."""
         b = x["input_ids"].shape[0]
         bs = next(s for s in self.sizes if s >= b)
+        if bs not in self.graphs:  # (LoRA graphs: captured when first needed)
+            with torch.inference_mode():
+                self._capture_size(bs)
+        if self.loras:
+            self.lora_ids[:b].copy_(x["lora_ids"], non_blocking=True)
+            self.lora_ids[b:bs].fill_(0)
         self.input_ids[:b].copy_(x["input_ids"], non_blocking=True)
         self.positions[:b].copy_(x["positions"], non_blocking=True)
         self.slot_mapping[:b].copy_(x["slot_mapping"], non_blocking=True)

@@ -12,8 +12,9 @@ gate_up_proj) takes its parts' adapters side by side: q's B rows at q's rows, k'
 their own A rows, as the checkpoint's q/k/v load (model/llama.py STACKED). Then each token t of a
 step, with adapter a_t (0: the base model), adds ((x A^T) * M) B^T, M[t, j] = 1 where column j is
 adapter a_t's: one pair of small GEMMs for every adapter at once, the same shapes whatever the
-batch's mix (LoraWeights.delta). A batch with an adapter's token runs eagerly (model/packing.py); the CUDA
-graphs serve the base model's batches.
+batch's mix (LoraWeights.delta). A decode step with an adapter's token replays graphs of their own
+(model/graphs.py DecodeGraphs, loras), captured for the adapters as they are; other steps with one
+run eagerly (model/packing.py).
 
 Refused by name (ModelLoadError): DoRA, biases, modules_to_save, fan_in_fan_out, a rank or alpha
 pattern per layer, targets that are not this model's linear layers (embeddings, the LM head,
@@ -135,6 +136,8 @@ class Adapters:
                                            for k, (name, path) in enumerate(modules)}
         self.index: dict[str, int] = {}
         """key -> the adapter's index in the layers (1..n; 0: the base model)."""
+        self.version = 0
+        """Counts the changes to the layers' adapters (what captured them, CUDA graphs, goes stale)."""
         if self.loaded:
             self._attach(self.loaded)
 
@@ -151,6 +154,7 @@ class Adapters:
         attach(self.model, list(loaded.values()), self.dtype, self.group)
         self.loaded = loaded
         self.index = {key: k + 1 for k, key in enumerate(loaded)}
+        self.version += 1
 
 
 def attach(model: nn.Module, adapters: list[Adapter], dtype: torch.dtype, group: Any = None) -> None:

@@ -201,11 +201,11 @@ def lora_case(tiny_models, tmp_path, max_tokens: int, logprobs: int):
 
 
 def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
-    """LoRA on the GPU (model/lora.py): a batch with an adapter's tokens runs eagerly, the base
-    model's alone from the graphs. Base requests replayed from the graphs give the tokens of an
-    engine without adapters, bit for bit; batched eagerly beside an adapter's requests (another
-    batch size: other GEMM splits, as on the H100 at the thirty-eighth session) both follow their
-    graphed runs up to a near-tie; the adapter's logits follow the merged model's (transformers,
+    """LoRA on the GPU (model/lora.py): decode steps with an adapter's tokens replay graphs of their
+    own, the base model's alone the base graphs. Base requests replayed from the graphs give the tokens of an
+    engine without adapters, bit for bit; batched beside an adapter's requests (another batch size:
+    other GEMM splits, as on the H100 at the thirty-eighth session) both follow their
+    runs alone up to a near-tie; the adapter's logits follow the merged model's (transformers,
     bf16) up to a near-tie, and differ from the base model's."""
     from tests.distributed.workload import assert_follows_until_near_tie
     from tests.model.lora_files import merged
@@ -228,6 +228,23 @@ def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
         assert abs(logps[part][got[part]] - logps[part][want[part]]) <= 5e-2, (part, got, want)
 
 
+def test_bf16_lora_decode_steps_replay_graphs_that_follow_eager_steps(tiny_models, tmp_path):
+    """An adapter's decode steps replay the LoRA graphs (each size captured when first needed) and
+    follow an engine without CUDA graphs up to a near-tie; mixed with base requests too."""
+    from tests.distributed.workload import assert_follows_until_near_tie
+
+    base, adapter, batch, plain_p, lora = lora_case(tiny_models, tmp_path, 24, 5)
+    kw = dict(dtype="bfloat16", num_pages=4096, lora_modules=(f"one={adapter}",))
+    with LLM(str(base), cuda_graphs=False, **kw) as llm:
+        eager = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
+    with LLM(str(base), **kw) as llm:
+        graphed = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
+        runner = llm.engine.runner
+        sizes = sorted(runner.lora_graphs().graphs)
+    assert sizes and max(sizes) >= len(batch) * 2, sizes  # (the decode steps of both kinds of request)
+    assert_follows_until_near_tie(graphed, eager)
+
+
 def test_bf16_lora_loaded_while_serving_equals_one_loaded_at_start(tiny_models, tmp_path):
     """An adapter loaded at run time (engine/adapters.py: its layers changed between steps, after
     the CUDA graphs were captured) gives the tokens and logprobs of the same adapter loaded at
@@ -245,3 +262,25 @@ def test_bf16_lora_loaded_while_serving_equals_one_loaded_at_start(tiny_models, 
     assert [[lp.top_logprobs for lp in o.logprobs] for o in loaded] == \
         [[lp.top_logprobs for lp in o.logprobs] for o in at_start]
     assert [o.token_ids for o in after] == [o.token_ids for o in plain]
+
+
+def test_bf16_lora_graphs_are_recaptured_when_an_adapter_is_replaced(tiny_models, tmp_path):
+    """Replacing an adapter (load_inplace) after its decode steps were graphed: the next steps run
+    the new adapter's weights (the tokens and logprobs of an engine started with it), not the
+    graphs of the old one's."""
+    from tests.model.lora_files import make_adapter
+
+    base, adapter, batch, _, lora = lora_case(tiny_models, tmp_path, 16, 3)
+    other = make_adapter(tmp_path / "two", base, ["q_proj", "v_proj", "down_proj"], rank=8, alpha=16, seed=2,
+                         std=0.05)
+    with LLM(str(base), dtype="bfloat16", num_pages=4096, lora_modules=(f"one={other}",)) as llm:
+        want = llm.generate(batch, lora)
+    with LLM(str(base), dtype="bfloat16", num_pages=4096, allow_runtime_lora_updating=True) as llm:
+        llm.load_lora("one", str(adapter))
+        first = llm.generate(batch, lora)
+        llm.load_lora("one", str(other), replace=True)
+        got = llm.generate(batch, lora)
+    assert [o.token_ids for o in first] != [o.token_ids for o in want]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[lp.top_logprobs for lp in o.logprobs] for o in got] == \
+        [[lp.top_logprobs for lp in o.logprobs] for o in want]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention import extend_tiles
-from streamer.model.graphs import ExtendGraphs, ladder, token_ladder
+from streamer.model.graphs import DecodeGraphs, ExtendGraphs, ladder, token_ladder
 
 
 def test_token_ladder_is_aligned_ends_at_the_limit_and_pads_little():
@@ -85,7 +85,7 @@ def test_capture_ladder_records_largest_first_into_one_memory_pool(monkeypatch):
             return "pool-of-the-first"
 
     @contextlib.contextmanager
-    def fake_graph(g, pool=None):
+    def fake_graph(g, pool=None, capture_error_mode="global"):
         pools.append(pool)
         yield
 
@@ -104,3 +104,77 @@ def test_capture_ladder_records_largest_first_into_one_memory_pool(monkeypatch):
     assert sorted(got) == [1, 2, 4] and all(outputs[n].tolist() == [n] * n for n in (1, 2, 4))
     _, _, shared = graphs.capture_ladder([8], run, "decode-pool")
     assert pools[-1] == "decode-pool" and shared == "decode-pool"
+
+
+class RecordingModel:
+    """Stands in for a model: records the step context of each run (its slots and LoRA ids)."""
+
+    graph_outputs = ()
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[int], list[int] | None]] = []
+
+    def __call__(self, input_ids, positions):
+        from streamer.model.context import get_context
+
+        ctx = get_context()
+        ids = None if ctx.lora_ids is None else ctx.lora_ids.tolist()
+        self.runs.append((ctx.slot_mapping.tolist(), ids))
+        return torch.zeros(len(input_ids), 4)
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def fake_capture(monkeypatch) -> list[str]:
+    """CUDA's graph API stood in for on the CPU (a replay does nothing); returns the capture modes used."""
+    import contextlib
+
+    modes: list[str] = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def fake_graph(g, pool=None, capture_error_mode="global"):
+        modes.append(capture_error_mode)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return modes
+
+
+def lora_step(b: int, slots: list[int], ids: list[int]) -> dict:
+    return {"input_ids": torch.ones(b, dtype=torch.long), "positions": torch.zeros(b, dtype=torch.long),
+            "slot_mapping": torch.tensor(slots), "page_table": torch.ones(b, 2, dtype=torch.int32),
+            "seq_lens": torch.full((b,), 5, dtype=torch.int32), "lora_ids": torch.tensor(ids)}
+
+
+def test_lora_decode_graphs_capture_each_size_when_first_needed_with_the_adapters_ids(monkeypatch):
+    """LoRA graphs (DecodeGraphs loras): a size is captured at its first replay, as a serving-time
+    capture (another thread's CUDA calls are not its errors), from reset inputs: the warm-up run
+    writes no K/V (slot -1) though an earlier step's slots were in the static buffers. The
+    captured runs read each row's adapter from the static lora_ids, whose padding rows are the
+    base model's (0)."""
+    modes = fake_capture(monkeypatch)
+    cache = torch.zeros(1, 2, 4, 1, 8)
+    model = RecordingModel()
+    g = DecodeGraphs(model, cache, cache, max_bs=8, max_pages=2, loras=True, pool="decode-pool")
+    assert g.graphs == {} and g.fits(8, 2)
+    g.replay(lora_step(3, [9, 10, 11], [1, 2, 0]))
+    assert sorted(g.graphs) == [4] and modes == ["thread_local"] and g.pool == "decode-pool"
+    assert [slots for slots, _ in model.runs] == [[-1] * 4] * 2  # (warm-up and capture)
+    assert all(ids == [0, 0, 0, 0] for _, ids in model.runs)  # (the buffer, as captured)
+    assert g.lora_ids[:4].tolist() == [1, 2, 0, 0] and g.slot_mapping[:4].tolist() == [9, 10, 11, -1]
+    g.replay(lora_step(4, [1, 2, 3, 4], [2, 2, 1, 1]))  # (replayed: no second capture)
+    assert len(model.runs) == 2 and g.lora_ids[:4].tolist() == [2, 2, 1, 1]
+    g.replay(lora_step(2, [5, 6], [1, 1]))  # (a new size: its inputs reset before its warm-up)
+    assert sorted(g.graphs) == [2, 4] and model.runs[2:] == [([-1, -1], [0, 0])] * 2
+    base = DecodeGraphs(RecordingModel(), cache, cache, max_bs=8, max_pages=2)
+    assert not base.loras and base.lora_ids.numel() == 0

@@ -134,3 +134,62 @@ def test_speculative_decoding_keeps_each_requests_adapter(family, spec):
     assert [o.token_ids for o in outs] == want
     if spec["method"] == "draft_model":  # (it always proposes; ngram, where the context repeats)
         assert verified > 0
+
+
+def test_decode_steps_with_an_adapters_tokens_take_the_lora_graphs_and_other_steps_with_one_run_eagerly():
+    """model/packing.py: a decode step with an adapter's token replays the LoRA decode graphs
+    (each row's adapter in lora_ids, 0 for the base model's); a decode step of the base model
+    alone, its graphs; a prefill with an adapter's tokens runs eagerly (no extend graphs)."""
+    from streamer.messages import Batch, SeqChunk
+    from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+    from streamer.model.packing import prepare
+    from streamer.staging import PinnedRing
+
+    cache = torch.zeros(1, 4, 4, 1, 8)
+    base_graphs = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4)
+    lora_graphs = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4, loras=True)
+    extend = ExtendGraphs(None, cache, cache, 64, 8, max_pages=4, block_m=16)
+
+    def step(lens: list[int], loras: list[str | None]):
+        seqs = [SeqChunk(f"r{i}", [5] * n, 3, [1, 2], True, lora=lora) for i, (n, lora) in enumerate(zip(lens, loras))]
+        batch = Batch(step=0, seqs=seqs, params=[], histories=[], banned=[])
+        return prepare(batch, page_size=4, device=torch.device("cpu"), staging=PinnedRing(), graphs=base_graphs,
+                       extend_graphs=extend, split_decode_tokens=1 << 16, last_tokens=torch.zeros(0),
+                       last_rows={}, loras={"a@0": 1, "b@1": 2}, lora_graphs=lora_graphs)
+
+    x = step([1, 1, 1], ["b@1", None, "a@0"])
+    assert x["graph"] is lora_graphs and x["lora_ids"].tolist() == [2, 0, 1]
+    assert step([1, 1], [None, None])["graph"] is base_graphs
+    assert step([4, 1], [None, None])["graph"] is extend
+    x = step([4, 1], [None, "a@0"])
+    assert x["graph"] is None and x["lora_ids"].tolist() == [0, 0, 0, 0, 1]
+
+
+def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
+    """ModelRunner.lora_graphs: none without adapters or without base graphs; made once there
+    are both, sharing the base graphs' pool and limits; made anew after any adapter change (a
+    load or unload, on this rank or as another rank's follower), the device synchronized first."""
+    from types import SimpleNamespace
+
+    from streamer.model.graphs import DecodeGraphs
+    from streamer.model.runner import ModelRunner
+
+    syncs: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: syncs.append(dev))
+    cache = torch.zeros(1, 4, 4, 1, 8)
+    base = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4, pool="decode-pool")
+    adapters = SimpleNamespace(index={}, version=1)
+    runner = SimpleNamespace(graphs=base, adapters=adapters, model=None, device="cuda:0",
+                             pool=SimpleNamespace(k=cache, v=cache), _lora_graphs=None)
+    made = lambda: ModelRunner.lora_graphs(runner)  # noqa: E731
+    assert made() is None
+    adapters.index = {"a@0": 1}
+    first = made()
+    assert first is not None and first.loras and first.pool == "decode-pool" and first.max_bs == base.max_bs
+    assert made() is first and not syncs
+    adapters.version += 1
+    second = made()
+    assert second is not None and second is not first and syncs == ["cuda:0"]
+    runner.graphs = None
+    adapters.version += 1
+    assert made() is None
