@@ -60,6 +60,17 @@ def capture_ladder(
     return graphs, outputs, pool
 
 
+def capture_when_needed(graphs: DecodeGraphs | ExtendGraphs, size: int) -> None:
+    """Capture graphs' size while serving (LoRA graphs: the first time a step needs it). The static
+    inputs are reset first, as the warm-up run writes K/V at their slots (rows of an earlier
+    step's, whose pages may be another's now)."""
+    graphs.reset_inputs()
+    with torch.inference_mode():
+        captured, hidden, graphs.pool = capture_ladder([size], graphs._run, graphs.pool, serving=True)
+    graphs.graphs.update(captured)
+    graphs.hidden.update(hidden)
+
+
 def keep_outputs(model: Any, outputs: dict[int, dict[str, torch.Tensor]], size: int) -> None:
     """Keep the attributes a run of model just set besides its result (model.graph_outputs:
     an EAGLE-3 target's features, a head's outputs before its norm) as size's: inside a
@@ -129,16 +140,12 @@ class DecodeGraphs:
     def capture(self) -> None:
         self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
 
-    def _capture_size(self, bs: int) -> None:
-        """Capture size bs while serving: the static inputs are reset first, as the warm-up run
-        writes K/V at their slots (rows of an earlier step's, whose pages may be another's now)."""
+    def reset_inputs(self) -> None:
+        """The static inputs as at the start: padding rows throughout."""
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.page_table.zero_()
         self.lora_ids.zero_()
-        graphs, hidden, self.pool = capture_ladder([bs], self._run, self.pool, serving=True)
-        self.graphs.update(graphs)
-        self.hidden.update(hidden)
 
     def _run(self, bs: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -168,8 +175,7 @@ class DecodeGraphs:
         b = x["input_ids"].shape[0]
         bs = next(s for s in self.sizes if s >= b)
         if bs not in self.graphs:  # (LoRA graphs: captured when first needed)
-            with torch.inference_mode():
-                self._capture_size(bs)
+            capture_when_needed(self, bs)
         if self.loras:
             self.lora_ids[:b].copy_(x["lora_ids"], non_blocking=True)
             self.lora_ids[b:bs].fill_(0)
@@ -189,11 +195,12 @@ class DecodeGraphs:
 
 class ExtendGraphs:
     """Graphs of the whole model (no LM head) for steps of up to `max_tokens` tokens from
-    up to `max_seqs` sequences, by padded token count."""
+    up to `max_seqs` sequences, by padded token count. loras: as DecodeGraphs' (each token's
+    adapter in a static lora_ids; each size captured when first needed)."""
 
     def __init__(
         self, model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, max_tokens: int, max_seqs: int,
-        max_pages: int, block_m: int, pool: Any = None,
+        max_pages: int, block_m: int, pool: Any = None, loras: bool = False,
     ) -> None:
         dev = k_cache.device
         self.model = model
@@ -208,6 +215,7 @@ class ExtendGraphs:
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.tiles = torch.full((self.num_tiles(n),), -1, dtype=torch.int32, device=dev)
+        self.lora_ids = torch.zeros(n if loras else 0, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
@@ -224,8 +232,21 @@ class ExtendGraphs:
     def fits(self, tokens: int, seqs: int, width: int) -> bool:
         return tokens <= self.sizes[-1] and seqs <= self.max_seqs and width <= self.page_table.shape[1]
 
+    @property
+    def loras(self) -> bool:
+        return self.lora_ids.numel() > 0
+
     def capture(self) -> None:
         self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
+
+    def reset_inputs(self) -> None:
+        """The static inputs as at the start: no sequence, no tile, padding tokens."""
+        self.slot_mapping.fill_(-1)
+        self.page_table.zero_()
+        self.seq_lens.zero_()
+        self.cu_q_lens.zero_()
+        self.tiles.fill_(-1)
+        self.lora_ids.zero_()
 
     def _run(self, t: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -238,6 +259,7 @@ class ExtendGraphs:
             v_cache=self.v_cache,
             tiles=self.tiles[: self.num_tiles(t)],
             block_m=self.block_m,
+            lora_ids=self.lora_ids[:t] if self.loras else None,
         )
         set_context(ctx)
         try:
@@ -252,6 +274,11 @@ class ExtendGraphs:
         list (x["tiles"], padded to num_tiles(padded(T)))."""
         n = x["input_ids"].shape[0]
         t = self.padded(n)
+        if t not in self.graphs:  # (LoRA graphs: captured when first needed)
+            capture_when_needed(self, t)
+        if self.loras:
+            self.lora_ids[:n].copy_(x["lora_ids"], non_blocking=True)
+            self.lora_ids[n:t].fill_(0)
         b, width = x["page_table"].shape
         self.input_ids[:n].copy_(x["input_ids"], non_blocking=True)
         self.positions[:n].copy_(x["positions"], non_blocking=True)

@@ -36,15 +36,15 @@ def prepare(
     last_tokens: torch.Tensor,
     last_rows: dict[str, int],
     loras: dict[str, int] | None = None,
-    lora_graphs: DecodeGraphs | None = None,
+    lora_graphs: tuple[DecodeGraphs | None, ExtendGraphs | None] = (None, None),
 ) -> dict[str, Any]:
     """Host lists -> the tensors of one forward (numpy on the host, one copy each).
 
     last_tokens, last_rows: the tokens the previous step sampled, still on the device, and
     each sampling request's row in them (PLACEHOLDER ids are read from there). loras: each LoRA
     adapter's index by key (model/lora.py Adapters.index); a step with an adapter's token has its
-    tokens' adapters in lora_ids (model/lora.py) and replays lora_graphs if it is a decode step that
-    fits them, else runs eagerly."""
+    tokens' adapters in lora_ids (model/lora.py) and replays lora_graphs (the runner's decode and
+    extend graphs with adapters) where the base model's step would replay graphs."""
     ps = page_size
     seqs = batch.seqs
     lens = [len(s.token_ids) for s in seqs]
@@ -88,7 +88,7 @@ def prepare(
     if any(s.lora is not None for s in seqs):
         index = loras or {}
         lora_tok = np.repeat(np.array([index[s.lora] if s.lora is not None else 0 for s in seqs], np.int64), lens)
-        graphs, extend_graphs = lora_graphs, None  # (the others hold the base model's layers alone)
+        graphs, extend_graphs = lora_graphs  # (the others hold the base model's layers alone)
     graph: DecodeGraphs | ExtendGraphs | None = None
     if decode and graphs is not None and graphs.fits(len(seqs), width):
         graph = graphs

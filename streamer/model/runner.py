@@ -77,9 +77,9 @@ class ModelRunner:
         self.adapters = Adapters(self.model, self.dtype, config.lora_adapters)
         """The LoRA adapters served (model/lora.py): attached before the graphs; those loaded while
         serving come and go through update_lora."""
-        self._lora_graphs: tuple[int, DecodeGraphs] | None = None
-        """Decode graphs of steps with adapters' tokens (`lora_graphs`), and the adapters' version
-        they were made for."""
+        self._lora_graphs: tuple[int, DecodeGraphs, ExtendGraphs | None] | None = None
+        """Graphs of steps with adapters' tokens (`lora_graphs`), and the adapters' version they
+        were made for."""
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
         """speculative_config's draft_model (model/draft.py) or EAGLE head (model/eagle_draft.py):
@@ -170,10 +170,11 @@ class ModelRunner:
             lora_graphs=self.lora_graphs(),
         )
 
-    def lora_graphs(self) -> DecodeGraphs | None:
-        """The decode graphs of steps with adapters' tokens, made (empty: each size is captured when
-        first replayed) once there are adapters and base graphs. They share the base graphs' memory pool
-        and limits. None without graphs, or without adapters."""
+    def lora_graphs(self) -> tuple[DecodeGraphs | None, ExtendGraphs | None]:
+        """The decode and extend graphs of steps with adapters' tokens, made (empty: each size is
+        captured when first replayed) once there are adapters and base graphs, with the base
+        graphs' limits and memory pool; made anew after any change to the adapters. (None, None)
+        without graphs or without adapters."""
         version = self.adapters.version
         if self._lora_graphs is not None and self._lora_graphs[0] != version:
             # they read the adapters' tensors as they were at capture; a replay queued before the change
@@ -181,10 +182,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             self._lora_graphs = None
         if self._lora_graphs is None and self.graphs is not None and self.adapters.index:
-            g = self.graphs
-            self._lora_graphs = (version, DecodeGraphs(self.model, self.pool.k, self.pool.v, g.max_bs,
-                                                       g.page_table.shape[1], loras=True, pool=g.pool))
-        return None if self._lora_graphs is None else self._lora_graphs[1]
+            g, eg = self.graphs, self.extend_graphs
+            decode = DecodeGraphs(self.model, self.pool.k, self.pool.v, g.max_bs, g.page_table.shape[1], loras=True,
+                                  pool=g.pool)
+            extend = None if eg is None else ExtendGraphs(
+                self.model, self.pool.k, self.pool.v, eg.sizes[-1], eg.max_seqs, eg.page_table.shape[1], eg.block_m,
+                pool=g.pool, loras=True)
+            self._lora_graphs = (version, decode, extend)
+        return (None, None) if self._lora_graphs is None else self._lora_graphs[1:]
 
     def before_forward(self, batch: Batch) -> None:
         """The step's batch as it will be computed (the draft's proposals in): the

@@ -228,9 +228,9 @@ def test_bf16_lora_requests_beside_graphed_base_decodes(tiny_models, tmp_path):
         assert abs(logps[part][got[part]] - logps[part][want[part]]) <= 5e-2, (part, got, want)
 
 
-def test_bf16_lora_decode_steps_replay_graphs_that_follow_eager_steps(tiny_models, tmp_path):
-    """An adapter's decode steps replay the LoRA graphs (each size captured when first needed) and
-    follow an engine without CUDA graphs up to a near-tie; mixed with base requests too."""
+def test_bf16_lora_steps_replay_graphs_that_follow_eager_steps(tiny_models, tmp_path):
+    """An adapter's prefill and decode steps replay the LoRA graphs (each size captured when first
+    needed) and follow an engine without CUDA graphs up to a near-tie; mixed with base requests too."""
     from tests.distributed.workload import assert_follows_until_near_tie
 
     base, adapter, batch, plain_p, lora = lora_case(tiny_models, tmp_path, 24, 5)
@@ -239,9 +239,10 @@ def test_bf16_lora_decode_steps_replay_graphs_that_follow_eager_steps(tiny_model
         eager = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
     with LLM(str(base), **kw) as llm:
         graphed = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
-        runner = llm.engine.runner
-        sizes = sorted(runner.lora_graphs().graphs)
+        decode, extend = llm.engine.runner.lora_graphs()
+        sizes, tokens = sorted(decode.graphs), sorted(extend.graphs)
     assert sizes and max(sizes) >= len(batch) * 2, sizes  # (the decode steps of both kinds of request)
+    assert tokens, "the prompts' steps replay the LoRA extend graphs"
     assert_follows_until_near_tie(graphed, eager)
 
 

@@ -178,3 +178,24 @@ def test_lora_decode_graphs_capture_each_size_when_first_needed_with_the_adapter
     assert sorted(g.graphs) == [2, 4] and model.runs[2:] == [([-1, -1], [0, 0])] * 2
     base = DecodeGraphs(RecordingModel(), cache, cache, max_bs=8, max_pages=2)
     assert not base.loras and base.lora_ids.numel() == 0
+
+
+def test_lora_extend_graphs_capture_each_token_count_when_first_needed(monkeypatch):
+    """ExtendGraphs loras: as the decode ones, a padded token count is captured at its first
+    replay from reset inputs (no sequence, no tile: the warm-up writes and reads nothing), and
+    each token's adapter is copied into lora_ids, the padding tokens' 0."""
+    modes = fake_capture(monkeypatch)
+    cache = torch.zeros(1, 2, 4, 1, 8)
+    model = RecordingModel()
+    eg = ExtendGraphs(model, cache, cache, 64, 4, max_pages=2, block_m=16, pool="decode-pool", loras=True)
+    eg.slot_mapping[:3] = torch.tensor([7, 8, 9])  # (an earlier step's)
+    eg.tiles[:2] = 0
+    x = {**lora_step(3, [4, 5, 6], [1, 1, 2]), "page_table": torch.ones(2, 2, dtype=torch.int32),
+         "seq_lens": torch.tensor([5, 4], dtype=torch.int32), "cu_q_lens": torch.tensor([0, 2, 3], dtype=torch.int32),
+         "tiles": torch.zeros(eg.num_tiles(16), dtype=torch.int32)}
+    eg.replay(x)
+    assert sorted(eg.graphs) == [16] and modes == ["thread_local"]
+    assert [slots for slots, _ in model.runs] == [[-1] * 16] * 2 and all(ids == [0] * 16 for _, ids in model.runs)
+    assert eg.lora_ids[:4].tolist() == [1, 1, 2, 0] and eg.lora_ids[3:16].sum() == 0
+    eg.replay(x)
+    assert len(model.runs) == 2

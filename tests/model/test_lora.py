@@ -136,10 +136,11 @@ def test_speculative_decoding_keeps_each_requests_adapter(family, spec):
         assert verified > 0
 
 
-def test_decode_steps_with_an_adapters_tokens_take_the_lora_graphs_and_other_steps_with_one_run_eagerly():
+def test_steps_with_an_adapters_tokens_take_the_lora_graphs_where_the_base_models_take_graphs():
     """model/packing.py: a decode step with an adapter's token replays the LoRA decode graphs
-    (each row's adapter in lora_ids, 0 for the base model's); a decode step of the base model
-    alone, its graphs; a prefill with an adapter's tokens runs eagerly (no extend graphs)."""
+    (each row's adapter in lora_ids, 0 for the base model's), a prefill or mixed step the LoRA
+    extend graphs; a step of the base model alone, its own graphs; a step that runs eagerly for
+    the base model (prompt logprobs) does so with adapters too."""
     from streamer.messages import Batch, SeqChunk
     from streamer.model.graphs import DecodeGraphs, ExtendGraphs
     from streamer.model.packing import prepare
@@ -149,20 +150,26 @@ def test_decode_steps_with_an_adapters_tokens_take_the_lora_graphs_and_other_ste
     base_graphs = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4)
     lora_graphs = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4, loras=True)
     extend = ExtendGraphs(None, cache, cache, 64, 8, max_pages=4, block_m=16)
+    lora_extend = ExtendGraphs(None, cache, cache, 64, 8, max_pages=4, block_m=16, loras=True)
 
-    def step(lens: list[int], loras: list[str | None]):
+    def step(lens: list[int], loras: list[str | None], logprobs: bool = False):
         seqs = [SeqChunk(f"r{i}", [5] * n, 3, [1, 2], True, lora=lora) for i, (n, lora) in enumerate(zip(lens, loras))]
+        if logprobs:
+            seqs[0].logprob_from, seqs[0].logprob_targets = 0, [5] * (lens[0] - 1)
         batch = Batch(step=0, seqs=seqs, params=[], histories=[], banned=[])
         return prepare(batch, page_size=4, device=torch.device("cpu"), staging=PinnedRing(), graphs=base_graphs,
                        extend_graphs=extend, split_decode_tokens=1 << 16, last_tokens=torch.zeros(0),
-                       last_rows={}, loras={"a@0": 1, "b@1": 2}, lora_graphs=lora_graphs)
+                       last_rows={}, loras={"a@0": 1, "b@1": 2}, lora_graphs=(lora_graphs, lora_extend))
 
     x = step([1, 1, 1], ["b@1", None, "a@0"])
     assert x["graph"] is lora_graphs and x["lora_ids"].tolist() == [2, 0, 1]
     assert step([1, 1], [None, None])["graph"] is base_graphs
     assert step([4, 1], [None, None])["graph"] is extend
     x = step([4, 1], [None, "a@0"])
-    assert x["graph"] is None and x["lora_ids"].tolist() == [0, 0, 0, 0, 1]
+    assert x["graph"] is lora_extend and x["lora_ids"].tolist() == [0, 0, 0, 0, 1]
+    assert step([4, 1], [None, None], logprobs=True)["graph"] is None
+    x = step([4, 1], ["a@0", None], logprobs=True)
+    assert x["graph"] is None and x["lora_ids"].tolist() == [1, 1, 1, 1, 0]
 
 
 def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
@@ -171,25 +178,32 @@ def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
     load or unload, on this rank or as another rank's follower), the device synchronized first."""
     from types import SimpleNamespace
 
-    from streamer.model.graphs import DecodeGraphs
+    from streamer.model.graphs import DecodeGraphs, ExtendGraphs
     from streamer.model.runner import ModelRunner
 
     syncs: list[object] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: syncs.append(dev))
     cache = torch.zeros(1, 4, 4, 1, 8)
     base = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4, pool="decode-pool")
+    base_extend = ExtendGraphs(None, cache, cache, 100, 6, max_pages=4, block_m=32, pool="decode-pool")
     adapters = SimpleNamespace(index={}, version=1)
-    runner = SimpleNamespace(graphs=base, adapters=adapters, model=None, device="cuda:0",
+    runner = SimpleNamespace(graphs=base, extend_graphs=base_extend, adapters=adapters, model=None, device="cuda:0",
                              pool=SimpleNamespace(k=cache, v=cache), _lora_graphs=None)
     made = lambda: ModelRunner.lora_graphs(runner)  # noqa: E731
-    assert made() is None
+    assert made() == (None, None)
     adapters.index = {"a@0": 1}
-    first = made()
+    first, first_extend = made()
     assert first is not None and first.loras and first.pool == "decode-pool" and first.max_bs == base.max_bs
-    assert made() is first and not syncs
+    assert first_extend is not None and first_extend.loras and first_extend.pool == "decode-pool"
+    assert (first_extend.sizes, first_extend.max_seqs, first_extend.block_m) == (base_extend.sizes, 6, 32)
+    assert made() == (first, first_extend) and not syncs and first.graphs == {} and first_extend.graphs == {}
     adapters.version += 1
-    second = made()
-    assert second is not None and second is not first and syncs == ["cuda:0"]
+    second, second_extend = made()
+    assert second is not None and second is not first and second_extend is not first_extend
+    assert syncs == ["cuda:0"]
+    runner.extend_graphs = None
+    adapters.version += 1
+    assert made()[1] is None
     runner.graphs = None
     adapters.version += 1
-    assert made() is None
+    assert made() == (None, None)
