@@ -292,3 +292,32 @@ class ExtendGraphs:
         self.replays += 1
         set_outputs(self.model, self.outputs, t, n)
         return self.hidden[t][:n]
+
+
+class LoraGraphs:
+    """The decode and extend graphs of steps with LoRA adapters' tokens (loras), with the base
+    graphs' limits and memory pool. They hold the adapters' tensors as they were at capture: made
+    anew, empty (each size is captured when first replayed), after any change to the adapters."""
+
+    def __init__(self, base: DecodeGraphs, extend: ExtendGraphs | None) -> None:
+        self.base, self.base_extend = base, extend
+        self.version = -1
+        """The adapters' version (model/lora.py Adapters.version) the graphs below were made for."""
+        self.decode: DecodeGraphs | None = None
+        self.extend: ExtendGraphs | None = None
+
+    def current(self, adapters: Any) -> tuple[DecodeGraphs | None, ExtendGraphs | None]:
+        """The graphs for `adapters` as they are; (None, None) while there is none."""
+        if adapters.version != self.version:
+            if self.decode is not None:  # (a replay queued before the change ends before they go)
+                torch.cuda.synchronize(self.base.k_cache.device)
+            self.decode = self.extend = None
+            self.version = adapters.version
+        if self.decode is None and adapters.index:
+            g, eg = self.base, self.base_extend
+            self.decode = DecodeGraphs(g.model, g.k_cache, g.v_cache, g.max_bs, g.page_table.shape[1], loras=True,
+                                       pool=g.pool)
+            self.extend = None if eg is None else ExtendGraphs(
+                eg.model, eg.k_cache, eg.v_cache, eg.sizes[-1], eg.max_seqs, eg.page_table.shape[1], eg.block_m,
+                pool=g.pool, loras=True)
+        return self.decode, self.extend

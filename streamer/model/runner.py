@@ -29,7 +29,7 @@ from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
 from streamer.model.eagle_draft import EagleDraft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
-from streamer.model.graphs import DecodeGraphs, ExtendGraphs
+from streamer.model.graphs import DecodeGraphs, ExtendGraphs, LoraGraphs
 from streamer.model.kv_budget import make_pool
 from streamer.model.launched import Launched, RowValues
 from streamer.model.layers import Linear
@@ -77,9 +77,6 @@ class ModelRunner:
         self.adapters = Adapters(self.model, self.dtype, config.lora_adapters)
         """The LoRA adapters served (model/lora.py): attached before the graphs; those loaded while
         serving come and go through update_lora."""
-        self._lora_graphs: tuple[int, DecodeGraphs, ExtendGraphs | None] | None = None
-        """Graphs of steps with adapters' tokens (`lora_graphs`), and the adapters' version they
-        were made for."""
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.draft: DraftModel | None = None
         """speculative_config's draft_model (model/draft.py) or EAGLE head (model/eagle_draft.py):
@@ -121,6 +118,8 @@ class ModelRunner:
         self.step_start: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
+        self.lora_graphs: LoraGraphs | None = None
+        """The graphs of steps with LoRA adapters' tokens (made with the others)."""
         self.row_graphs: DecodeGraphs | None = None
         """ngram speculation: the verify steps of a lone request, as decode rows (model/exact_verify.py)."""
         self.split_decode_tokens = 65536
@@ -152,6 +151,7 @@ class ModelRunner:
             )
             with torch.inference_mode():
                 self.extend_graphs.capture()
+        self.lora_graphs = LoraGraphs(self.graphs, self.extend_graphs)
 
     def prepare(self, batch: Batch) -> dict[str, Any]:
         """Host lists -> the tensors of one forward (packing.prepare)."""
@@ -167,29 +167,8 @@ class ModelRunner:
             batch, page_size=self.pool.page_size, device=self.device, staging=self.inputs_staging, graphs=self.graphs,
             extend_graphs=self.extend_graphs, split_decode_tokens=self.split_decode_tokens,
             last_tokens=self.last_tokens, last_rows=self.last_rows, loras=self.adapters.index,
-            lora_graphs=self.lora_graphs(),
+            lora_graphs=(None, None) if self.lora_graphs is None else self.lora_graphs.current(self.adapters),
         )
-
-    def lora_graphs(self) -> tuple[DecodeGraphs | None, ExtendGraphs | None]:
-        """The decode and extend graphs of steps with adapters' tokens, made (empty: each size is
-        captured when first replayed) once there are adapters and base graphs, with the base
-        graphs' limits and memory pool; made anew after any change to the adapters. (None, None)
-        without graphs or without adapters."""
-        version = self.adapters.version
-        if self._lora_graphs is not None and self._lora_graphs[0] != version:
-            # they read the adapters' tensors as they were at capture; a replay queued before the change
-            # ends before they go
-            torch.cuda.synchronize(self.device)
-            self._lora_graphs = None
-        if self._lora_graphs is None and self.graphs is not None and self.adapters.index:
-            g, eg = self.graphs, self.extend_graphs
-            decode = DecodeGraphs(self.model, self.pool.k, self.pool.v, g.max_bs, g.page_table.shape[1], loras=True,
-                                  pool=g.pool)
-            extend = None if eg is None else ExtendGraphs(
-                self.model, self.pool.k, self.pool.v, eg.sizes[-1], eg.max_seqs, eg.page_table.shape[1], eg.block_m,
-                pool=g.pool, loras=True)
-            self._lora_graphs = (version, decode, extend)
-        return (None, None) if self._lora_graphs is None else self._lora_graphs[1:]
 
     def before_forward(self, batch: Batch) -> None:
         """The step's batch as it will be computed (the draft's proposals in): the

@@ -239,7 +239,7 @@ def test_bf16_lora_steps_replay_graphs_that_follow_eager_steps(tiny_models, tmp_
         eager = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
     with LLM(str(base), **kw) as llm:
         graphed = llm.generate(batch + batch, [lora] * len(batch) + [plain_p] * len(batch))
-        decode, extend = llm.engine.runner.lora_graphs()
+        decode, extend = llm.engine.runner.lora_graphs.current(llm.engine.runner.adapters)
         sizes, tokens = sorted(decode.graphs), sorted(extend.graphs)
     assert sizes and max(sizes) >= len(batch) * 2, sizes  # (the decode steps of both kinds of request)
     assert tokens, "the prompts' steps replay the LoRA extend graphs"

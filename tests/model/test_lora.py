@@ -173,13 +173,12 @@ def test_steps_with_an_adapters_tokens_take_the_lora_graphs_where_the_base_model
 
 
 def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
-    """ModelRunner.lora_graphs: none without adapters or without base graphs; made once there
-    are both, sharing the base graphs' pool and limits; made anew after any adapter change (a
-    load or unload, on this rank or as another rank's follower), the device synchronized first."""
+    """model/graphs.py LoraGraphs: none without adapters; made once there are, empty, with the
+    base graphs' pool and limits; made anew after any adapter change (a load or unload, on this
+    rank or as another rank's follower: Adapters.version), the device synchronized first."""
     from types import SimpleNamespace
 
-    from streamer.model.graphs import DecodeGraphs, ExtendGraphs
-    from streamer.model.runner import ModelRunner
+    from streamer.model.graphs import DecodeGraphs, ExtendGraphs, LoraGraphs
 
     syncs: list[object] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: syncs.append(dev))
@@ -187,23 +186,19 @@ def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
     base = DecodeGraphs(None, cache, cache, max_bs=8, max_pages=4, pool="decode-pool")
     base_extend = ExtendGraphs(None, cache, cache, 100, 6, max_pages=4, block_m=32, pool="decode-pool")
     adapters = SimpleNamespace(index={}, version=1)
-    runner = SimpleNamespace(graphs=base, extend_graphs=base_extend, adapters=adapters, model=None, device="cuda:0",
-                             pool=SimpleNamespace(k=cache, v=cache), _lora_graphs=None)
-    made = lambda: ModelRunner.lora_graphs(runner)  # noqa: E731
-    assert made() == (None, None)
+    graphs = LoraGraphs(base, base_extend)
+    assert graphs.current(adapters) == (None, None)
     adapters.index = {"a@0": 1}
-    first, first_extend = made()
+    first, first_extend = graphs.current(adapters)
     assert first is not None and first.loras and first.pool == "decode-pool" and first.max_bs == base.max_bs
     assert first_extend is not None and first_extend.loras and first_extend.pool == "decode-pool"
     assert (first_extend.sizes, first_extend.max_seqs, first_extend.block_m) == (base_extend.sizes, 6, 32)
-    assert made() == (first, first_extend) and not syncs and first.graphs == {} and first_extend.graphs == {}
+    assert graphs.current(adapters) == (first, first_extend) and not syncs
+    assert first.graphs == {} and first_extend.graphs == {}
     adapters.version += 1
-    second, second_extend = made()
+    second, second_extend = graphs.current(adapters)
     assert second is not None and second is not first and second_extend is not first_extend
-    assert syncs == ["cuda:0"]
-    runner.extend_graphs = None
-    adapters.version += 1
-    assert made()[1] is None
-    runner.graphs = None
-    adapters.version += 1
-    assert made() == (None, None)
+    assert syncs == [cache.device]
+    adapters.index, adapters.version = {}, adapters.version + 1
+    assert graphs.current(adapters) == (None, None)
+    assert LoraGraphs(base, None).current(SimpleNamespace(index={"a@0": 1}, version=0))[1] is None
