@@ -118,7 +118,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         if self.lora is not None and (ids := lora_ids()) is not None:
-            y = y + self.lora.delta(x, ids)
+            y = self.lora.add_delta(y, x, ids)
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -73,12 +73,34 @@ class LoraWeights:
     owner: torch.Tensor
     """[n R] int: the adapter (1..n) of each column."""
 
-    def delta(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """What the adapters add to the layer's output: each row x[t] through adapter ids[t]'s
-        (0: nothing)."""
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """y (the layer's output for rows x) plus what the adapters add: each row x[t] through
+        adapter ids[t]'s (0: nothing). Three kernels a layer (x A^T, the mask, then B's product
+        added into y in place by the GEMM itself) where a step replays each of them for every
+        adapted layer: at batch 1 their count, not their FLOPs, is the cost."""
         h = x.to(self.a.dtype) @ self.a.t()
-        h = h * (ids[:, None] == self.owner[None, :]).to(h.dtype)
-        return (h @ self.b.t()).to(x.dtype)
+        h *= _mask(ids, self.owner, h.dtype)
+        if y.dim() == 2 and y.is_contiguous() and y.dtype == h.dtype:
+            return y.addmm_(h, self.b.t())
+        return y + (h @ self.b.t()).to(y.dtype)
+
+
+_masks: tuple[torch.Tensor | None, dict[tuple[int, torch.dtype], torch.Tensor]] = (None, {})
+"""The masks of the forward whose adapter ids are _masks[0] (one tensor for all its layers; held here, so
+no later step's can be taken for it), by owner layout: every layer holds each adapter's columns, so a
+layout is its column count, and the layers of one share the mask, computed once a step."""
+
+
+def _mask(ids: torch.Tensor, owner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, n R] in dtype: 1 where column j is row t's adapter's (owner[j] == ids[t])."""
+    global _masks
+    if _masks[0] is not ids:
+        _masks = (ids, {})
+    key = (owner.numel(), dtype)
+    mask = _masks[1].get(key)
+    if mask is None:
+        mask = _masks[1][key] = (ids[:, None] == owner[None, :]).to(dtype)
+    return mask
 
 
 REFUSED_CONFIG = {"use_dora": "DoRA adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) weights",

@@ -202,3 +202,30 @@ def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
     adapters.index, adapters.version = {}, adapters.version + 1
     assert graphs.current(adapters) == (None, None)
     assert LoraGraphs(base, None).current(SimpleNamespace(index={"a@0": 1}, version=0))[1] is None
+
+
+def test_the_delta_adds_each_rows_adapter_alone_and_a_steps_masks_are_its_own():
+    """LoraWeights.add_delta: y + ((x A^T) * M) B^T with M from this step's ids, for layers of two
+    column layouts in one step (their masks computed once each), then a step with other ids (a new
+    ids tensor: no mask of the step before is taken for it)."""
+    from streamer.model.lora import LoraWeights
+
+    torch.manual_seed(0)
+
+    def layer(width: int, n_in: int, n_out: int) -> LoraWeights:
+        owner = torch.arange(1, 3).repeat_interleave(width)
+        return LoraWeights(torch.randn(2 * width, n_in), torch.randn(n_out, 2 * width), owner)
+
+    def want(lw: LoraWeights, y, x, ids):
+        rows = []
+        for t in range(len(x)):
+            cols = lw.owner == ids[t]
+            rows.append(y[t] + lw.b[:, cols] @ (lw.a[cols] @ x[t]) if ids[t] else y[t])
+        return torch.stack(rows)
+
+    layers = [layer(4, 8, 6), layer(4, 6, 8), layer(3, 8, 5)]
+    for ids in (torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0])):
+        for lw in layers:
+            x, y = torch.randn(3, lw.a.shape[1]), torch.randn(3, lw.b.shape[0])
+            expected = want(lw, y.clone(), x, ids)
+            torch.testing.assert_close(lw.add_delta(y, x, ids), expected, rtol=1e-5, atol=1e-5)
