@@ -553,7 +553,7 @@ if [ "$part" = chain ]; then
   # same with the down tiles' first chunk preloaded (=preload), twice; the compiled tests last (~8 min)
   (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
       | tee "$OUT/moe_chain.txt" | tail -12)
-  for r in 1 2; do
+  for r in $(seq "${CHAIN_REPS:-2}"); do  # (CHAIN_REPS=1: each once)
     w2moe . 0 gemv_$r
     w2moe .chain route routechain_$r
     w2moe .chain 1 chain_$r
