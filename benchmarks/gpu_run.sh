@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain | lora)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain | lora | lorachain)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -575,6 +575,23 @@ if [ "$part" = lora ]; then
           2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/${v%%:*} /"
     done
   done
+fi
+if [ "$part" = lorachain ]; then
+  # one call for both (forty-fourth session, little device time): the LoRA GPU tests, the chain's layer-level
+  # variants (moe_layer.py --chain in .chain), W2 on the 8B shape base / LoRA graphed / LoRA eager, then W2 on the
+  # MoE shape for this tree and the chain's one-launch router + experts (carry .whl and .chain)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_correctness.py tests/gpu/test_gpu_speculation.py \
+      -k lora 2>&1 | tail -4
+  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
+      | tee "$OUT/moe_chain.txt" | tail -12)
+  for v in "base:" "lora:--lora-rank 16" "eager:--lora-rank 16 --no-cuda-graphs"; do
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m streamer bench offline --workload W2 --no-peer ${v#*:} --json "$OUT/lora_W2_${v%%:*}.json" \
+        2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/${v%%:*} /"
+  done
+  w2moe . 0 gemv_1
+  w2moe .chain route routechain_1
+  w2moe .chain 1 chain_1
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
