@@ -33,7 +33,7 @@ def test_fp8_pages_match_transformers_with_an_fp8_cache(default_model, text_ids,
     # several steps, decoded together
     prefix = text_ids[:40]
     prompts = [prefix + p for p in distinct_prompts(text_ids, 3, 5, 30, seed=3)]
-    prompts += distinct_prompts(text_ids, 3, 20, 90, seed=4)  # (the prompts of the next test)
+    prompts += distinct_prompts(text_ids, 3, 20, 90, seed=8)  # (the prompts of the next test)
     with LLM(str(default_model), kv_cache_dtype="fp8", page_size=page_size, max_num_batched_tokens=48) as llm:
         assert llm.engine.runner.pool.k.dtype == torch.float8_e4m3fn
 
@@ -57,8 +57,9 @@ def test_fp8_pages_match_transformers_with_an_fp8_cache(default_model, text_ids,
 def test_the_fp8_oracle_differs_from_full_precision(default_model, text_ids):  # noqa: F811
     """The test above would be empty if rounding K/V to float8 changed nothing: over its
     chunked prompts (their float8 references already computed there) it changes some
-    continuation."""
-    prompts = distinct_prompts(text_ids, 3, 20, 90, seed=4)
+    continuation. (Seed 8: each of its three prompts changes with transformers 5.24 and the
+    default model as converted there; seed 4's changed none, their logits only.)"""
+    prompts = distinct_prompts(text_ids, 3, 20, 90, seed=8)
     changed = (
         hf_greedy(str(default_model), tuple(p), 16, True).tokens
         != hf_greedy(str(default_model), tuple(p), 16).tokens
