@@ -105,7 +105,7 @@ class DecodeGraphs:
 
     loras: graphs of decode steps with LoRA adapters' tokens (model/lora.py: each row's adapter in a
     static lora_ids buffer, 0 for the base model's rows and the padding). They hold the adapters'
-    tensors as they were at capture, so the runner drops them when an adapter comes or goes; and
+    tensors as they were at capture, so LoraGraphs drops them when an adapter comes or goes; and
     each size is captured the first time a step needs it (`replay`), not all at start: a server
     may never see an adapter's batch of most sizes, and a reload would otherwise recapture them all."""
 
