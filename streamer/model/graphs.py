@@ -21,12 +21,15 @@ used (the LM head runs eagerly on the rows that sample).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from streamer.model.context import ForwardContext, computing_rows_as_decode, set_context
+
+log = logging.getLogger(__name__)
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -60,13 +63,21 @@ def capture_ladder(
     return graphs, outputs, pool
 
 
+class CaptureFailed(RuntimeError):
+    """A capture while serving failed: the step runs eagerly instead (ModelRunner), and LoraGraphs
+    turns itself off."""
+
+
 def capture_when_needed(graphs: DecodeGraphs | ExtendGraphs, size: int) -> None:
     """Capture graphs' size while serving (LoRA graphs: the first time a step needs it). The static
     inputs are reset first, as the warm-up run writes K/V at their slots (rows of an earlier
     step's, whose pages may be another's now)."""
     graphs.reset_inputs()
-    with torch.inference_mode():
-        captured, hidden, graphs.pool = capture_ladder([size], graphs._run, graphs.pool, serving=True)
+    try:
+        with torch.inference_mode():
+            captured, hidden, graphs.pool = capture_ladder([size], graphs._run, graphs.pool, serving=True)
+    except Exception as e:  # noqa: BLE001 - the caller runs the step eagerly
+        raise CaptureFailed(f"a CUDA graph of size {size} could not be captured while serving: {e!r}") from e
     graphs.graphs.update(captured)
     graphs.hidden.update(hidden)
 
@@ -305,9 +316,17 @@ class LoraGraphs:
         """The adapters' version (model/lora.py Adapters.version) the graphs below were made for."""
         self.decode: DecodeGraphs | None = None
         self.extend: ExtendGraphs | None = None
+        self.off: str | None = None
+        """Why these graphs are off (a capture failed): adapters' steps then run eagerly."""
+
+    def turn_off(self, why: str) -> None:
+        log.warning("LoRA steps run eagerly from now on: %s", why)
+        self.off, self.decode, self.extend = why, None, None
 
     def current(self, adapters: Any) -> tuple[DecodeGraphs | None, ExtendGraphs | None]:
-        """The graphs for `adapters` as they are; (None, None) while there is none."""
+        """The graphs for `adapters` as they are; (None, None) while there is none, or when off."""
+        if self.off is not None:
+            return None, None
         if adapters.version != self.version:
             if self.decode is not None:  # (a replay queued before the change ends before they go)
                 torch.cuda.synchronize(self.base.k_cache.device)

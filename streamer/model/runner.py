@@ -29,7 +29,7 @@ from streamer.model.context import run_eager
 from streamer.model.draft import DraftModel, Proposed
 from streamer.model.eagle_draft import EagleDraft
 from streamer.model.exact_verify import NO_GRAPHS, row_graphs, unavailable, verify_rows
-from streamer.model.graphs import DecodeGraphs, ExtendGraphs, LoraGraphs
+from streamer.model.graphs import CaptureFailed, DecodeGraphs, ExtendGraphs, LoraGraphs
 from streamer.model.kv_budget import make_pool
 from streamer.model.launched import Launched, RowValues
 from streamer.model.layers import Linear
@@ -190,11 +190,16 @@ class ModelRunner:
             self.step_start = torch.cuda.Event(enable_timing=True)
             self.step_start.record()
         graph = x["graph"]
-        if isinstance(graph, DecodeGraphs):
-            return graph.replay(x), RowValues()  # the LM head is in the graph
-        if isinstance(graph, ExtendGraphs):
-            hidden = graph.replay(x)
-            return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], RowValues()
+        try:
+            if isinstance(graph, DecodeGraphs):
+                return graph.replay(x), RowValues()  # the LM head is in the graph
+            if isinstance(graph, ExtendGraphs):
+                hidden = graph.replay(x)
+                return self.model.compute_logits(hidden[x["last"]])[: x["n_sample"]], RowValues()
+        except CaptureFailed as e:  # (a LoRA graph's lazy capture: this step and the next run eagerly)
+            if self.lora_graphs is None:
+                raise
+            self.lora_graphs.turn_off(str(e))
         hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"])
         prompt_logprobs: dict[str, list[float]] = {}
         prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}

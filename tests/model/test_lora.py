@@ -229,3 +229,23 @@ def test_the_delta_adds_each_rows_adapter_alone_and_a_steps_masks_are_its_own():
             x, y = torch.randn(3, lw.a.shape[1]), torch.randn(3, lw.b.shape[0])
             expected = want(lw, y.clone(), x, ids)
             torch.testing.assert_close(lw.add_delta(y, x, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_graph_that_cannot_be_captured_leaves_the_adapters_steps_eager(tiny_models, tmp_path):
+    """A lazy capture that fails (here: CUDA graphs on the CPU) turns the LoRA graphs off with a
+    warning that says why; that step and the later ones run eagerly, with the same output as an
+    engine that never had them."""
+    from streamer.model.graphs import DecodeGraphs, LoraGraphs
+
+    base = tiny_models["llama3"]
+    adapter = make_adapter(tmp_path / "one", base, ["q_proj", "v_proj"], rank=2, alpha=4, seed=1)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, lora="one")
+    with LLM(str(base), lora_modules=(f"one={adapter}",)) as llm:
+        want = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
+    with LLM(str(base), lora_modules=(f"one={adapter}",)) as llm:
+        runner = llm.engine.runner
+        graphs = DecodeGraphs(runner.model, runner.pool.k, runner.pool.v, max_bs=4, max_pages=8)
+        runner.lora_graphs = LoraGraphs(graphs, None)
+        got = llm.generate([[5, 6, 7, 8]], params)[0]
+        assert got.error is None and got.token_ids == want
+        assert runner.lora_graphs.off is not None and "could not be captured" in runner.lora_graphs.off
