@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ class ForwardContext:
     lora_ids: torch.Tensor | None = None
     """[T] int64: each token's LoRA adapter (1..n, 0: the base model), or None when no token of
     the step has one (model/lora.py)."""
+    lora_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    """The step's LoRA masks by column layout (model/lora.py: computed once a forward, and gone with it)."""
 
 
 _current: ForwardContext | None = None
@@ -71,6 +73,11 @@ def set_context(ctx: ForwardContext | None) -> None:
 def lora_ids() -> torch.Tensor | None:
     """The step's ForwardContext.lora_ids (None also outside a model call: an LM head's)."""
     return None if _current is None else _current.lora_ids
+
+
+def lora_masks() -> dict[tuple[int, torch.dtype], torch.Tensor]:
+    """The step's ForwardContext.lora_masks (outside a model call: a dict of its own, kept by no one)."""
+    return {} if _current is None else _current.lora_masks
 
 
 def get_context() -> ForwardContext:

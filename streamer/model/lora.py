@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from streamer.errors import ModelLoadError
+from streamer.model.context import lora_masks
 from streamer.model.tp_group import current as tensor_parallel
 
 PREFIX = "base_model.model."
@@ -85,21 +86,15 @@ class LoraWeights:
         return y + (h @ self.b.t()).to(y.dtype)
 
 
-_masks: tuple[torch.Tensor | None, dict[tuple[int, torch.dtype], torch.Tensor]] = (None, {})
-"""The masks of the forward whose adapter ids are _masks[0] (one tensor for all its layers; held here, so
-no later step's can be taken for it), by owner layout: every layer holds each adapter's columns, so a
-layout is its column count, and the layers of one share the mask, computed once a step."""
-
-
 def _mask(ids: torch.Tensor, owner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, n R] in dtype: 1 where column j is row t's adapter's (owner[j] == ids[t])."""
-    global _masks
-    if _masks[0] is not ids:
-        _masks = (ids, {})
+    """[T, n R] in dtype: 1 where column j is row t's adapter's (owner[j] == ids[t]). Every layer holds each
+    adapter's columns, so a column count is a layout, and the layers of one share the mask: computed once a
+    forward, kept in its context (gone with it: a mask made in a CUDA graph's capture lives in its pool)."""
+    masks = lora_masks()
     key = (owner.numel(), dtype)
-    mask = _masks[1].get(key)
+    mask = masks.get(key)
     if mask is None:
-        mask = _masks[1][key] = (ids[:, None] == owner[None, :]).to(dtype)
+        mask = masks[key] = (ids[:, None] == owner[None, :]).to(dtype)
     return mask
 
 

@@ -376,6 +376,7 @@ class ModelRunner:
         not at garbage collection: a second engine in the process sizes its pool from the
         device memory left. Other actors still reference the pool: its tensors are emptied."""
         self.graphs = self.extend_graphs = self.row_graphs = None
+        self.lora_graphs = None  # (they hold the base graphs, and those the KV pool's tensors)
         pools = [self.pool] + ([self.draft.pool] if self.draft is not None else [])
         for pool in pools:
             if pool is not None:

@@ -206,8 +206,9 @@ def test_the_lora_graphs_are_made_for_the_adapters_as_they_are(monkeypatch):
 
 def test_the_delta_adds_each_rows_adapter_alone_and_a_steps_masks_are_its_own():
     """LoraWeights.add_delta: y + ((x A^T) * M) B^T with M from this step's ids, for layers of two
-    column layouts in one step (their masks computed once each), then a step with other ids (a new
-    ids tensor: no mask of the step before is taken for it)."""
+    column layouts in one step (their masks computed once each, kept in the step's context), then a
+    step with other ids (a context of its own: no mask of the step before is taken for it)."""
+    from streamer.model.context import ForwardContext, set_context
     from streamer.model.lora import LoraWeights
 
     torch.manual_seed(0)
@@ -225,10 +226,17 @@ def test_the_delta_adds_each_rows_adapter_alone_and_a_steps_masks_are_its_own():
 
     layers = [layer(4, 8, 6), layer(4, 6, 8), layer(3, 8, 5)]
     for ids in (torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0])):
-        for lw in layers:
-            x, y = torch.randn(3, lw.a.shape[1]), torch.randn(3, lw.b.shape[0])
-            expected = want(lw, y.clone(), x, ids)
-            torch.testing.assert_close(lw.add_delta(y, x, ids), expected, rtol=1e-5, atol=1e-5)
+        ctx = ForwardContext(torch.zeros(3), torch.zeros(3, 1), torch.zeros(3), torch.zeros(4), 1, torch.zeros(1),
+                             torch.zeros(1), lora_ids=ids)
+        set_context(ctx)
+        try:
+            for lw in layers:
+                x, y = torch.randn(3, lw.a.shape[1]), torch.randn(3, lw.b.shape[0])
+                expected = want(lw, y.clone(), x, ids)
+                torch.testing.assert_close(lw.add_delta(y, x, ids), expected, rtol=1e-5, atol=1e-5)
+        finally:
+            set_context(None)
+        assert sorted(n for n, _ in ctx.lora_masks) == [6, 8]  # (one mask a layout, kept with its step)
 
 
 def test_a_lora_graph_that_cannot_be_captured_leaves_the_adapters_steps_eager(tiny_models, tmp_path):
@@ -249,3 +257,20 @@ def test_a_lora_graph_that_cannot_be_captured_leaves_the_adapters_steps_eager(ti
         got = llm.generate([[5, 6, 7, 8]], params)[0]
         assert got.error is None and got.token_ids == want
         assert runner.lora_graphs.off is not None and "could not be captured" in runner.lora_graphs.off
+
+
+def test_closing_an_engine_lets_its_lora_graphs_and_their_kv_tensors_go(tiny_models):
+    """ModelRunner.release drops the LoRA graphs with the others: they hold the base graphs, and
+    those the KV pool's tensors, which a second engine in the process needs the memory of."""
+    import gc
+    import weakref
+
+    from streamer.model.graphs import DecodeGraphs, LoraGraphs
+
+    with LLM(str(tiny_models["llama3"])) as llm:
+        runner = llm.engine.runner
+        runner.lora_graphs = LoraGraphs(DecodeGraphs(runner.model, runner.pool.k, runner.pool.v, 4, 8), None)
+        kv = weakref.ref(runner.pool.k)
+    assert runner.lora_graphs is None
+    gc.collect()
+    assert kv() is None, "nothing holds the KV pool's tensor after close"
