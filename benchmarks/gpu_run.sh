@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | chain | lora | lorachain)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | lora)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -27,7 +27,6 @@
 # split -b 49M the .gguf into .gg/smol.part.aa and .ab, .gg/ in .git/info/exclude).
 # moestep: issue 30's batch-1 decode step of the Qwen3-30B-A3B shape, kernel by kernel.
 # lora: LoRA decode steps graphed: the LoRA GPU tests, then W2 and W5 base / adapter graphed / adapter eager (~6 min).
-# chain: issue 30's MoE MLP in one launch (branch exp/moe-chain, carried as .chain) against this tree (~8 min).
 # int4layer, int4e2e: the int4 MoE layer (GEMV tiles, grouped tiles swept into /tmp/moe_tiles.json), then int4 end to
 # end (GPTQ Qwen3-30B-A3B W2/W8, GPTQ Llama-3.1-8B W2/W1, dense W4A16 against .base), two calls on one warm machine.
 # int4gemv, int4final: the GEMVs' tiles, then the committed int4 kernels' tests and W2/W8. int4peer (after moeso, carry
@@ -544,23 +543,6 @@ if [ "$part" = moeb1 ]; then
     done
   fi
 fi
-if [ "$part" = chain ]; then
-  # issue 30: the MoE MLP in one launch (kernels/moe_chain.py on branch exp/moe-chain; carry .chain = git archive
-  # exp/moe-chain streamer kernels benchmarks tests pyproject.toml, and .whl). Most telling first (a call cut short
-  # keeps what it printed; each step under a timeout, as a spinning kernel that never ends would end the call):
-  # the variants against moe_gemv (moe_layer.py --chain), then W2 on the Qwen3-30B-A3B shape: this tree, then in
-  # .chain the router and experts in one launch (STREAMER_MOE_CHAIN=route), the experts in one launch (=1), the
-  # same with the down tiles' first chunk preloaded (=preload), twice; the compiled tests last (~8 min)
-  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
-      | tee "$OUT/moe_chain.txt" | tail -12)
-  for r in $(seq "${CHAIN_REPS:-2}"); do  # (CHAIN_REPS=1: each once)
-    w2moe . 0 gemv_$r
-    w2moe .chain route routechain_$r
-    w2moe .chain 1 chain_$r
-    w2moe .chain preload preload_$r
-  done
-  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q tests/kernels/test_moe_chain.py 2>&1 | tail -2)
-fi
 if [ "$part" = lora ]; then
   # LoRA decode steps in CUDA graphs of their own (model/graphs.py DecodeGraphs loras, ModelRunner.lora_graphs):
   # the LoRA GPU tests, compiled, then W2 (batch 1) and W5's requests (64 at once) on the Llama-3.1-8B shape for
@@ -575,23 +557,6 @@ if [ "$part" = lora ]; then
           2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/${v%%:*} /"
     done
   done
-fi
-if [ "$part" = lorachain ]; then
-  # one call for both (forty-fourth session, little device time): the LoRA GPU tests, the chain's layer-level
-  # variants (moe_layer.py --chain in .chain), W2 on the 8B shape base / LoRA graphed / LoRA eager, then W2 on the
-  # MoE shape for this tree and the chain's one-launch router + experts (carry .whl and .chain)
-  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_correctness.py tests/gpu/test_gpu_speculation.py \
-      -k lora 2>&1 | tail -4
-  (cd .chain && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/moe_layer.py --chain --tokens 1 2>&1 \
-      | tee "$OUT/moe_chain.txt" | tail -12)
-  for v in "base:" "lora:--lora-rank 16" "eager:--lora-rank 16 --no-cuda-graphs"; do
-    # shellcheck disable=SC2086
-    timeout 150 python3 -m streamer bench offline --workload W2 --no-peer ${v#*:} --json "$OUT/lora_W2_${v%%:*}.json" \
-        2>&1 | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/${v%%:*} /"
-  done
-  w2moe . 0 gemv_1
-  w2moe .chain route routechain_1
-  w2moe .chain 1 chain_1
 fi
 if [ "$part" = moestep ]; then
   # issue 30: where a Qwen3-30B-A3B decode step's time goes at batch 1 (eager: each kernel's device time)
