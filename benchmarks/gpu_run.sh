@@ -112,9 +112,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
 # W2 of issue 30's MoE shape in the tree at $1 (. or a carried git archive) with STREAMER_MOE_CHAIN=$2, into
 # $OUT/w2_$3.json, its last line labelled $3; under a timeout, as a kernel that never ends would end the call
-w2moe() { (cd "$1" && STREAMER_MOE_CHAIN=$2 PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
-    --workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b --json "$OUT/w2_$3.json" 2>&1 \
-    | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$3 /"); }
+w2moe() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
+    --workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b --json "$OUT/w2_$2.json" 2>&1 \
+    | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$2 /"); }
 # until the server on port $1 answers /health (true), or its process $2 is gone or 5 minutes passed (false)
 wait_up() {
   for _ in $(seq 300); do
@@ -538,8 +538,8 @@ if [ "$part" = moeb1 ]; then
   # tree, then for that commit (routing in the MoE GEMV's first kernel, the router without a last program), twice
   if [ -d .route ]; then
     for r in 1 2; do
-      w2moe . 0 tree_$r
-      w2moe .route 0 route_$r
+      w2moe . tree_$r
+      w2moe .route route_$r
     done
   fi
 fi
