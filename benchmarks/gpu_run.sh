@@ -110,8 +110,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
-# W2 of issue 30's MoE shape in the tree at $1 (. or a carried git archive) with STREAMER_MOE_CHAIN=$2, into
-# $OUT/w2_$3.json, its last line labelled $3; under a timeout, as a kernel that never ends would end the call
+# W2 of issue 30's MoE shape in the tree at $1 (. or a carried git archive), into $OUT/w2_$2.json, its last line
+# labelled $2; under a timeout, as a kernel that never ends would end the call
 w2moe() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
     --workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b --json "$OUT/w2_$2.json" 2>&1 \
     | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$2 /"); }
