@@ -74,24 +74,9 @@ def test_fits_rejects_what_the_static_buffers_cannot_hold():
 def test_capture_ladder_records_largest_first_into_one_memory_pool(monkeypatch):
     """The capture order (largest first, so smaller graphs fit in its pool) and the pool
     handed from graph to graph, with CUDA's graph API stood in for on the CPU."""
-    import contextlib
-
     from streamer.model import graphs
 
-    pools: list[object] = []
-
-    class FakeGraph:
-        def pool(self):
-            return "pool-of-the-first"
-
-    @contextlib.contextmanager
-    def fake_graph(g, pool=None, capture_error_mode="global"):
-        pools.append(pool)
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    captures = fake_capture(monkeypatch, "pool-of-the-first")
     calls: list[int] = []
 
     def run(n):
@@ -100,10 +85,11 @@ def test_capture_ladder_records_largest_first_into_one_memory_pool(monkeypatch):
 
     got, outputs, pool = graphs.capture_ladder([1, 2, 4], run, None)
     assert calls == [4, 4, 2, 2, 1, 1]  # a warm-up run, then the captured one
-    assert pools == [None, "pool-of-the-first", "pool-of-the-first"] and pool == "pool-of-the-first"
+    assert [p for p, _ in captures] == [None, "pool-of-the-first", "pool-of-the-first"] and pool == "pool-of-the-first"
+    assert {mode for _, mode in captures} == {"global"}  # (at start: no other thread's CUDA call is allowed)
     assert sorted(got) == [1, 2, 4] and all(outputs[n].tolist() == [n] * n for n in (1, 2, 4))
     _, _, shared = graphs.capture_ladder([8], run, "decode-pool")
-    assert pools[-1] == "decode-pool" and shared == "decode-pool"
+    assert captures[-1][0] == "decode-pool" and shared == "decode-pool"
 
 
 class RecordingModel:
@@ -126,28 +112,29 @@ class RecordingModel:
         return hidden
 
 
-def fake_capture(monkeypatch) -> list[str]:
-    """CUDA's graph API stood in for on the CPU (a replay does nothing); returns the capture modes used."""
+def fake_capture(monkeypatch, first_pool: str = "pool") -> list[tuple[object, str]]:
+    """CUDA's graph API stood in for on the CPU (a replay does nothing; a graph's pool is first_pool);
+    returns each capture's (pool given, capture_error_mode), as they happen."""
     import contextlib
 
-    modes: list[str] = []
+    captures: list[tuple[object, str]] = []
 
     class FakeGraph:
         def pool(self):
-            return "pool"
+            return first_pool
 
         def replay(self):
             pass
 
     @contextlib.contextmanager
     def fake_graph(g, pool=None, capture_error_mode="global"):
-        modes.append(capture_error_mode)
+        captures.append((pool, capture_error_mode))
         yield
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    return modes
+    return captures
 
 
 def lora_step(b: int, slots: list[int], ids: list[int]) -> dict:
@@ -162,13 +149,13 @@ def test_lora_decode_graphs_capture_each_size_when_first_needed_with_the_adapter
     writes no K/V (slot -1) though an earlier step's slots were in the static buffers. The
     captured runs read each row's adapter from the static lora_ids, whose padding rows are the
     base model's (0)."""
-    modes = fake_capture(monkeypatch)
+    captures = fake_capture(monkeypatch)
     cache = torch.zeros(1, 2, 4, 1, 8)
     model = RecordingModel()
     g = DecodeGraphs(model, cache, cache, max_bs=8, max_pages=2, loras=True, pool="decode-pool")
     assert g.graphs == {} and g.fits(8, 2)
     g.replay(lora_step(3, [9, 10, 11], [1, 2, 0]))
-    assert sorted(g.graphs) == [4] and modes == ["thread_local"] and g.pool == "decode-pool"
+    assert sorted(g.graphs) == [4] and captures == [("decode-pool", "thread_local")] and g.pool == "decode-pool"
     assert [slots for slots, _ in model.runs] == [[-1] * 4] * 2  # (warm-up and capture)
     assert all(ids == [0, 0, 0, 0] for _, ids in model.runs)  # (the buffer, as captured)
     assert g.lora_ids[:4].tolist() == [1, 2, 0, 0] and g.slot_mapping[:4].tolist() == [9, 10, 11, -1]
@@ -184,7 +171,7 @@ def test_lora_extend_graphs_capture_each_token_count_when_first_needed(monkeypat
     """ExtendGraphs loras: as the decode ones, a padded token count is captured at its first
     replay from reset inputs (no sequence, no tile: the warm-up writes and reads nothing), and
     each token's adapter is copied into lora_ids, the padding tokens' 0."""
-    modes = fake_capture(monkeypatch)
+    captures = fake_capture(monkeypatch)
     cache = torch.zeros(1, 2, 4, 1, 8)
     model = RecordingModel()
     eg = ExtendGraphs(model, cache, cache, 64, 4, max_pages=2, block_m=16, pool="decode-pool", loras=True)
@@ -194,7 +181,7 @@ def test_lora_extend_graphs_capture_each_token_count_when_first_needed(monkeypat
          "seq_lens": torch.tensor([5, 4], dtype=torch.int32), "cu_q_lens": torch.tensor([0, 2, 3], dtype=torch.int32),
          "tiles": torch.zeros(eg.num_tiles(16), dtype=torch.int32)}
     eg.replay(x)
-    assert sorted(eg.graphs) == [16] and modes == ["thread_local"]
+    assert sorted(eg.graphs) == [16] and captures == [("decode-pool", "thread_local")]
     assert [slots for slots, _ in model.runs] == [[-1] * 16] * 2 and all(ids == [0] * 16 for _, ids in model.runs)
     assert eg.lora_ids[:4].tolist() == [1, 1, 2, 0] and eg.lora_ids[3:16].sum() == 0
     eg.replay(x)
