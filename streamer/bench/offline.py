@@ -249,13 +249,17 @@ def bench(args: argparse.Namespace, name: str) -> Result:
     )
     lora = None
     if args.lora_rank:  # every request through one random adapter (bench/lora.py)
+        import atexit
+        import shutil
         import tempfile
 
         from streamer.bench.lora import random_adapter
 
         if args.peer:
             raise SystemExit("--lora-rank: the peers run the base model; pass --no-peer")
-        folder = random_adapter(model_dir, args.lora_rank, Path(tempfile.mkdtemp(prefix="streamer-lora-")))
+        folder = Path(tempfile.mkdtemp(prefix="streamer-lora-"))
+        atexit.register(shutil.rmtree, folder, True)
+        random_adapter(model_dir, args.lora_rank, folder)
         common["lora_modules"], lora = (f"bench={folder}",), "bench"
     bw = bandwidth()  # (before the engine takes the memory)
     llm = LLM(str(model_dir), **common)

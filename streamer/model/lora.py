@@ -12,7 +12,7 @@ gate_up_proj) takes its parts' adapters side by side: q's B rows at q's rows, k'
 their own A rows, as the checkpoint's q/k/v load (model/llama.py STACKED). Then each token t of a
 step, with adapter a_t (0: the base model), adds ((x A^T) * M) B^T, M[t, j] = 1 where column j is
 adapter a_t's: one pair of small GEMMs for every adapter at once, the same shapes whatever the
-batch's mix (LoraWeights.delta). A step with an adapter's token replays graphs of their own
+batch's mix (LoraWeights.add_delta). A step with an adapter's token replays graphs of their own
 (model/graphs.py, loras), captured for the adapters as they are, where the base model's step would
 replay graphs (model/packing.py).
 
