@@ -68,20 +68,6 @@ class CaptureFailed(RuntimeError):
     turns itself off."""
 
 
-def capture_when_needed(graphs: DecodeGraphs | ExtendGraphs, size: int) -> None:
-    """Capture graphs' size while serving (LoRA graphs: the first time a step needs it). The static
-    inputs are reset first, as the warm-up run writes K/V at their slots (rows of an earlier
-    step's, whose pages may be another's now)."""
-    graphs.reset_inputs()
-    try:
-        with torch.inference_mode():
-            captured, hidden, graphs.pool = capture_ladder([size], graphs._run, graphs.pool, serving=True)
-    except Exception as e:  # noqa: BLE001 - the caller runs the step eagerly
-        raise CaptureFailed(f"a CUDA graph of size {size} could not be captured while serving: {e!r}") from e
-    graphs.graphs.update(captured)
-    graphs.hidden.update(hidden)
-
-
 def keep_outputs(model: Any, outputs: dict[int, dict[str, torch.Tensor]], size: int) -> None:
     """Keep the attributes a run of model just set besides its result (model.graph_outputs:
     an EAGLE-3 target's features, a head's outputs before its norm) as size's: inside a
@@ -108,7 +94,53 @@ def ladder(max_bs: int) -> list[int]:
     return [s for s in sizes if s < max_bs] + [max(max_bs, 1)]
 
 
-class DecodeGraphs:
+class _LazySizes:
+    """What DecodeGraphs and ExtendGraphs share for LoRA graphs (loras): each size captured when a
+    replay first needs it, and the static lora_ids (empty without loras)."""
+
+    lora_ids: torch.Tensor
+    graphs: dict[int, torch.cuda.CUDAGraph]
+    hidden: dict[int, torch.Tensor]
+    pool: Any
+
+    def reset_inputs(self) -> None:
+        raise NotImplementedError
+
+    def _run(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def loras(self) -> bool:
+        return self.lora_ids.numel() > 0
+
+    def lora_view(self, size: int) -> torch.Tensor | None:
+        """The step context's lora_ids for a run of `size` (None without loras)."""
+        return self.lora_ids[:size] if self.loras else None
+
+    def capture_when_needed(self, size: int) -> None:
+        """Capture size while serving (LoRA graphs: the first time a step needs it). The static
+        inputs are reset first, as the warm-up run writes K/V at their slots (rows of an earlier
+        step's, whose pages may be another's now)."""
+        self.reset_inputs()
+        try:
+            with torch.inference_mode():
+                captured, hidden, self.pool = capture_ladder([size], self._run, self.pool, serving=True)
+        except Exception as e:  # noqa: BLE001 - the caller runs the step eagerly
+            raise CaptureFailed(f"a CUDA graph of size {size} could not be captured while serving: {e!r}") from e
+        self.graphs.update(captured)
+        self.hidden.update(hidden)
+
+    def before_replay(self, x: dict[str, Any], n: int, size: int) -> None:
+        """Before size's replay of a step of n rows or tokens: its capture if there is none yet, then
+        the step's adapter ids (the padding's: 0)."""
+        if size not in self.graphs:
+            self.capture_when_needed(size)
+        if self.loras:
+            self.lora_ids[:n].copy_(x["lora_ids"], non_blocking=True)
+            self.lora_ids[n:size].fill_(0)
+
+
+class DecodeGraphs(_LazySizes):
     """rows_as_decode: graphs whose every row computes as a lone decode row does (the GEMVs with
     M = 1's config, row by row; attention split as at batch 1), for the rows of a speculative
     verify step at batch 1 (exact_verify.verify_rows), from 2 rows up to max_bs: the verified tokens'
@@ -144,10 +176,6 @@ class DecodeGraphs:
         """Shared with the base model's graphs for LoRA graphs: a lazy capture then takes its
         intermediates from memory the pool already holds, not from what the KV budget left."""
 
-    @property
-    def loras(self) -> bool:
-        return self.lora_ids.numel() > 0
-
     def capture(self) -> None:
         self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
 
@@ -167,7 +195,7 @@ class DecodeGraphs:
             max_q_len=1,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
-            lora_ids=self.lora_ids[:bs] if self.loras else None,
+            lora_ids=self.lora_view(bs),
         )
         set_context(ctx)
         try:
@@ -185,11 +213,7 @@ class DecodeGraphs:
         """Logits [B, vocab] of a decode batch prepared by ModelRunner.prepare."""
         b = x["input_ids"].shape[0]
         bs = next(s for s in self.sizes if s >= b)
-        if bs not in self.graphs:  # (LoRA graphs: captured when first needed)
-            capture_when_needed(self, bs)
-        if self.loras:
-            self.lora_ids[:b].copy_(x["lora_ids"], non_blocking=True)
-            self.lora_ids[b:bs].fill_(0)
+        self.before_replay(x, b, bs)
         self.input_ids[:b].copy_(x["input_ids"], non_blocking=True)
         self.positions[:b].copy_(x["positions"], non_blocking=True)
         self.slot_mapping[:b].copy_(x["slot_mapping"], non_blocking=True)
@@ -204,7 +228,7 @@ class DecodeGraphs:
             return self.model.compute_logits(self.hidden[bs][:b])
 
 
-class ExtendGraphs:
+class ExtendGraphs(_LazySizes):
     """Graphs of the whole model (no LM head) for steps of up to `max_tokens` tokens from
     up to `max_seqs` sequences, by padded token count. loras: as DecodeGraphs' (each token's
     adapter in a static lora_ids; each size captured when first needed)."""
@@ -243,10 +267,6 @@ class ExtendGraphs:
     def fits(self, tokens: int, seqs: int, width: int) -> bool:
         return tokens <= self.sizes[-1] and seqs <= self.max_seqs and width <= self.page_table.shape[1]
 
-    @property
-    def loras(self) -> bool:
-        return self.lora_ids.numel() > 0
-
     def capture(self) -> None:
         self.graphs, self.hidden, self.pool = capture_ladder(self.sizes, self._run, self.pool)
 
@@ -270,7 +290,7 @@ class ExtendGraphs:
             v_cache=self.v_cache,
             tiles=self.tiles[: self.num_tiles(t)],
             block_m=self.block_m,
-            lora_ids=self.lora_ids[:t] if self.loras else None,
+            lora_ids=self.lora_view(t),
         )
         set_context(ctx)
         try:
@@ -285,11 +305,7 @@ class ExtendGraphs:
         list (x["tiles"], padded to num_tiles(padded(T)))."""
         n = x["input_ids"].shape[0]
         t = self.padded(n)
-        if t not in self.graphs:  # (LoRA graphs: captured when first needed)
-            capture_when_needed(self, t)
-        if self.loras:
-            self.lora_ids[:n].copy_(x["lora_ids"], non_blocking=True)
-            self.lora_ids[n:t].fill_(0)
+        self.before_replay(x, n, t)
         b, width = x["page_table"].shape
         self.input_ids[:n].copy_(x["input_ids"], non_blocking=True)
         self.positions[:n].copy_(x["positions"], non_blocking=True)
