@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | lora)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | lora | route | b1tune)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -110,10 +110,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() { python3 -m streamer bench offline "$@" 2>&1 | grep -v "\] [0-9]*/[0-9]* "; }
-# W2 of issue 30's MoE shape in the tree at $1 (. or a carried git archive), into $OUT/w2_$2.json, its last line
+# W2 of issue 30's MoE shape (W2_MODEL: another config folder) in the tree at $1 (. or a carried git archive), into $OUT/w2_$2.json, its last line
 # labelled $2; under a timeout, as a kernel that never ends would end the call
 w2moe() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 -m streamer bench offline \
-    --workload W2 --no-peer --model-dir benchmarks/configs/qwen3-30b-a3b --json "$OUT/w2_$2.json" 2>&1 \
+    --workload W2 --no-peer --model-dir "benchmarks/configs/${W2_MODEL:-qwen3-30b-a3b}" --json "$OUT/w2_$2.json" 2>&1 \
     | grep -v "\] [0-9]*/[0-9]* " | tail -1 | sed "s/^/$2 /"); }
 # until the server on port $1 answers /health (true), or its process $2 is gone or 5 minutes passed (false)
 wait_up() {
@@ -525,6 +525,31 @@ if [ "$part" = ab ]; then
   bench $m --json "$OUT/ab_tree.json" | tail -1
   (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
+fi
+if [ "$part" = route ]; then
+  # the LoRA + ngram speculation GPU test (its fix's first GPU run), then moeb1's .route comparison alone (~5 min)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_speculation.py -k lora 2>&1 | tail -4
+  for r in 1 2; do
+    w2moe . tree_$r
+    w2moe .route route_$r
+  done
+fi
+if [ "$part" = b1tune ]; then
+  # batch-1 launch configs (forty-fifth session): the qkv GEMV's whole K in one step, decode attention's 32-key
+  # blocks for a lone sequence, splits past the keys skipped. The compiled attention and GEMV tests, attn-b1 at
+  # both table widths (its `default` is the new choice), then W2 for the tree and .base (carried: git archive of
+  # the commit before) on the MoE shape twice and the 8B once (~8 min)
+  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_kernels.py tests/kernels/test_gemv.py \
+      tests/kernels/test_gemv_decode_path.py tests/kernels/test_attention_sinks.py tests/kernels/test_sliding_window.py \
+      tests/kernels/test_mla_decode.py 2>&1 | tail -3
+  python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
+  python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
+  for r in 1 2; do
+    w2moe . tree_$r
+    w2moe .base base_$r
+  done
+  W2_MODEL=llama-3.1-8b w2moe . tree_8b
+  W2_MODEL=llama-3.1-8b w2moe .base base_8b
 fi
 if [ "$part" = moeb1 ]; then
   # issue 30's next questions at batch 1 (~4 min; ~6 with .route): the attention GEMVs' configs (bench gemv sweep,

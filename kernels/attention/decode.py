@@ -163,10 +163,14 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
+    # a split past the sequence's keys (a short sequence in a graph sized for long ones) reads
+    # nothing and writes only its -inf log-sum-exp, which the merge reads as "no partial output"
+    # (a vector mask: scalar & vector masks upset the interpreter)
+    g_live = offs_g < tl.where(start < end, GROUP, 0)
     _pdl_enter(PDL)
     q = tl.load(
         q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=g_live[:, None] & d_mask[None, :],
         other=0.0,
     )
     if COMPUTE == tl.float16 and IN_DTYPE != tl.float16:
@@ -256,7 +260,7 @@ def _decode_kernel(
         tl.store(o_ptrs, _round_to(o, OUT_DTYPE, INTERP), mask=mask_o)
     else:
         row = (b64 * H + heads) * num_splits + split  # [BLOCK_G] rows of [B, H, num_splits]
-        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_o)
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_live[:, None] & d_mask[None, :])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -331,6 +335,12 @@ def paged_decode(
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 or _interpreting() else 32
         if block_d > 128 or fp8_pages:
+            block_n = 32
+        elif (split_batch or batch) * kvh <= 8 and not _interpreting():
+            # a lone sequence (W2): its few programs each wait on one K/V block at a time, so
+            # finer blocks give more splits work at short contexts. H100, Qwen3-30B-A3B's 4 KV
+            # heads in a 2,048-token graph (16 splits either way): 4.06 against 4.87 us at 256
+            # keys, 4.15 against 4.99 at 384 (profile_gpu.py attn-b1)
             block_n = 32
     if max_seq_len is None:
         max_seq_len = page_table.shape[1] * page_size

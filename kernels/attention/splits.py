@@ -58,6 +58,8 @@ def _decode_reduce_kernel(
     if HAS_SINKS:
         denom += tl.exp2(sink - m)
     inv = 1.0 / tl.where(denom > 0, denom, 1.0)
+    # a split with no key left its partial output unwritten (its weight is 0 either way)
+    live = s_mask & (lse > float("-inf"))
     # BLOCK_D dims at a time: one pass where BLOCK_D covers the head (the ordinary decode),
     # several for latent attention's 512 value dims (a [splits, 512] float32 tile at once
     # would not fit in registers)
@@ -66,7 +68,7 @@ def _decode_reduce_kernel(
         d_mask = offs_d < HEAD_DIM
         o = tl.load(
             part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :],
+            mask=live[:, None] & d_mask[None, :],
             other=0.0,
         )
         res = tl.sum(o * w[:, None], 0) * inv

@@ -60,6 +60,11 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, w_bytes: int = 2) -> Gem
         # measured on the H200 (streamer bench gemv): 16 rows and 8 warps stream
         # Llama-3.1-8B's qkv, o and gate_up 1-3% faster than 4 rows and 4 warps, unsplit
         cfg = cfg.with_(block_n=16, num_warps=8)
+        if w_bytes == 2 and k <= 8 * cfg.block_k:
+            # a K of at most 2,048 in one step (the whole row in flight per program): Qwen3-30B-A3B's
+            # qkv (5120 x 2048, 2.4 programs a SM) took 8.4 against 9.8 us in 4 steps of 512 x 4 on
+            # the H100 (bench gemv --shapes moe.qkv --rows 1 --full)
+            cfg = cfg.with_(unroll=max(cfg.unroll, triton.cdiv(k, cfg.block_k)))
         if w_bytes == 1:
             # float8 (streamer bench gemv --only fp8): the bytes in flight per program that stream
             # best shrink as programs per SM grow. gate_up (13.6 per SM): 256 x 2 columns per

@@ -129,6 +129,24 @@ def test_paged_decode_splits_and_variants(num_splits, d, prefetch, head_major):
     _close(out, _decode_ref(q, kc, vc, pt, lens, scale), ATTN_TOL[torch.float32])
 
 
+def test_splits_past_the_keys_read_and_write_no_partial_output(monkeypatch):
+    """A split that sees no key (a short sequence in a graph sized for long ones) loads nothing and
+    stores only its -inf log-sum-exp; the merge skips its partial output, left as allocated (NaN
+    here, so that reading it would show)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    q, kc, vc, pt, lens = _decode_case([3, 100, 40], 16, 4, 64, torch.float32, seed=2)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = attention.paged_decode(q, kc, vc, pt, lens, 0.125, num_splits=8, block_n=16)
+    monkeypatch.undo()
+    assert not out.isnan().any()
+    _close(out, _decode_ref(q, kc, vc, pt, lens, 0.125), ATTN_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("page_size,block_n", [(16, 16), (16, 32), (32, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3])
