@@ -1,7 +1,9 @@
-"""Tensor parallelism over 3 ranks of the default model (9 heads, 3 KV heads: one KV head per
-rank) on gloo: the answers of one rank, one all-reduce per row-parallel layer and the
-embedding, one step message per step; a rank killed mid-run ends the engine, and no rank
-process outlives it. One engine of 3 ranks serves every test here (the last kills it)."""
+"""Tensor parallelism over 3 ranks of a model with the default model's head layout (9 heads, 3 KV
+heads: one KV head per rank; tiny random weights, its tokenizer) on gloo: the answers of one rank,
+one all-reduce per row-parallel layer and the embedding, one step message per step; a rank
+killed mid-run ends the engine, and no rank process outlives it. One engine of 3 ranks serves
+every test here (the last kills it). (The default model itself in 3 ranks took ~60 s on CI's
+2 cores; the layout, not the weights, is what 3 ranks split.)"""
 
 from __future__ import annotations
 
@@ -15,18 +17,27 @@ import pytest
 from streamer import LLM, SamplingParams
 from streamer.messages import GenerateRequest
 from streamer.model.tp_group import COUNTS
+from tests.conftest import make_tiny_model
 from tests.distributed.workload import ENGINE, assert_same, collectives_of_one_step, run
 
 
 @pytest.fixture(scope="module")
-def one_rank(default_model):
-    with LLM(str(default_model), **ENGINE) as llm:
+def model(tmp_path_factory, default_model):
+    """SmolLM2-135M's attention layout (9 heads over 3 KV heads) at a tiny width."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp3") / "llama", "LlamaForCausalLM", default_model,
+                           hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16,
+                           intermediate_size=192, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model):
+    with LLM(str(model), **ENGINE) as llm:
         yield run(llm)
 
 
 @pytest.fixture(scope="module")
-def tp3(default_model):
-    llm = LLM(str(default_model), tensor_parallel_size=3, **ENGINE)
+def tp3(model):
+    llm = LLM(str(model), tensor_parallel_size=3, **ENGINE)
     yield llm
     llm.close()
 

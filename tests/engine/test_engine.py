@@ -41,6 +41,14 @@ def plain_llm(default_model):
         yield llm
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    """A tiny random Llama-3 with the default model's tokenizer: for the scenarios about pages
+    and the pool, where what the model writes does not matter but each step's time does (the
+    default model's steps are ~20x longer on CPU)."""
+    return tiny_models["llama3"]
+
+
 def distinct_prompts(ids, n, lo, hi, seed=0):
     rng = random.Random(seed)
     out = []
@@ -96,10 +104,10 @@ def test_shared_prefix_is_served_from_the_cache(default_model, text_ids):
         assert cold.generate([b], GREEDY)[0].token_ids == second.token_ids
 
 
-def test_heavy_eviction_stays_correct(default_model, text_ids):
+def test_heavy_eviction_stays_correct(tiny, text_ids):
     prompts = distinct_prompts(text_ids, 10, 60, 150, seed=3)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with LLM(str(default_model), num_pages=40, max_num_seqs=4) as llm:  # 39 pages of 16 tokens
+    with LLM(str(tiny), num_pages=40, max_num_seqs=4) as llm:  # 39 pages of 16 tokens
         outs = []
         for i in range(0, 10, 2):  # re-send half of the earlier prompts: hits mixed with evictions
             outs += llm.generate(prompts[i : i + 2] + prompts[max(0, i - 2) : i], params)
@@ -107,15 +115,16 @@ def test_heavy_eviction_stays_correct(default_model, text_ids):
     cmp = Comparison()
     sent = [p for i in range(0, 10, 2) for p in prompts[i : i + 2] + prompts[max(0, i - 2) : i]]
     for p, o in zip(sent, outs):
-        compare(default_model, p, o.token_ids, cmp)
+        compare(tiny, p, o.token_ids, cmp)
     assert not cmp.failures, cmp.failures
 
 
-def test_preemption_when_pages_run_out_keeps_outputs_identical(default_model, plain_llm, text_ids):
+def test_preemption_when_pages_run_out_keeps_outputs_identical(tiny, text_ids):
     prompts = distinct_prompts(text_ids, 6, 80, 120, seed=4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in plain_llm.generate(prompts, params)]  # (a roomy pool)
-    with LLM(str(default_model), num_pages=30) as tight:  # 6 x ~8 pages do not fit in 29
+    with LLM(str(tiny)) as roomy:
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    with LLM(str(tiny), num_pages=30) as tight:  # 6 x ~8 pages do not fit in 29
         got = [o.token_ids for o in tight.generate(prompts, params)]
         assert tight.stats().preemptions > 0
         settle(tight)
@@ -151,7 +160,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(plain_llm, text_id
     assert bad.finish_reason == "error" and "truncate_prompt_tokens" in bad.error
 
 
-def test_fill_context_is_the_room_the_prompt_leaves_in_the_context_or_the_pool(default_model):
+def test_fill_context_is_the_room_the_prompt_leaves_in_the_context_or_the_pool(tiny):
     """SamplingParams.fill_context (a chat without max_tokens): the tokenizer actor, which
     knows the prompt's length, makes max_tokens the room left, and the scheduler's KV check
     sees that number; a prompt that leaves no room is refused with the context-length error."""
@@ -159,14 +168,14 @@ def test_fill_context_is_the_room_the_prompt_leaves_in_the_context_or_the_pool(d
 
     fill = SamplingParams(fill_context=True, temperature=0, ignore_eos=True)
     messages = [{"role": "user", "content": "Hi"}]
-    with LLM(str(default_model), max_model_len=64) as llm:
+    with LLM(str(tiny), max_model_len=64) as llm:
         out = llm.chat(messages, fill)
         assert out.error is None and out.finish_reason == "length"
         assert out.completion_tokens == 64 - out.prompt_tokens > 0
         full = llm.generate([list(range(100, 164))], fill)[0]
         assert full.finish_reason == "error" and full.error_code == CONTEXT_LENGTH_EXCEEDED
         assert full.error == "this model's maximum context length is 64 tokens; the prompt has 64 tokens"
-    with LLM(str(default_model), num_pages=10) as llm:  # a pool smaller than the context
+    with LLM(str(tiny), num_pages=10) as llm:  # a pool smaller than the context
         pool = llm.engine.runner.pool
         out = llm.chat(messages, fill)
         assert out.error is None and out.completion_tokens == pool.capacity * pool.page_size - out.prompt_tokens
@@ -280,11 +289,11 @@ def test_event_loop_is_never_blocked_for_50ms(default_model, text_ids):
     assert typical < 0.05 and gaps[-1] < 0.5, f"event loop gaps: 99th percentile {typical * 1e3:.1f} ms, worst {gaps[-1] * 1e3:.1f} ms"
 
 
-def test_kv_memory_holds_live_tokens(default_model, text_ids):
+def test_kv_memory_holds_live_tokens(tiny, text_ids):
     prompts = distinct_prompts(text_ids, 8, 100, 300, seed=9)
     rng = random.Random(0)
     params = [SamplingParams(max_tokens=rng.randint(16, 40), temperature=0, ignore_eos=True) for _ in prompts]
-    with LLM(str(default_model)) as llm:
+    with LLM(str(tiny)) as llm:
         llm.generate(prompts, params)
         eff = llm.stats().kv_efficiency
     print(f"KV efficiency {eff:.3f}")

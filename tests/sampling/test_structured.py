@@ -9,6 +9,7 @@ import random
 import re
 
 import jsonschema
+import msgspec
 import pytest
 
 from streamer.engine.scheduler import Scheduler
@@ -251,6 +252,9 @@ def test_grammar_survives_preemption(small_pool_llm):
         SamplingParams(temperature=0.8, seed=i, max_tokens=64, grammar=json_spec(names[i % 5]))
         for i in range(8)
     ]
+    # the grammars compiled first, so that all 8 requests are admitted together and outgrow the
+    # pool (compiled while they ran, on a loaded machine, they joined one by one and none was preempted)
+    llm.generate(prompts[:5], [msgspec.structs.replace(p, max_tokens=1) for p in params[:5]])
     outs = llm.generate(prompts, params)
     assert llm.stats().preemptions > 0
     for o, p in zip(outs, params):
