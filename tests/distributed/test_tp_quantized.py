@@ -97,40 +97,46 @@ def rank0_parts(w: torch.Tensor, parts: list[int], axis: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def prompt_logprobs(path: Path, **kw) -> list[list[float]]:
-    prompts = [[5, 17, 99, 5, 17, 300, 41] * 3, list(range(100, 140))]
+PROMPTS = [[5, 17, 99, 5, 17, 300, 41] * 3, list(range(100, 140))]
+
+
+def prompt_logprobs(llm: LLM) -> list[list[float]]:
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_from=1)
-    with LLM(str(path), dtype="float32", device="cpu", **kw) as llm:
-        return [o.prompt_logprobs for o in llm.generate(prompts, params)]
+    return [o.prompt_logprobs for o in llm.generate(PROMPTS, params)]
 
 
-def assert_rank0_holds_its_part(path: Path) -> None:
+def assert_within_float8_error(lps: dict[str, list[list[float]]], original: Path) -> None:
+    """The answers of two ranks (lps["two"]) are closer to one rank's (lps["one"]) than one
+    rank's are to the unquantized model's: within the error of float8 itself."""
+    with LLM(str(original), dtype="float32", device="cpu") as llm:
+        lps = dict(lps, full=prompt_logprobs(llm))
+
+    def gap(a: str, b: str) -> float:
+        return max(abs(x - y) for p, r in zip(lps[a], lps[b]) for x, y in zip(p, r))
+
+    assert gap("two", "one") < gap("one", "full")
+
+
+def assert_rank0_holds_its_part(path: Path, original: Path) -> None:
     """Rank 0's float8 weights and scales stand for exactly its part of one rank's layers; the
     answers of two ranks stay within the error of float8 itself (the activations entering a
-    row-parallel layer are quantized per token on each rank's part of the row: as vLLM's)."""
-    layers = {}
-    for n in (1, 2):
+    row-parallel layer are quantized per token on each rank's part of the row: as vLLM's).
+    (One engine of each size answers both.)"""
+    layers, lps = {}, {}
+    for n, label in ((1, "one"), (2, "two")):
         with LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=n) as llm:
             layer = llm.engine.runner.model.layers[0]
             attn, mlp = layer.self_attn, layer.mlp
             layers[n] = {name: dequantized(m) for name, m in [("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                                                ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]}
+            lps[label] = prompt_logprobs(llm)
     cfg = F8.SHAPES
     q, kv, inter = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"], \
         cfg["intermediate_size"]
     for name, parts, axis in [("qkv", [q, kv, kv], 0), ("o", [], 1), ("gate_up", [inter, inter], 0),
                               ("down", [], 1)]:
         assert torch.equal(layers[2][name], rank0_parts(layers[1][name], parts, axis)), name
-
-
-def assert_within_float8_error(path: Path, original: Path) -> None:
-    lps = {"two": prompt_logprobs(path, tensor_parallel_size=2), "one": prompt_logprobs(path),
-           "full": prompt_logprobs(original)}
-
-    def gap(a: str, b: str) -> float:
-        return max(abs(x - y) for p, r in zip(lps[a], lps[b]) for x, y in zip(p, r))
-
-    assert gap("two", "one") < gap("one", "full")
+    assert_within_float8_error(lps, original)
 
 
 @pytest.mark.parametrize("kind", ["per-tensor", "per-channel"])
@@ -142,8 +148,7 @@ def test_float8_checkpoints(fp8_tiny, tmp_path, kind):
         qc = F8.ct_config({"strategy": "channel"}, {"num_bits": 8, "type": "float", "strategy": "token",
                                                     "dynamic": True, "symmetric": True})
         path = F8.write_checkpoint(fp8_tiny, tmp_path / "c", qc, F8.per_row, "weight_scale")
-    assert_rank0_holds_its_part(path)
-    assert_within_float8_error(path, fp8_tiny)
+    assert_rank0_holds_its_part(path, fp8_tiny)
 
 
 def test_block_scaled_float8_checkpoint(tmp_path, monkeypatch):
@@ -153,8 +158,7 @@ def test_block_scaled_float8_checkpoint(tmp_path, monkeypatch):
     tiny = make_tiny_model(tmp_path / "llama", "LlamaForCausalLM", None, **shapes)
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     path = F8.write_checkpoint(tiny, tmp_path / "b", qc, F8.block_128, "weight_scale_inv")
-    assert_rank0_holds_its_part(path)
-    assert_within_float8_error(path, tiny)
+    assert_rank0_holds_its_part(path, tiny)
 
 
 def test_a_float8_block_a_rank_would_cut_is_refused(fp8_tiny, tmp_path):
@@ -172,12 +176,13 @@ def test_float8_experts_per_channel(moe_models, tmp_path):  # noqa: F811
     from tests.model.test_moe_fp8_checkpoint import channel_config, write
 
     path = write(moe_models["qwen3_moe"], tmp_path / "moe", channel_config(), F8.per_row, "weight_scale")
-    experts = {}
-    for n in (1, 2):
+    experts, lps = {}, {}
+    for n, label in ((1, "one"), (2, "two")):
         with LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=n) as llm:
             ex = llm.engine.runner.model.layers[1].mlp.experts
             experts[n] = {p: getattr(ex, p).float().clone() for p in
                           ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")}
+            lps[label] = prompt_logprobs(llm)
     one, two = experts[1], experts[2]
     inter = one["down_proj"].shape[2]
     half = inter // 2
@@ -185,7 +190,7 @@ def test_float8_experts_per_channel(moe_models, tmp_path):  # noqa: F811
         assert torch.equal(two[p], torch.cat([one[p][:, :half], one[p][:, inter : inter + half]], dim=1)), p
     assert torch.equal(two["down_proj"], one["down_proj"][:, :, :half])
     assert torch.equal(two["down_proj_scale"], one["down_proj_scale"])
-    assert_within_float8_error(path, moe_models["qwen3_moe"])
+    assert_within_float8_error(lps, moe_models["qwen3_moe"])
 
 
 @pytest.mark.parametrize("fmt,group,sym", [("awq", 32, False), ("gptq", 32, False), ("ct", None, True)],

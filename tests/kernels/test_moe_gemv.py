@@ -88,7 +88,7 @@ def test_route_is_the_router_linear_then_route_topk(dtype, t, h, e, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t,h,e,k", [(1, 40, 8, 2), (3, 64, 128, 8), (2, 4100, 8, 2)])
+@pytest.mark.parametrize("t,h,e,k", [(1, 40, 8, 2), (2, 64, 128, 8), (2, 4100, 8, 2)])
 def test_norm_route_is_the_add_and_norm_then_the_router(dtype, t, h, e, k):
     """norm_route (the post-attention add + RMSNorm inside the router's kernel, each program
     normalizing the row; over 2,048 columns in chunks) equals fused_add_rms_norm then route: the
