@@ -42,7 +42,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -251,18 +251,38 @@ class GrammarCompiler:
         of one compilation; workers: compilations on trial at once (the others queue)."""
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
-        )
-        # (no cache of xgrammar's own: this class keeps the compiled grammars, within CACHE_BYTES)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
-        self.trials = TrialCompiler(self.info, any_whitespace=self.any_whitespace, timeout_s=timeout_s,
-                                    memory_bytes=memory_bytes, workers=workers)
+        # xgrammar's side is built on first use: TokenizerInfo over a 49k vocabulary takes ~0.3 s,
+        # which an engine that never sees a grammar should not pay at start
+        self._make = lambda: _Backend.build(hf_tokenizer, vocab_size, stop_token_ids, max_threads, timeout_s,
+                                            memory_bytes, workers, self.any_whitespace)
+        self._backend_lock = threading.Lock()
+        self._built: _Backend | None = None
         self._hf = hf_tokenizer
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_bytes = 0
         self._vocab: _Vocab | None = None
+
+    def _backend(self) -> _Backend:
+        with self._backend_lock:
+            if self._built is None:
+                try:
+                    self._built = self._make()
+                except Exception as e:  # noqa: BLE001 - xgrammar could not read this tokenizer
+                    raise RequestError(f"structured output is not available for this model: {clean_error(e)}") from None
+            return self._built
+
+    @property
+    def info(self) -> xgr.TokenizerInfo:
+        return self._backend().info
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        return self._backend().compiler
+
+    @property
+    def trials(self) -> TrialCompiler:
+        return self._backend().trials
 
     # ---- compile ----------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -330,12 +350,42 @@ class GrammarCompiler:
         return self._state(fut.result(), spec)
 
     def start(self) -> None:
-        """Start the trial process now, in the background (else it starts with the first trial)."""
-        self.trials.start()
+        """Build xgrammar's side and start the trial process now, in the background (else both
+        happen with the first new spec)."""
+
+        def run() -> None:
+            try:
+                self.trials.start()
+            except RequestError as e:  # (the first spec will say so too)
+                log.warning("%s", e)
+
+        threading.Thread(target=run, name="streamer-grammar-backend", daemon=True).start()
 
     def close(self) -> None:
         """Stop the trial process (it starts again on the next new spec)."""
-        self.trials.close()
+        with self._backend_lock:
+            built = self._built
+        if built is not None:
+            built.trials.close()
+
+
+class _Backend(NamedTuple):
+    """xgrammar's side of a GrammarCompiler."""
+
+    info: xgr.TokenizerInfo
+    compiler: xgr.GrammarCompiler
+    trials: TrialCompiler
+
+    @staticmethod
+    def build(hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None, max_threads: int,
+              timeout_s: float, memory_bytes: int, workers: int, any_whitespace: bool) -> _Backend:
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids or None)
+        # (no cache of xgrammar's own: GrammarCompiler keeps the compiled grammars, within CACHE_BYTES)
+        compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        trials = TrialCompiler(info, any_whitespace=any_whitespace, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                               workers=workers)
+        return _Backend(info, compiler, trials)
 
 
 # ---- bitmasks --------------------------------------------------------------

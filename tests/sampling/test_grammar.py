@@ -104,6 +104,36 @@ def big_schema(n: int) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps({"type": "object", "properties": props, "required": list(props)}))
 
 
+def test_xgrammars_side_is_built_by_the_first_spec_not_at_construction(hf_tokenizer):
+    """An engine that never sees a grammar does not pay for TokenizerInfo (~0.3 s) nor start the
+    trial process; the first spec builds both, and close() before any spec builds nothing."""
+    unused = GrammarCompiler(hf_tokenizer, VOCAB)
+    unused.close()
+    assert unused._built is None
+    gc = GrammarCompiler(hf_tokenizer, VOCAB)
+    try:
+        assert gc._built is None
+        assert isinstance(gc.state_for(GrammarSpec("regex", "[0-9]+")), GrammarState)
+        assert gc._built is not None and gc.info.vocab_size == VOCAB
+    finally:
+        gc.close()
+
+
+def test_a_tokenizer_xgrammar_cannot_read_fails_its_grammar_requests_only(hf_tokenizer, monkeypatch):
+    """Built on first use, xgrammar's side can fail only there: the spec's request gets a
+    RequestError naming it (at construction, the engine would not have started at all)."""
+    from streamer.sampling import grammar as G
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unknown vocabulary type")
+
+    monkeypatch.setattr(G.xgr.TokenizerInfo, "from_huggingface", broken)
+    gc = GrammarCompiler(hf_tokenizer, VOCAB)
+    with pytest.raises(RequestError, match="structured output is not available for this model: unknown vocabulary"):
+        gc.state_for(GrammarSpec("regex", "[0-9]+"))
+    gc.close()
+
+
 def test_a_compilation_past_its_time_limit_is_killed(hf_tokenizer):
     """A schema of 10,000 properties compiles for minutes: refused at the limit, naming it,
     and nothing goes on compiling it afterwards; the refusal is cached."""
