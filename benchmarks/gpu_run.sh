@@ -539,12 +539,15 @@ if [ "$part" = b1tune ]; then
   # blocks for a lone sequence, splits past the keys skipped. The compiled attention and GEMV tests, attn-b1 at
   # both table widths (its `default` is the new choice), then W2 for the tree and .base (carried: git archive of
   # the commit before) on the MoE shape twice and the 8B once (~8 min)
-  python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_kernels.py tests/kernels/test_gemv.py \
-      tests/kernels/test_gemv_decode_path.py tests/kernels/test_attention_sinks.py tests/kernels/test_sliding_window.py \
-      tests/kernels/test_mla_decode.py 2>&1 | tail -3
+  # (B1_QUICK=1: neither the tests nor the 40,960-token table, ~5 min)
+  if [ -z "${B1_QUICK:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_kernels.py tests/kernels/test_gemv.py \
+        tests/kernels/test_gemv_decode_path.py tests/kernels/test_attention_sinks.py tests/kernels/test_sliding_window.py \
+        tests/kernels/test_mla_decode.py 2>&1 | tail -3
+  fi
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
-  python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
-  for r in 1 2; do
+  [ -z "${B1_QUICK:-}" ] && python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
+  for r in $(seq "${B1_REPS:-2}"); do
     w2moe . tree_$r
     w2moe .base base_$r
   done

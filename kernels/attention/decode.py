@@ -332,16 +332,19 @@ def paged_decode(
     group = h // kvh
     block_d = triton.next_power_of_2(d)
     fp8_pages = k_cache.dtype == torch.float8_e4m3fn and not _interpreting()
+    split_block = None  # the key block the split count is chosen by (default: block_n)
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 or _interpreting() else 32
         if block_d > 128 or fp8_pages:
             block_n = 32
         elif (split_batch or batch) * kvh <= 8 and not _interpreting():
             # a lone sequence (W2): its few programs each wait on one K/V block at a time, so
-            # finer blocks give more splits work at short contexts. H100, Qwen3-30B-A3B's 4 KV
-            # heads in a 2,048-token graph (16 splits either way): 4.06 against 4.87 us at 256
-            # keys, 4.15 against 4.99 at 384 (profile_gpu.py attn-b1)
-            block_n = 32
+            # finer blocks give more splits work at short contexts, while the split count stays
+            # that of 64-key blocks (splits of >= 128 keys: a 2,048-token graph runs 16, not 32).
+            # H100, Qwen3-30B-A3B's 4 KV heads, 16 splits: 4.13 against 4.87 us with 64-key
+            # blocks at 256 keys, 4.19 against 4.99 at 384; 32 splits of 32 keys: 4.81, 4.85
+            # (profile_gpu.py attn-b1)
+            block_n, split_block = 32, 64
     if max_seq_len is None:
         max_seq_len = page_table.shape[1] * page_size
     if window > 0:
@@ -373,7 +376,7 @@ def paged_decode(
         # the one-warp float8 kernel fits 8 programs per SM: batch 64 x 1,000-2,000 tokens
         # took 87 us in 2 splits against 97 in 1 (profile_gpu.py attn-subtile)
         per_sm = 8 if fp8_pages and num_warps == 1 else 4
-        num_splits = _choose_splits(split_batch or batch, kvh, max_seq_len, block_n, q.device, per_sm)
+        num_splits = _choose_splits(split_batch or batch, kvh, max_seq_len, split_block or block_n, q.device, per_sm)
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
         part_o = torch.empty((batch, h, num_splits, d), dtype=torch.float32, device=q.device)
