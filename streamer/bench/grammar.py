@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # (torch and the engine are imported when a run starts, not w
     import torch
 
     from streamer.engine.llm import LLM
-    from streamer.sampling.grammar import GrammarCompiler
+    from streamer.sampling.grammar_compiler import GrammarCompiler
 
 # Long enough that a batch stays full for a while (8 records), small enough to end.
 SCHEMA = {
@@ -196,7 +196,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from streamer.engine.llm import LLM
-    from streamer.sampling.grammar import GrammarCompiler
+    from streamer.sampling.grammar_compiler import GrammarCompiler
 
     if args.smoke:
         args.batch, args.max_tokens = 4, 24

@@ -176,7 +176,7 @@ class AsyncEngine:
         if self.hf_tokenizer is None:
             return
         try:
-            from streamer.sampling.grammar import GrammarCompiler
+            from streamer.sampling.grammar_compiler import GrammarCompiler
         except ImportError:
             return
         c = self.config

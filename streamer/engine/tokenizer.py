@@ -76,7 +76,7 @@ class Tokenizer:
         self.room = min(max_model_len, pool_tokens or max_model_len)
         """The tokens a request may hold in all (fill_context): the context, or the whole KV
         pool when that is smaller (the scheduler refuses a request that needs more pages)."""
-        self.grammars: Any = None  # sampling.grammar.GrammarCompiler, set when available
+        self.grammars: Any = None  # sampling.grammar_compiler.GrammarCompiler, set when available
         self.chat_template_kwargs: dict[str, Any] = {}
         """The server's defaults (--default-chat-template-kwargs); a request's own win."""
         self.loras: dict[str, str] = {}

@@ -12,13 +12,9 @@ import torch
 
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
-from streamer.sampling.grammar import (
-    JUMP_MAX_BYTES,
-    GrammarCompiler,
-    GrammarState,
-    fill_bitmask,
-)
+from streamer.sampling.grammar import JUMP_MAX_BYTES, GrammarState, fill_bitmask
 from streamer.sampling.grammar_build import choice_grammar
+from streamer.sampling.grammar_compiler import GrammarCompiler
 from tests.sampling.test_grammar_build import st
 
 VOCAB = 49152  # SmolLM2's model vocabulary

@@ -10,8 +10,8 @@ import pytest
 
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
-from streamer.sampling.grammar import GrammarCompiler
 from streamer.sampling.grammar_build import format_of
+from streamer.sampling.grammar_compiler import GrammarCompiler
 
 VOCAB = 49152  # SmolLM2's model vocabulary
 SCHEMA = {

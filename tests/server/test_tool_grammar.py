@@ -15,7 +15,8 @@ import torch
 from streamer.chat_template import DEEPSEEK_MARKERS
 from streamer.errors import RequestError
 from streamer.messages import GrammarSpec
-from streamer.sampling.grammar import GrammarCompiler, GrammarState, fill_bitmask
+from streamer.sampling.grammar import GrammarState, fill_bitmask
+from streamer.sampling.grammar_compiler import GrammarCompiler
 from streamer.server.tool_grammar import FORMATS, after_reasoning, tool_call_grammar
 from streamer.server.tool_parsers import PARSERS
 

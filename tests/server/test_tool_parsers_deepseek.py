@@ -423,7 +423,7 @@ def test_streamed_tool_calls_through_the_chat_api(deepseek_api):
 def test_under_the_grammar_the_markers_are_the_special_tokens_themselves(deepseek_tok):
     """With DeepSeek's tokenizer the grammar's markers can be written as the one special token
     each (the tokens the model learned; xgrammar does not bar added special tokens)."""
-    from streamer.sampling.grammar import GrammarCompiler
+    from streamer.sampling.grammar_compiler import GrammarCompiler
 
     ids = {m: deepseek_tok.convert_tokens_to_ids(m) for m in DEEPSEEK_MARKERS}
     gc = GrammarCompiler(deepseek_tok, len(deepseek_tok))
