@@ -5,7 +5,7 @@
 #                                        | gguf1 | w7 | w7peer | moestep | moesweep | sweepa | sweepb | w5peer
 #                                        | tp2a | tp2b | dp2 | tp70 | rows | moeso | moepeer | deepseek | eagle | rerun
 #                                        | graphstep | ab | moelayer | moefp8 | int4moe | int4layer | int4e2e | int4gemv | int4final | int4peer
-#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | lora | route | b1tune)
+#                                        | fp8trace | fp8ab | align | fp8gemm | prefetch | blas | moeb1 | lora | b1tune)
 # and here, before the device calls that need model folders: bash benchmarks/gpu_run.sh assets
 # record: the figures of benchmarks/RESULTS.md in one call (~7 min): W2 with its peer, W1,
 # W3 (W3_N requests), W4 (32 groups), both grammar benches, W5.
@@ -526,14 +526,6 @@ if [ "$part" = ab ]; then
   (cd .base && PYTHONPATH=/tmp/site:$PWD python3 -m streamer bench offline $m --json "$OUT/ab_base.json" 2>&1 \
       | grep -v "\] [0-9]*/[0-9]* " | tail -1)
 fi
-if [ "$part" = route ]; then
-  # the LoRA + ngram speculation GPU test (its fix's first GPU run), then moeb1's .route comparison alone (~5 min)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_speculation.py -k lora 2>&1 | tail -4
-  for r in 1 2; do
-    w2moe . tree_$r
-    w2moe .route route_$r
-  done
-fi
 if [ "$part" = b1tune ]; then
   # batch-1 launch configs (forty-fifth session): the qkv GEMV's whole K in one step, decode attention's 32-key
   # blocks for a lone sequence, splits past the keys skipped. The compiled attention and GEMV tests, attn-b1 at
@@ -555,21 +547,13 @@ if [ "$part" = b1tune ]; then
   W2_MODEL=llama-3.1-8b w2moe .base base_8b
 fi
 if [ "$part" = moeb1 ]; then
-  # issue 30's next questions at batch 1 (~4 min; ~6 with .route): the attention GEMVs' configs (bench gemv sweep,
+  # issue 30's next questions at batch 1 (~4 min): the attention GEMVs' configs (bench gemv sweep,
   # M = 1), decode attention with Qwen3-30B-A3B's 4 KV heads by split count (W2's 2,048-token graphs, then a server's
   # 40,960), and the MoE GEMV tiles (moe_layer.py, one token)
   python3 -m streamer bench gemv --only gemv --shapes moe.qkv,moe.o --rows 1 --full --budget 90 2>&1 | tail -8
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 2>&1 | grep "^ctx"
   python3 benchmarks/profile_gpu.py attn-b1 --kv-heads 4 --max-seq-len 40960 2>&1 | grep "^ctx"
   python3 benchmarks/moe_layer.py --tokens 1 2>&1 | tee "$OUT/moe_layer.txt" | tail -30
-  # with .route (git archive 7b8ce14 streamer kernels benchmarks pyproject.toml, carried): W2 for the
-  # tree, then for that commit (routing in the MoE GEMV's first kernel, the router without a last program), twice
-  if [ -d .route ]; then
-    for r in 1 2; do
-      w2moe . tree_$r
-      w2moe .route route_$r
-    done
-  fi
 fi
 if [ "$part" = lora ]; then
   # LoRA decode steps in CUDA graphs of their own (model/graphs.py DecodeGraphs loras, ModelRunner.lora_graphs):

@@ -55,10 +55,10 @@ class GrammarCompiler:
         of one compilation; workers: compilations on trial at once (the others queue)."""
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        # xgrammar's side is built on first use: TokenizerInfo over a 49k vocabulary takes ~0.3 s,
-        # which an engine that never sees a grammar should not pay at start
-        self._make = lambda: _Backend.build(hf_tokenizer, vocab_size, stop_token_ids, max_threads, timeout_s,
-                                            memory_bytes, workers, self.any_whitespace)
+        # xgrammar's side is built on first use (_backend): TokenizerInfo over a 49k vocabulary
+        # takes ~0.3 s, which an engine that never sees a grammar should not pay at start
+        self._stop_token_ids = stop_token_ids or None
+        self._max_threads, self._memory_bytes, self._workers = max_threads, memory_bytes, workers
         self._backend_lock = threading.Lock()
         self._built: _Backend | None = None
         self._hf = hf_tokenizer
@@ -71,7 +71,13 @@ class GrammarCompiler:
         with self._backend_lock:
             if self._built is None:
                 try:
-                    self._built = self._make()
+                    info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self._stop_token_ids)
+                    # (no cache of xgrammar's own: this class keeps the compiled grammars, within CACHE_BYTES)
+                    compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
+                    trials = TrialCompiler(info, any_whitespace=self.any_whitespace, timeout_s=self.timeout_s,
+                                           memory_bytes=self._memory_bytes, workers=self._workers)
+                    self._built = _Backend(info, compiler, trials)
                 except Exception as e:  # noqa: BLE001 - xgrammar could not read this tokenizer
                     raise RequestError(f"structured output is not available for this model: {clean_error(e)}") from None
             return self._built
@@ -179,14 +185,3 @@ class _Backend(NamedTuple):
     info: xgr.TokenizerInfo
     compiler: xgr.GrammarCompiler
     trials: TrialCompiler
-
-    @staticmethod
-    def build(hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None, max_threads: int,
-              timeout_s: float, memory_bytes: int, workers: int, any_whitespace: bool) -> _Backend:
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=stop_token_ids or None)
-        # (no cache of xgrammar's own: GrammarCompiler keeps the compiled grammars, within CACHE_BYTES)
-        compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-        trials = TrialCompiler(info, any_whitespace=any_whitespace, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                               workers=workers)
-        return _Backend(info, compiler, trials)
