@@ -146,24 +146,27 @@ class Formatter:
         if not lps:
             return None
         tokens = [self.token(t.token_id) for t in lps]
-        tops = [{self.token(i): lp for i, lp in t.top_logprobs} if t.top_logprobs is not None else None
-                for t in lps]
+        tops = [_with_chosen(token, t.logprob, {self.token(i): lp for i, lp in t.top_logprobs or []})
+                for token, t in zip(tokens, lps)]
         offsets = self.offsets(tokens, [t.token_id for t in lps], c)
         return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, offsets)
 
     def prompt_logprobs(self, c: Choice, top_k: int) -> r.CompletionLogprobs | None:
         """The echoed prompt's tokens: the first without a logprob or top logprobs (nothing
-        predicts it), the others with the engine's (top logprobs: the first top_k, if > 0)."""
+        predicts it), the others with the engine's (top logprobs: the first top_k, and the
+        prompt token's own)."""
         ids = c.prompt_token_ids
         if ids is None:
             return None
         values: list[float | None] = [None, *(c.prompt_logprobs or [])][: len(ids)]
         values += [None] * (len(ids) - len(values))
-        tops: list[dict[str, float] | None] = [None] * len(ids)
-        if top_k:
-            for k, top in enumerate((c.prompt_top_logprobs or [])[: len(ids) - 1]):
-                tops[k + 1] = {self.token(i): lp for i, lp in top[:top_k]}
         tokens = [self.token(t) for t in ids]
+        scored = c.prompt_top_logprobs or []
+        tops: list[dict[str, float] | None] = [None] * len(ids)
+        for k in range(1, len(ids)):
+            top = scored[k - 1][:top_k] if k - 1 < len(scored) else []
+            if values[k] is not None or top:
+                tops[k] = _with_chosen(tokens[k], values[k], {self.token(i): lp for i, lp in top})
         return r.CompletionLogprobs(tokens, values, tops, self.offsets(tokens, ids, c))
 
     def vllm_prompt_logprobs(self, c: Choice, top_k: int) -> r.PromptLogprobs:
@@ -192,6 +195,14 @@ class Formatter:
             content.append(r.TokenLogprob(self.token(t.token_id), t.logprob if t.logprob is not None else 0.0,
                                           self.token_bytes(t.token_id), tops))
         return r.ChoiceLogprobs(content)
+
+
+def _with_chosen(token: str, logprob: float | None, top: dict[str, float]) -> dict[str, float]:
+    """A completion's top logprobs at one position: the top k, and the chosen (sampled or
+    prompt) token's own, as the legacy API promises ("up to logprobs + 1 elements")."""
+    if logprob is not None:
+        top.setdefault(token, logprob)
+    return top
 
 
 async def collect(gen: Merged, buffered: list[tuple[int, RequestOutput]], count: int) -> dict[int, Choice]:

@@ -61,13 +61,27 @@ def test_echo_with_top_logprobs_scores_a_continuation_as_evaluation_harnesses_do
     greedy = first.choices[0].text
     r = client.completions.create(model="smol", prompt=PROMPT + greedy, max_tokens=0, echo=True, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) <= 3 for t in lp.top_logprobs[1:])
     for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert max(top.values()) >= logprob - 1e-4
         if token in top:
             assert top[token] == pytest.approx(logprob, abs=1e-4)
     tail = list(zip(lp.tokens, lp.top_logprobs))[-2:]  # the greedy continuation's two tokens
     assert all(max(top, key=top.get) == token for token, top in tail)
+
+
+def test_a_completion_s_top_logprobs_hold_the_chosen_token_too(client):
+    """The legacy API returns "up to logprobs + 1 elements": the top k and the sampled token's
+    own, whether or not it is among them (as for an echoed prompt's tokens)."""
+    hot = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, temperature=2.0, seed=3,
+                                    logprobs=1).choices[0].logprobs
+    for token, lp, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(lp)
+    assert any(len(top) == 2 for top in hot.top_logprobs)  # sampled tokens outside the top 1 (seeded)
+    echo = client.completions.create(model="smol", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1).choices[0]
+    for token, lp, top in zip(echo.logprobs.tokens[1:], echo.logprobs.token_logprobs[1:],
+                              echo.logprobs.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(lp, abs=1e-6)
 
 
 def test_echo_with_max_tokens_0_is_the_prompt_alone(client):
@@ -155,8 +169,11 @@ def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_the_top_one
         else:
             assert [rank for rank, _ in tops] == [1, 2] and first["rank"] > 2
         assert all(lp >= first["logprob"] - 1e-6 for rank, lp in tops if rank < first["rank"])
-    # echo's own top logprobs stay at what logprobs asked (0: none)
-    assert all(t is None or t == {} for t in c.logprobs.top_logprobs[: u.prompt_tokens])
+    # echo's own top logprobs stay at what logprobs asked (0: the prompt token's own alone)
+    tops = c.logprobs.top_logprobs[: u.prompt_tokens]
+    assert tops[0] is None
+    assert all(t == {token: pytest.approx(lp, abs=1e-6)}
+               for t, token, lp in zip(tops[1:], c.logprobs.tokens[1:], echoed[1:]))
 
 
 def test_prompt_logprobs_0_give_the_prompt_tokens_alone_and_chat_reports_them_for_the_rendered_prompt(client):
