@@ -113,6 +113,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop must not hold an empty string (it would end the request at once)")
         if any(not w.strip() for w in self.bad_words):
             raise RequestError("bad_words must not hold an empty (or blank) word")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
