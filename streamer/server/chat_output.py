@@ -45,7 +45,9 @@ class ChatSetup:
         (None: "auto" with tools, as OpenAI's default). tool_parser: --tool-call-parser (auto:
         from the template); reasoning_parser: --reasoning-parser."""
         setup = cls(grammar=grammar)
-        if tool_choice is not None and not tools:
+        # without tools, "none" and "auto" mean the same plain reply (clients send them by
+        # default, and vLLM takes them); a call they force could not be made
+        if tool_choice not in (None, "none", "auto") and not tools:
             raise ApiError("tool_choice needs tools", param="tool_choice")
         choice = tool_choice if tool_choice is not None else "auto"
         if tools and choice != "none":

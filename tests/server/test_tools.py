@@ -118,11 +118,22 @@ def test_a_bad_tool_choice_is_a_400_naming_it(client, choice, message):
 
 
 def test_tool_choice_without_tools_and_a_double_constraint_are_refused(client):
-    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
-        client.chat.completions.create(model="smol", messages=ASK, tool_choice="required", max_tokens=8)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+            client.chat.completions.create(model="smol", messages=ASK, tool_choice=choice, max_tokens=8)
     with pytest.raises(openai.BadRequestError, match="cannot be combined"):
         client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
                                        response_format={"type": "json_object"}, max_tokens=8)
+
+
+def test_none_or_auto_without_tools_is_a_plain_reply(client):
+    """What clients send by default, and vLLM takes: no tool can be called, so the reply is
+    the one without tool_choice."""
+    plain = client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, temperature=0).choices[0]
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(model="smol", messages=ASK, tool_choice=choice, max_tokens=8,
+                                           temperature=0).choices[0]
+        assert r.message.content == plain.message.content and not r.message.tool_calls
 
 
 def test_reserved_chat_template_kwargs_are_refused(client):
