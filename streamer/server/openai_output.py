@@ -146,8 +146,9 @@ class Formatter:
         if not lps:
             return None
         tokens = [self.token(t.token_id) for t in lps]
-        tops = [_with_chosen(token, t.logprob, {self.token(i): lp for i, lp in t.top_logprobs or []})
-                for token, t in zip(tokens, lps)]
+        tops: list[dict[str, float] | None] = [
+            _with_chosen(token, t.logprob, {self.token(i): lp for i, lp in t.top_logprobs or []})
+            for token, t in zip(tokens, lps)]
         offsets = self.offsets(tokens, [t.token_id for t in lps], c)
         return r.CompletionLogprobs(tokens, [t.logprob for t in lps], tops, offsets)
 
