@@ -151,9 +151,10 @@ def paged_attention(
     softcap: float = 0.0,
     split_batch: int | None = None,
     sinks: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """max_q_len is known on the host; 1 selects the split-KV decode kernel (split_batch: see
-    `kernels.attention.paged_decode`). tiles and
+    """max_q_len is known on the host; 1 selects the split-KV decode kernel (split_batch and
+    max_seq_len: see `kernels.attention.paged_decode`). tiles and
     block_m (a CUDA-graph step's tile list) only shape the Triton extend kernel's grid.
     num_decodes: the first sequences have one query each and go through the decode kernel,
     the rest through the extend kernel (a mixed step: the extend kernel reads a sequence's
@@ -168,7 +169,7 @@ def paged_attention(
         # each kernel writes its rows of `out` in place (copying them in cost 2 x 17 us per
         # layer of a W3 mixed step)
         paged_attention(q[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd], cu_q_lens[: nd + 1], scale, 1,
-                        out=out[:nd], window=window, softcap=softcap, sinks=sinks)
+                        out=out[:nd], window=window, softcap=softcap, sinks=sinks, max_seq_len=max_seq_len)
         paged_attention(q[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], cu_q_lens[nd:] - nd, scale,
                         max_q_len, out=out[nd:], window=window, softcap=softcap, sinks=sinks)
         return out
@@ -177,7 +178,8 @@ def paged_attention(
 
         if max_q_len == 1:
             return attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, out=out,
-                                          window=window, softcap=softcap, split_batch=split_batch, sinks=sinks)
+                                          window=window, softcap=softcap, split_batch=split_batch, sinks=sinks,
+                                          max_seq_len=max_seq_len)
         return attention.paged_extend(
             q, k_cache, v_cache, page_table, seq_lens, cu_q_lens, scale, max_q_len,
             block_m=block_m or None, tiles=tiles, out=out, window=window, softcap=softcap, sinks=sinks,

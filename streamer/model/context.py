@@ -36,6 +36,10 @@ class ForwardContext:
     num_decodes: int = 0
     """Eager mixed steps: the first num_decodes sequences have one query token each, and
     attention runs them through the decode kernel (kernels.ops.paged_attention)."""
+    max_seq_len: int = 0
+    """The context decode attention chooses its split count for (kernels.attention.paged_decode's
+    max_seq_len); 0: the page table's width. Eager steps give the decode graphs' width, so that
+    a sequence's keys are split as a graph replay splits them: the same bits either way."""
     lora_ids: torch.Tensor | None = None
     """[T] int64: each token's LoRA adapter (1..n, 0: the base model), or None when no token of
     the step has one (model/lora.py)."""
@@ -85,12 +89,13 @@ def get_context() -> ForwardContext:
     return _current
 
 
-def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: torch.Tensor, num_decodes: int = 0
-              ) -> torch.Tensor:
+def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: torch.Tensor, num_decodes: int = 0,
+              max_seq_len: int = 0) -> torch.Tensor:
     """Hidden states of model over a step prepared by packing.prepare, run eagerly into the
     given KV tensors. The index arrays go in as int32, as in the graphs' buffers: the attention
     kernels of eager steps are then the variants built at capture (the decode kernel of a mixed
-    step's split, int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3)."""
+    step's split, int64, was first built mid-run on a fresh machine: a 1.4 s stall in W3).
+    max_seq_len: ForwardContext.max_seq_len."""
     ctx = ForwardContext(
         slot_mapping=x["slot_mapping"],
         page_table=x["page_table"].to(torch.int32),
@@ -100,6 +105,7 @@ def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: tor
         k_cache=k_cache,
         v_cache=v_cache,
         num_decodes=num_decodes,
+        max_seq_len=max_seq_len,
         lora_ids=x.get("lora_ids"),
     )
     set_context(ctx)

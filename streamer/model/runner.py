@@ -200,7 +200,8 @@ class ModelRunner:
             if self.lora_graphs is None:
                 raise
             self.lora_graphs.turn_off(str(e))
-        hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"])
+        hidden = run_eager(self.model, x, self.pool.k, self.pool.v, x["num_decodes"],
+                           self.pool.pages_for(self.max_model_len) * self.pool.page_size)  # (the graphs' width)
         prompt_logprobs: dict[str, list[float]] = {}
         prompt_tops: dict[str, list[list[tuple[int, float]]]] = {}
         prompt_ranks: dict[str, list[int]] = {}

@@ -186,3 +186,25 @@ def test_lora_extend_graphs_capture_each_token_count_when_first_needed(monkeypat
     assert eg.lora_ids[:4].tolist() == [1, 1, 2, 0] and eg.lora_ids[3:16].sum() == 0
     eg.replay(x)
     assert len(model.runs) == 2
+
+
+def test_an_eager_decode_splits_keys_for_the_graphs_width(tiny_models, monkeypatch):
+    """Decode attention's split count comes from the longest context it is chosen for: a graph
+    replay's is its table's width (pages of max_model_len), so an eager step gives the same
+    (ForwardContext.max_seq_len), not its own batch's width: a sequence's keys are then
+    divided alike, and its bits are the graph's (tests/gpu: graphs against eager)."""
+    from kernels import ops
+    from streamer import LLM, SamplingParams
+
+    seen: list[tuple[int, int | None]] = []
+    real = ops.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append((args[7], kwargs.get("max_seq_len")))  # (max_q_len, max_seq_len)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    with LLM(str(tiny_models["llama3"]), max_model_len=200, page_size=16) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    decode = {s for q, s in seen if q == 1}
+    assert decode == {13 * 16}  # 200 tokens in pages of 16, not the 1-page table of a 4-token context
