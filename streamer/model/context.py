@@ -36,9 +36,9 @@ class ForwardContext:
     num_decodes: int = 0
     """Eager mixed steps: the first num_decodes sequences have one query token each, and
     attention runs them through the decode kernel (kernels.ops.paged_attention)."""
-    max_seq_len: int = 0
+    max_seq_len: int | None = None
     """The context decode attention chooses its split count for (kernels.attention.paged_decode's
-    max_seq_len); 0: the page table's width. Eager steps give the decode graphs' width, so that
+    max_seq_len); None: the page table's width. Eager steps give the decode graphs' width, so that
     a sequence's keys are split as a graph replay splits them: the same bits either way."""
     lora_ids: torch.Tensor | None = None
     """[T] int64: each token's LoRA adapter (1..n, 0: the base model), or None when no token of
@@ -90,7 +90,7 @@ def get_context() -> ForwardContext:
 
 
 def run_eager(model: Any, x: dict[str, Any], k_cache: torch.Tensor, v_cache: torch.Tensor, num_decodes: int = 0,
-              max_seq_len: int = 0) -> torch.Tensor:
+              max_seq_len: int | None = None) -> torch.Tensor:
     """Hidden states of model over a step prepared by packing.prepare, run eagerly into the
     given KV tensors. The index arrays go in as int32, as in the graphs' buffers: the attention
     kernels of eager steps are then the variants built at capture (the decode kernel of a mixed

@@ -228,7 +228,7 @@ class Attention(nn.Module):
         o = ops.paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.seq_lens, ctx.cu_q_lens, self.scale, ctx.max_q_len,
             ctx.tiles, ctx.block_m, ctx.num_decodes, window=self.window, softcap=self.softcap,
-            split_batch=1 if rows_as_decode() else None, sinks=self.sinks, max_seq_len=ctx.max_seq_len or None,
+            split_batch=1 if rows_as_decode() else None, sinks=self.sinks, max_seq_len=ctx.max_seq_len,
         )
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
